@@ -1,0 +1,1 @@
+"""Async client for skyrl-lora servers (aiohttp; no vLLM, torch or Ray)."""

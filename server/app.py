@@ -1,0 +1,161 @@
+"""vLLM's OpenAI server, in-process, with the skyrl routes and the gate added.
+
+This mirrors what ``vllm serve`` does (engine client, app, app state, uvicorn)
+with two insertions: the engine client's ``generate`` is wrapped by the gate
+before anything can call it, and our router and error handler are added to
+vLLM's app. Running uvicorn ourselves gives the Ray actor a clean handle to
+stop the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from skyrl_lora.errors import ServerError
+from skyrl_lora.server import compat
+from skyrl_lora.server.adapters import AdapterRegistry
+from skyrl_lora.server.engine import GatedEngine, admitted_versions
+from skyrl_lora.server.gate import AdapterGate
+from skyrl_lora.server.routes import build_router, error_response
+from skyrl_lora.server.sample import Sampler
+from skyrl_lora.types import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+VERSION_HEADER = "x-skyrl-adapter-version"
+
+
+def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``vllm serve`` flags plus ours; every vLLM flag passes through."""
+    parser = compat.make_arg_parser()
+    group = parser.add_argument_group("skyrl-lora")
+    group.add_argument(
+        "--adapter-snapshot-dir",
+        type=Path,
+        default=None,
+        help="where each loaded adapter version is copied (default: a temporary folder)",
+    )
+    args = parser.parse_args(list(argv))
+    compat.validate_serve_args(args)
+    return args
+
+
+class AdapterVersionHeader:
+    """Tags vLLM's own (non-streaming) responses with the adapter version used.
+
+    Pure ASGI, so the route handler runs in this task's context and the gate's
+    admission can report its version through a context variable. Streaming
+    responses send their headers before any request is admitted and are left
+    untagged; ``/skyrl/v1/sample`` carries the version in its body.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        versions: list[int] = []
+        token = admitted_versions.set(versions)
+
+        async def tagged_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and versions:
+                headers = list(message.get("headers", []))
+                headers.append((VERSION_HEADER.encode(), str(versions[-1]).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tagged_send)
+        finally:
+            admitted_versions.reset(token)
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: GatedEngine
+    uvicorn_server: uvicorn.Server
+
+
+async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple[Any, GatedEngine]:
+    app = await compat.build_app(engine_client, args)
+    registry = AdapterRegistry(
+        engine=engine_client,
+        published=app.state.openai_serving_models.lora_requests,
+        lora_request_factory=compat.lora_request_class(),
+        snapshot_root=args.adapter_snapshot_dir,
+    )
+    registry.adopt_static()
+    gated = GatedEngine(engine_client, AdapterGate(version_of=registry.version), registry)
+    gated.install()
+    max_model_len = int(engine_client.model_config.max_model_len)
+    tokenizer = await compat.get_tokenizer(engine_client)
+    info = ServerInfo(
+        model=app.state.openai_serving_models.model_name(),
+        max_model_len=max_model_len,
+        vllm_version=compat.vllm_version(),
+        eos_token_id=getattr(tokenizer, "eos_token_id", None),
+    )
+    app.include_router(build_router(gated, Sampler(gated, max_model_len), info))
+
+    async def skyrl_error(_: Any, exc: Exception) -> Any:
+        assert isinstance(exc, ServerError)
+        return error_response(exc)
+
+    app.add_exception_handler(ServerError, skyrl_error)
+    app.add_middleware(AdapterVersionHeader)
+    return app, gated
+
+
+async def serve(
+    args: argparse.Namespace,
+    *,
+    on_ready: Callable[[RunningServer], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the server until ``stop`` is set (or uvicorn exits on a signal)."""
+    listen_address, sock = compat.setup_server(args)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{_client_host(args.host)}:{port}"
+    async with compat.build_async_engine_client(args) as engine_client:
+        app, gated = await build_skyrl_app(engine_client, args)
+        config = uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=30,
+        )
+        server = uvicorn.Server(config)
+        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.05)
+        if serve_task.done():
+            await serve_task
+            return
+        logger.info("skyrl-lora server ready at %s (listening on %s)", url, listen_address)
+        if on_ready is not None:
+            maybe = on_ready(RunningServer(url, gated, server))
+            if maybe is not None:
+                await maybe
+        waiters = [serve_task] + ([asyncio.create_task(stop.wait())] if stop else [])
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serve_task
+    sock.close()
+
+
+def _client_host(host: str | None) -> str:
+    if not host or host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return host

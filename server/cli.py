@@ -1,0 +1,77 @@
+"""``skyrl-lora``: serve, build the embedded model, run the demo.
+
+``skyrl-lora serve [vllm serve flags]`` starts one server in a local Ray
+actor and keeps it up until interrupted; ``--embedded`` fills in the flags
+for the embedded tiny model and its adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+
+def _serve(argv: Sequence[str]) -> int:
+    import ray
+
+    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+
+    argv = list(argv)
+    env: dict[str, str] = {}
+    if "--embedded" in argv:
+        from skyrl_lora.server.embedded import ensure_embedded_model
+        from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+
+        argv.remove("--embedded")
+        port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
+        argv = [a for i, a in enumerate(argv) if a != "--port" and (i == 0 or argv[i - 1] != "--port")]
+        argv = embedded_server_argv(ensure_embedded_model(), port=int(port), extra=argv)
+        env.update(CPU_ENV)
+    ray.init(ignore_reinit_error=True)
+    handle, url = start_server_actor(argv, ActorOptions(env=env))
+    print(f"skyrl-lora server ready at {url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    ray.get(handle.shutdown.remote())
+    ray.shutdown()
+    return 0
+
+
+def _build_model(argv: Sequence[str]) -> int:
+    from skyrl_lora.server.embedded import ensure_embedded_model
+
+    model = ensure_embedded_model()
+    print(f"model: {model.model_dir}")
+    for name, path in sorted(model.adapters.items()):
+        print(f"adapter {name}: {path}")
+    return 0
+
+
+def _demo(argv: Sequence[str]) -> int:
+    from skyrl_lora.server.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+COMMANDS = {"serve": _serve, "build-model": _build_model, "demo": _demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="skyrl-lora", description=__doc__)
+        parser.add_argument("command", choices=sorted(COMMANDS))
+        parser.parse_args(argv[:1])
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

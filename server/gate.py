@@ -1,0 +1,183 @@
+"""Per-adapter admission gate: the heart of the per-adapter pause.
+
+Every generate call for an adapter passes :meth:`AdapterGate.admit` before it
+reaches the engine and holds an :class:`Admission` until its output stream
+ends. That gives two guarantees without any grace sleep:
+
+* While an adapter is paused, new requests wait inside ``admit`` (held, not
+  rejected, not run) until :meth:`AdapterGate.resume`.
+* :meth:`AdapterGate.pause` closes the gate first and then aborts and waits
+  for every admission of that adapter to end. ``admit`` registers the
+  admission with no ``await`` between the paused check and the registration,
+  so a request is either held or visible to the abort: none can slip through
+  and run on half-swapped weights.
+
+The gate knows nothing about vLLM: aborting is a callback, so it is tested
+on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+AbortFn = Callable[[Sequence[str]], Awaitable[None]]
+
+#: How often pause re-sends the abort while requests are still draining. A
+#: request admitted a moment before the pause may not have reached the engine
+#: when the first abort goes out (the abort is then a no-op there); re-sending
+#: catches it as soon as it is registered.
+ABORT_RETRY_INTERVAL_S = 0.005
+
+
+@dataclass
+class Admission:
+    """One request's pass through the gate, held until its stream ends."""
+
+    lora_name: str
+    request_id: str
+    version: int
+    admitted_at: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+
+@dataclass
+class _AdapterState:
+    paused: bool = False
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Pulsed on every release, so a drain wakes up as requests end.
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    in_flight: dict[str, Admission] = field(default_factory=dict)
+    held: int = 0
+
+    def __post_init__(self) -> None:
+        self.resumed.set()
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    aborted: int
+    seconds: float
+
+
+@dataclass
+class GateCounters:
+    """Monotonic counters, exported as metrics."""
+
+    pauses: int = 0
+    aborted_requests: int = 0
+    held_requests: int = 0
+
+
+class AdapterGate:
+    """Pause state and in-flight requests of every adapter on one server.
+
+    All methods must run on the server's event loop (they are not
+    thread-safe, and do not need to be: the HTTP routes and the engine
+    client share that loop).
+    """
+
+    def __init__(self, version_of: Callable[[str], int]) -> None:
+        self._version_of = version_of
+        self._states: dict[str, _AdapterState] = {}
+        self.counters = GateCounters()
+
+    def _state(self, lora_name: str) -> _AdapterState:
+        state = self._states.get(lora_name)
+        if state is None:
+            state = self._states[lora_name] = _AdapterState()
+        return state
+
+    def is_paused(self, lora_name: str) -> bool:
+        return self._state(lora_name).paused
+
+    def in_flight(self, lora_name: str) -> int:
+        return len(self._state(lora_name).in_flight)
+
+    def held(self, lora_name: str) -> int:
+        return self._state(lora_name).held
+
+    async def admit(self, lora_name: str, request_id: str) -> Admission:
+        """Wait while the adapter is paused, then register the request.
+
+        The version is read at admission: the pause guarantees it cannot
+        change until this admission is released.
+        """
+        state = self._state(lora_name)
+        if state.paused:
+            state.held += 1
+            self.counters.held_requests += 1
+            try:
+                while state.paused:
+                    await state.resumed.wait()
+            finally:
+                state.held -= 1
+        # No await between the check above and the registration below.
+        admission = Admission(lora_name, request_id, self._version_of(lora_name))
+        state.in_flight[request_id] = admission
+        return admission
+
+    def release(self, admission: Admission) -> None:
+        state = self._state(admission.lora_name)
+        admission.ended = True
+        if state.in_flight.get(admission.request_id) is admission:
+            del state.in_flight[admission.request_id]
+        state.released.set()
+
+    async def pause(self, lora_name: str, abort: AbortFn) -> tuple[bool, DrainResult]:
+        """Close the gate, abort the adapter's requests, wait until none is left.
+
+        Returns whether the adapter was already paused (pausing twice is
+        harmless) and what the drain took.
+        """
+        state = self._state(lora_name)
+        was_paused = state.paused
+        state.paused = True
+        state.resumed.clear()
+        if not was_paused:
+            self.counters.pauses += 1
+        return was_paused, await self._abort_and_drain(state, abort)
+
+    async def abort(self, lora_name: str, abort: AbortFn) -> DrainResult:
+        """Abort the adapter's in-flight requests without closing the gate."""
+        return await self._abort_and_drain(self._state(lora_name), abort)
+
+    def resume(self, lora_name: str) -> bool:
+        """Open the gate; returns whether it was closed."""
+        state = self._state(lora_name)
+        was_paused = state.paused
+        state.paused = False
+        state.resumed.set()
+        return was_paused
+
+    def forget(self, lora_name: str) -> None:
+        """Drop the state of an unloaded adapter that nobody waits on."""
+        state = self._states.get(lora_name)
+        if state is not None and not state.paused and not state.in_flight and not state.held:
+            del self._states[lora_name]
+
+    async def _abort_and_drain(self, state: _AdapterState, abort: AbortFn) -> DrainResult:
+        """Abort what is in flight now and wait until all of it has ended.
+
+        Only the requests in flight at the call are waited for: a plain abort
+        leaves the gate open, and requests admitted after it are not its
+        business (under a pause nothing new is admitted anyway).
+        """
+        started = time.monotonic()
+        targets = list(state.in_flight.values())
+        remaining = targets
+        while remaining:
+            state.released.clear()
+            await abort([a.request_id for a in remaining])
+            try:
+                await asyncio.wait_for(state.released.wait(), ABORT_RETRY_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+            remaining = [a for a in remaining if not a.ended]
+        self.counters.aborted_requests += len(targets)
+        return DrainResult(aborted=len(targets), seconds=time.monotonic() - started)

@@ -1,0 +1,142 @@
+"""The token-in/token-out ``sample`` route, shaped like Tinker's ``sample``.
+
+It drives the engine directly with token ids (no chat template, no text in
+the request path) and returns per-token logprobs, so an RL trainer gets
+exactly the tokens it will train on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from skyrl_lora.errors import BadRequestError, InternalServerError
+from skyrl_lora.server import compat
+from skyrl_lora.server.engine import GatedEngine
+from skyrl_lora.types import (
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    StopReason,
+    VersionRange,
+)
+
+_STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class Sampler:
+    """Runs :class:`SampleRequest` s against a gated engine."""
+
+    def __init__(self, engine: GatedEngine, max_model_len: int) -> None:
+        self._engine = engine
+        self._max_model_len = max_model_len
+
+    async def sample(self, request: SampleRequest) -> SampleResponse:
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len >= self._max_model_len:
+            raise BadRequestError(
+                f"prompt has {prompt_len} tokens; the model allows fewer than {self._max_model_len}"
+            )
+        params = self._sampling_params(request, room=self._max_model_len - prompt_len)
+        prompt = compat.tokens_prompt(list(request.prompt_token_ids))
+        request_id = f"skyrl-sample-{uuid.uuid4().hex}"
+        version: int | None = None
+        if request.lora_name is None:
+            final = await self._run(prompt, params, request_id, None)
+        else:
+            async with self._engine.admitted(request.lora_name, request_id) as admission:
+                version = admission.version
+                lora = self._engine.registry.get(request.lora_name).lora_request
+                final = await self._run(prompt, params, request_id, lora)
+        sequences = [self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)]
+        if request.generated_prefix_len and params.stop:
+            tokenizer = await compat.get_tokenizer(self._engine.engine_client)
+            prefix = request.prompt_token_ids[-request.generated_prefix_len :]
+            sequences = [_cut_at_boundary_stop(s, prefix, params.stop, tokenizer) for s in sequences]
+        return SampleResponse(
+            sequences=sequences,
+            prompt_logprobs=_prompt_logprobs(final, request) if request.prompt_logprobs else None,
+            lora_name=request.lora_name,
+            adapter_version=version,
+        )
+
+    async def _run(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:
+        final = None
+        async for output in self._engine.raw_generate(prompt, params, request_id, lora_request=lora):
+            final = output
+        if final is None:
+            raise InternalServerError("the engine returned no output")
+        return final
+
+    @staticmethod
+    def _sampling_params(request: SampleRequest, room: int) -> Any:
+        sp = request.sampling_params
+        try:
+            return compat.sampling_params(
+                n=request.num_samples,
+                max_tokens=min(sp.max_tokens, room),
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                seed=sp.seed,
+                stop=sp.stop_strings or None,
+                stop_token_ids=sp.stop_token_ids or None,
+                ignore_eos=sp.ignore_eos,
+                logprobs=0,
+                prompt_logprobs=0 if request.prompt_logprobs else None,
+                detokenize=bool(sp.stop_strings),
+            )
+        except ValueError as exc:
+            raise BadRequestError(f"invalid sampling params: {exc}") from exc
+
+    @staticmethod
+    def _sequence(output: Any, version: int | None) -> SampledSequence:
+        tokens = list(output.token_ids)
+        logprobs = [float(step[token].logprob) for token, step in zip(tokens, output.logprobs or [])]
+        if len(logprobs) != len(tokens):
+            raise InternalServerError(
+                f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens"
+            )
+        reason = _STOP_REASONS.get(output.finish_reason)
+        if reason is None:
+            raise InternalServerError(f"unexpected finish reason {output.finish_reason!r}")
+        return SampledSequence(
+            tokens=tokens,
+            logprobs=logprobs,
+            stop_reason=reason,
+            versions=[VersionRange(start=0, end=len(tokens), version=version)],
+        )
+
+
+def _prompt_logprobs(final: Any, request: SampleRequest) -> list[float | None]:
+    steps = final.prompt_logprobs or []
+    return [
+        None if step is None else float(step[token].logprob)
+        for token, step in zip(request.prompt_token_ids, steps)
+    ]
+
+
+def _cut_at_boundary_stop(
+    seq: SampledSequence, prefix: list[int], stops: list[str], tokenizer: Any
+) -> SampledSequence:
+    """Honour a stop string that starts in an earlier segment and ends in this one.
+
+    The engine only matches stop strings inside this segment's text. A match
+    that straddles the boundary ends at the first new token whose text
+    completes it; tokens after that are dropped, as the engine would have.
+    """
+    longest = max(len(stop) for stop in stops)
+    prefix = prefix[-longest:]  # every token decodes to at least one character
+    prefix_text = tokenizer.decode(prefix)
+    for end in range(1, min(len(seq.tokens), longest) + 1):
+        text = tokenizer.decode(prefix + seq.tokens[:end])
+        for stop in stops:
+            start = text.find(stop, max(0, len(prefix_text) - len(stop) + 1))
+            if 0 <= start < len(prefix_text):
+                return SampledSequence(
+                    tokens=seq.tokens[:end],
+                    logprobs=seq.logprobs[:end],
+                    stop_reason="stop",
+                    versions=[r.model_copy(update={"end": min(r.end, end)}) for r in seq.versions],
+                )
+    return seq

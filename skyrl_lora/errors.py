@@ -1,0 +1,96 @@
+"""One exception hierarchy for client and server.
+
+The server turns these into HTTP errors with a machine-readable ``type``; the
+client turns such an error body back into the same class. Both directions go
+through :func:`error_class_for`, so a new error needs one entry here and
+nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class SkyRLLoraError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ServerUnavailableError(SkyRLLoraError):
+    """The server could not be reached or dropped the connection."""
+
+
+class RequestTimeoutError(SkyRLLoraError):
+    """The server did not answer within the configured timeout."""
+
+
+class ServerError(SkyRLLoraError):
+    """The server answered with an error status.
+
+    ``status`` is the HTTP status, ``message`` the server's own explanation,
+    ``url`` the server that said it (useful when a call fans out to many).
+    """
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, status: int | None = None, url: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.url = url
+        if status is not None:
+            self.status = status  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        where = f" from {self.url}" if self.url else ""
+        return f"HTTP {self.status}{where}: {self.message}"
+
+
+class BadRequestError(ServerError):
+    """The request was malformed or its parameters were invalid."""
+
+    status = 400
+    error_type = "bad_request"
+
+
+class AdapterNotFoundError(ServerError):
+    """The named LoRA adapter is not loaded on the server."""
+
+    status = 404
+    error_type = "adapter_not_found"
+
+
+class ConflictError(ServerError):
+    """The request conflicts with the adapter's current state."""
+
+    status = 409
+    error_type = "conflict"
+
+
+class InternalServerError(ServerError):
+    """The server failed while handling a valid request."""
+
+    status = 500
+    error_type = "internal_error"
+
+
+_BY_TYPE: dict[str, type[ServerError]] = {
+    cls.error_type: cls
+    for cls in (BadRequestError, AdapterNotFoundError, ConflictError, InternalServerError)
+}
+
+
+def error_class_for(status: int, error_type: str | None) -> type[ServerError]:
+    """Pick the exception class for an error answer.
+
+    The ``type`` field wins when it is one of ours; otherwise (for example an
+    error from one of vLLM's own routes) the status code decides.
+    """
+    if error_type in _BY_TYPE:
+        return _BY_TYPE[error_type]
+    if status == 404:
+        return AdapterNotFoundError
+    if status == 409:
+        return ConflictError
+    if 400 <= status < 500:
+        return BadRequestError
+    return InternalServerError
