@@ -132,3 +132,29 @@ async def pause_engine_keep(engine_client: Any) -> None:
 
 async def engine_is_paused(engine_client: Any) -> bool:
     return bool(await engine_client.is_paused())
+
+
+def engine_requests_by_lora(engine_client: Any) -> dict[str, int]:
+    """How many requests vLLM's own output processor tracks per adapter.
+
+    This is the engine's view, independent of our gate's bookkeeping; tests
+    and operators use it to confirm that a paused adapter really has nothing
+    running.
+    """
+    processor = getattr(engine_client, "output_processor", None)
+    counts: dict[str, int] = {}
+    for state in getattr(processor, "request_states", {}).values():
+        name = getattr(state, "lora_name", None)
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def client_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions vLLM raises for a request that is the caller's fault."""
+    types: list[type[BaseException]] = [ValueError, TypeError, OverflowError]
+    try:
+        types.append(_first_attr("VLLMClientError", "vllm.exceptions"))
+    except ImportError:
+        pass
+    return tuple(types)

@@ -40,8 +40,10 @@ def error_response(exc: ServerError) -> JSONResponse:
 def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
-    def adapter_info(name: str) -> AdapterInfo:
+    def adapter_info(name: str, engine_counts: dict[str, int] | None = None) -> AdapterInfo:
         record = engine.registry.get(name)
+        if engine_counts is None:
+            engine_counts = compat.engine_requests_by_lora(engine.engine_client)
         return AdapterInfo(
             lora_name=name,
             version=record.version,
@@ -49,6 +51,7 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
             paused=engine.gate.is_paused(name),
             in_flight=engine.gate.in_flight(name),
             held=engine.gate.held(name),
+            engine_requests=engine_counts.get(name, 0),
         )
 
     @router.post("/sample")
@@ -86,8 +89,9 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
 
     @router.get("/adapters")
     async def list_adapters() -> AdapterList:
+        counts = compat.engine_requests_by_lora(engine.engine_client)
         return AdapterList(
-            adapters=[adapter_info(n) for n in engine.registry.names()],
+            adapters=[adapter_info(n, counts) for n in engine.registry.names()],
             engine_paused=await compat.engine_is_paused(engine.engine_client),
         )
 

@@ -62,8 +62,13 @@ class Sampler:
 
     async def _run(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:
         final = None
-        async for output in self._engine.raw_generate(prompt, params, request_id, lora_request=lora):
-            final = output
+        try:
+            async for output in self._engine.raw_generate(
+                prompt, params, request_id, lora_request=lora
+            ):
+                final = output
+        except compat.client_error_types() as exc:
+            raise BadRequestError(str(exc)) from exc
         if final is None:
             raise InternalServerError("the engine returned no output")
         return final

@@ -23,6 +23,10 @@ class RequestTimeoutError(SkyRLLoraError):
     """The server did not answer within the configured timeout."""
 
 
+class RetryLimitError(SkyRLLoraError):
+    """A sequence was aborted more often than the client's ``max_resubmits`` allows."""
+
+
 class ServerError(SkyRLLoraError):
     """The server answered with an error status.
 

@@ -150,12 +150,20 @@ class LoadAdapterRequest(_Wire):
 
 
 class AdapterInfo(_Wire):
+    """State of one adapter on one server.
+
+    ``in_flight`` counts requests past the gate, ``held`` those waiting at a
+    closed gate, and ``engine_requests`` what vLLM itself is tracking for the
+    adapter (it must be 0 while the adapter is paused).
+    """
+
     lora_name: str
     version: int
     lora_path: str
     paused: bool
     in_flight: int
     held: int
+    engine_requests: int
 
 
 class AdapterList(_Wire):

@@ -1,0 +1,281 @@
+"""``RemoteInferenceClient``: async client for one or more skyrl-lora servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from skyrl_lora.client.config import ClientConfig
+from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.transport import Transport
+from skyrl_lora.errors import RetryLimitError
+from skyrl_lora.stitching import SequenceStitcher
+from skyrl_lora.types import (
+    AbortResponse,
+    AdapterInfo,
+    AdapterList,
+    PauseResponse,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    SamplingParams,
+    ServerInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+API = "/skyrl/v1"
+
+
+class RemoteInferenceClient:
+    """Samples from, and controls, skyrl-lora servers.
+
+    Sampling spreads over the servers (fewest outstanding requests first);
+    control calls (pause, resume, abort, adapter loads) go to every server at
+    once. Use it as an async context manager, or call :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        config: ClientConfig | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("RemoteInferenceClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.config = config or ClientConfig()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._transport = Transport(self.config, headers)
+        self.gates = AdapterGates()
+        self._outstanding = dict.fromkeys(self.urls, 0)
+        self._info: dict[str, ServerInfo] = {}
+
+    async def __aenter__(self) -> RemoteInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    # -- low level ---------------------------------------------------------
+    async def _call(
+        self, url: str, method: str, path: str, body: Any = None, *, timeout: float | None
+    ) -> Any:
+        return await self._transport.call(method, url + path, body, timeout=timeout)
+
+    async def _control(self, path: str, body: Any, model: type[ModelT]) -> list[ModelT]:
+        """POST to every server concurrently; raise the first failure after all answered."""
+        results = await asyncio.gather(
+            *(self._call(u, "POST", path, body, timeout=self.config.control_timeout) for u in self.urls),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [model.model_validate(r) for r in results]
+
+    def _pick(self, preferred: str | None = None) -> str:
+        if preferred is not None:
+            return preferred
+        return min(self.urls, key=lambda u: self._outstanding[u])
+
+    async def server_info(self, url: str | None = None) -> ServerInfo:
+        url = url or self.urls[0]
+        if url not in self._info:
+            raw = await self._call(url, "GET", f"{API}/server_info", timeout=self.config.control_timeout)
+            self._info[url] = ServerInfo.model_validate(raw)
+        return self._info[url]
+
+    # -- sampling ----------------------------------------------------------
+    async def _sample_on(self, url: str, request: SampleRequest) -> SampleResponse:
+        self._outstanding[url] += 1
+        try:
+            raw = await self._call(
+                url, "POST", f"{API}/sample", request.model_dump(mode="json"),
+                timeout=self.config.sample_timeout,
+            )
+        finally:
+            self._outstanding[url] -= 1
+        return SampleResponse.model_validate(raw)
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        num_samples: int = 1,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        lora_name: str | None = None,
+        prompt_logprobs: bool = False,
+    ) -> SampleResponse:
+        """One request, no retry: aborted sequences come back with ``stop_reason="abort"``."""
+        request = _sample_request(prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs)
+        return await self._sample_on(self._pick(), request)
+
+    async def sample_with_retry(
+        self,
+        prompt_token_ids: Sequence[int],
+        num_samples: int = 1,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        lora_name: str | None = None,
+        prompt_logprobs: bool = False,
+    ) -> SampleResponse:
+        """Like :meth:`sample`, but aborted sequences are resumed until complete.
+
+        Each aborted sequence waits on its adapter's gate, then is resubmitted
+        as ``prompt + tokens so far`` with the remaining ``max_tokens``; the
+        segments' tokens, logprobs and adapter versions are stitched together.
+        Prompt logprobs are those of the original prompt (first segment).
+        """
+        request = _sample_request(prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs)
+        url = self._pick()
+        info = await self.server_info(url)
+        first = await self._sample_on(url, request)
+        params = request.sampling_params
+        stitchers = [
+            SequenceStitcher(
+                prompt_len=len(request.prompt_token_ids),
+                max_tokens=params.max_tokens,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                max_model_len=info.max_model_len,
+            )
+            for _ in first.sequences
+        ]
+        for stitcher, seq in zip(stitchers, first.sequences):
+            stitcher.add_segment(seq, first.adapter_version)
+        versions = [first.adapter_version]
+        await asyncio.gather(*(self._resume(url, request, s, versions) for s in stitchers))
+        return SampleResponse(
+            sequences=[s.result() for s in stitchers],
+            prompt_logprobs=first.prompt_logprobs,
+            lora_name=request.lora_name,
+            adapter_version=versions[-1],
+        )
+
+    async def _resume(
+        self, url: str, original: SampleRequest, stitcher: SequenceStitcher, versions: list[int | None]
+    ) -> None:
+        """Resubmit one aborted sequence until it is finished."""
+        while not stitcher.done:
+            if stitcher.segments > self.config.max_resubmits:
+                raise RetryLimitError(
+                    f"sequence aborted {stitcher.segments - 1} times; giving up"
+                )
+            if original.lora_name is not None:
+                await self.gates.wait_open(original.lora_name)
+            request = original.model_copy(
+                update={
+                    "prompt_token_ids": [*original.prompt_token_ids, *stitcher.tokens],
+                    "num_samples": 1,
+                    "sampling_params": original.sampling_params.model_copy(
+                        update={"max_tokens": stitcher.remaining}
+                    ),
+                    "prompt_logprobs": False,
+                    "generated_prefix_len": len(stitcher.tokens),
+                }
+            )
+            response = await self._sample_on(self._pick(url), request)
+            versions.append(response.adapter_version)
+            stitcher.add_segment(response.sequences[0], response.adapter_version)
+
+    # -- control -----------------------------------------------------------
+    async def pause_generation(self, lora_name: str | None = None) -> list[PauseResponse]:
+        """Pause one adapter everywhere, or (no name) every server in keep mode.
+
+        With a name, the client's own gate closes first, so retries of that
+        adapter from this client wait here rather than queueing at servers.
+        """
+        if lora_name is not None:
+            self.gates.close(lora_name)
+        try:
+            return await self._control(f"{API}/pause", {"lora_name": lora_name}, PauseResponse)
+        except BaseException:
+            if lora_name is not None:
+                self.gates.open(lora_name)
+            raise
+
+    async def resume_generation(self, lora_name: str | None = None) -> list[PauseResponse]:
+        """Resume on every server, then open the client's gate."""
+        try:
+            return await self._control(f"{API}/resume", {"lora_name": lora_name}, PauseResponse)
+        finally:
+            if lora_name is not None:
+                self.gates.open(lora_name)
+
+    async def abort_lora_requests(self, lora_name: str) -> list[AbortResponse]:
+        return await self._control(f"{API}/abort_lora_requests", {"lora_name": lora_name}, AbortResponse)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[AdapterInfo]:
+        """Load (or reload in place, bumping the version) on every server."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return await self._control(f"{API}/adapters/load", body, AdapterInfo)
+
+    reload_lora_adapter = load_lora_adapter
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._control(f"{API}/adapters/unload", {"lora_name": lora_name}, _Ack)
+
+    async def list_adapters(self, url: str | None = None) -> AdapterList:
+        raw = await self._call(url or self.urls[0], "GET", f"{API}/adapters",
+                               timeout=self.config.control_timeout)
+        return AdapterList.model_validate(raw)
+
+    # -- vLLM passthroughs -------------------------------------------------
+    async def completion(self, body: Mapping[str, Any]) -> Any:
+        """vLLM's ``/v1/completions`` (gated like every adapter request)."""
+        return await self._passthrough("/v1/completions", body)
+
+    async def chat_completion(self, body: Mapping[str, Any]) -> Any:
+        """vLLM's ``/v1/chat/completions``."""
+        return await self._passthrough("/v1/chat/completions", body)
+
+    async def generate(self, body: Mapping[str, Any]) -> Any:
+        """Our token-in ``/skyrl/v1/sample`` with a raw JSON body, no retry."""
+        return await self._passthrough(f"{API}/sample", body)
+
+    async def _passthrough(self, path: str, body: Mapping[str, Any]) -> Any:
+        url = self._pick()
+        self._outstanding[url] += 1
+        try:
+            return await self._call(url, "POST", path, dict(body), timeout=self.config.sample_timeout)
+        finally:
+            self._outstanding[url] -= 1
+
+
+class _Ack(BaseModel):
+    lora_name: str
+
+
+def _sample_request(
+    prompt_token_ids: Sequence[int],
+    num_samples: int,
+    sampling_params: SamplingParams | Mapping[str, Any] | None,
+    lora_name: str | None,
+    prompt_logprobs: bool,
+) -> SampleRequest:
+    if sampling_params is None:
+        params = SamplingParams()
+    elif isinstance(sampling_params, SamplingParams):
+        params = sampling_params
+    else:
+        params = SamplingParams.model_validate(dict(sampling_params))
+    return SampleRequest(
+        prompt_token_ids=list(prompt_token_ids),
+        lora_name=lora_name,
+        num_samples=num_samples,
+        sampling_params=params,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+__all__ = ["RemoteInferenceClient"]

@@ -1,0 +1,99 @@
+"""HTTP plumbing: connection pools, JSON calls, and error mapping.
+
+aiohttp sessions belong to the event loop that created them, so the
+transport keeps one pool per event loop the client is used from (one in the
+common case) instead of one per request. Every failure leaves here as a
+:class:`~skyrl_lora.errors.SkyRLLoraError` subclass carrying the server's own
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from typing import Any
+
+import aiohttp
+
+from skyrl_lora.client.config import ClientConfig
+from skyrl_lora.errors import (
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    error_class_for,
+)
+
+
+def _error_from_body(status: int, text: str, url: str) -> ServerError:
+    """Build the typed error from our, vLLM's or FastAPI's error body."""
+    message, error_type = text.strip() or f"HTTP {status}", None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            message = str(error.get("message", message))
+            error_type = error.get("type")
+        elif isinstance(error, str):
+            message = error
+        elif "detail" in body:
+            message = json.dumps(body["detail"]) if not isinstance(body["detail"], str) else body["detail"]
+    return error_class_for(status, error_type)(message, status=status, url=url)
+
+
+class Transport:
+    def __init__(self, config: ClientConfig, headers: dict[str, str] | None = None) -> None:
+        self._config = config
+        self._headers = headers or {}
+        self._lock = threading.Lock()
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            session = self._sessions.get(loop)
+            if session is None or session.closed:
+                connector = aiohttp.TCPConnector(limit=self._config.max_connections)
+                session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+                self._sessions[loop] = session
+            return session
+
+    async def call(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        *,
+        timeout: float | None,
+    ) -> Any:
+        """One JSON request; returns the decoded body or raises a typed error."""
+        client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=self._config.connect_timeout)
+        try:
+            async with self._session().request(
+                method, url, json=body, timeout=client_timeout
+            ) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise _error_from_body(response.status, text, url)
+                return json.loads(text) if text else None
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeoutError(f"{method} {url} timed out after {timeout} s") from exc
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise ServerUnavailableError(f"{method} {url} failed: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        """Close the pool of the current loop (and forget pools of closed loops)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            session = self._sessions.pop(loop, None)
+            stale = [lp for lp in self._sessions if lp.is_closed()]
+            for lp in stale:
+                del self._sessions[lp]
+        if session is not None:
+            await session.close()

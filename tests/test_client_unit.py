@@ -1,0 +1,201 @@
+"""RemoteInferenceClient against fake servers: fan-out, gates, stitching, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from aiohttp import web
+
+from skyrl_lora.client import ClientConfig, RemoteInferenceClient
+from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.errors import (
+    AdapterNotFoundError,
+    BadRequestError,
+    RequestTimeoutError,
+    ServerUnavailableError,
+)
+from skyrl_lora.types import VersionRange
+from tests.fake_server import FakeServer, answer, seq
+
+PROMPT = [11, 12, 13]
+
+
+async def test_pause_with_name_closes_gate_and_fans_out() -> None:
+    async with FakeServer() as s1, FakeServer() as s2:
+        async with RemoteInferenceClient([s1.url, s2.url]) as client:
+            await client.pause_generation(lora_name="a")
+            assert client.gates.is_closed("a") and not client.gates.is_closed("b")
+            assert s1.controls == s2.controls == [("pause", {"lora_name": "a"})]
+            await client.resume_generation(lora_name="a")
+            assert not client.gates.is_closed("a")
+            assert s1.controls[-1] == ("resume", {"lora_name": "a"})
+
+
+async def test_pause_without_name_is_global_keep_mode() -> None:
+    async with FakeServer() as s1, FakeServer() as s2:
+        async with RemoteInferenceClient([s1.url, s2.url]) as client:
+            await client.pause_generation()
+            await client.resume_generation()
+            for s in (s1, s2):
+                assert s.controls == [("pause", {"lora_name": None}), ("resume", {"lora_name": None})]
+
+
+async def test_retry_stitches_across_abort() -> None:
+    async with FakeServer() as server:
+        server.script = [
+            answer(seq([1, 2, 3], "abort", version=1)),
+            answer(seq([4, 5], "abort", version=1)),
+            answer(seq([6, 7], "length", version=2), version=2),
+        ]
+        async with RemoteInferenceClient(server.url) as client:
+            out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 7}, lora_name="a")
+        first, second, third = server.samples
+        assert first.prompt_token_ids == PROMPT and first.sampling_params.max_tokens == 7
+        assert second.prompt_token_ids == [*PROMPT, 1, 2, 3] and second.sampling_params.max_tokens == 4
+        assert second.generated_prefix_len == 3
+        assert third.prompt_token_ids == [*PROMPT, 1, 2, 3, 4, 5] and third.sampling_params.max_tokens == 2
+        (result,) = out.sequences
+        assert result.tokens == [1, 2, 3, 4, 5, 6, 7]
+        assert result.logprobs == pytest.approx([-0.5 - t / 100 for t in result.tokens])
+        assert result.stop_reason == "length"
+        assert result.versions == [VersionRange(start=0, end=5, version=1),
+                                   VersionRange(start=5, end=7, version=2)]
+        assert out.adapter_version == 2
+
+
+async def test_no_abort_means_one_request() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 5}, lora_name="a")
+        assert len(server.samples) == 1
+        assert out.sequences[0].tokens == [0, 1, 2, 3, 4]
+
+
+async def test_retry_waits_on_gate_until_resume() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [answer(seq([1, 2], "abort"))]
+        await client.pause_generation(lora_name="a")
+        task = asyncio.create_task(
+            client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 4}, lora_name="a")
+        )
+        await asyncio.sleep(0.2)
+        assert len(server.samples) == 1 and not task.done(), "retry must wait for resume"
+        await client.resume_generation(lora_name="a")
+        out = await asyncio.wait_for(task, 5)
+        assert len(server.samples) == 2
+        assert out.sequences[0].tokens == [1, 2, 0, 1]
+
+
+async def test_num_samples_retries_each_sequence_alone() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [answer(seq([1, 2], "abort"), seq([3, 4, 5], "stop"), seq([6], "abort"))]
+        out = await client.sample_with_retry(PROMPT, num_samples=3,
+                                             sampling_params={"max_tokens": 4}, lora_name="a")
+        assert [s.tokens for s in out.sequences] == [[1, 2, 0, 1], [3, 4, 5], [6, 0, 1, 2]]
+        assert [s.stop_reason for s in out.sequences] == ["length", "stop", "length"]
+        resubmits = server.samples[1:]
+        assert sorted(r.prompt_token_ids[len(PROMPT):] for r in resubmits) == [[1, 2], [6]]
+        assert all(r.num_samples == 1 for r in resubmits)
+
+
+async def test_budget_exhausted_on_abort_is_not_resubmitted() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [answer(seq([1, 2, 3], "abort"))]
+        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3}, lora_name="a")
+        assert len(server.samples) == 1 and out.sequences[0].stop_reason == "length"
+
+
+async def test_context_limit_stops_without_resubmit() -> None:
+    async with FakeServer(max_model_len=6) as server, RemoteInferenceClient(server.url) as client:
+        server.script = [answer(seq([1, 2, 3], "abort"))]
+        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 50}, lora_name="a")
+        assert len(server.samples) == 1 and out.sequences[0].stop_reason == "length"
+
+
+async def test_stop_token_on_boundary_is_not_resubmitted() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [answer(seq([1, 99], "abort"))]
+        out = await client.sample_with_retry(
+            PROMPT, sampling_params={"max_tokens": 50, "stop": [99]}, lora_name="a"
+        )
+        assert len(server.samples) == 1 and out.sequences[0].stop_reason == "stop"
+
+
+async def test_prompt_logprobs_only_for_original_prompt() -> None:
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        first = answer(seq([1], "abort"))
+        first["prompt_logprobs"] = [None, -1.0, -2.0]
+        server.script = [first]
+        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3},
+                                             lora_name="a", prompt_logprobs=True)
+        assert out.prompt_logprobs == [None, -1.0, -2.0]
+        assert server.samples[0].prompt_logprobs and not server.samples[1].prompt_logprobs
+
+
+def test_gates_across_event_loops_and_threads() -> None:
+    gates = AdapterGates()
+    gates.close("a")
+    woke = threading.Event()
+    waiting = threading.Event()
+
+    def sampler_thread() -> None:
+        async def wait() -> None:
+            waiting.set()
+            await gates.wait_open("a")
+            woke.set()
+
+        asyncio.run(wait())
+
+    sampler = threading.Thread(target=sampler_thread)
+    sampler.start()
+    assert waiting.wait(5)
+    assert not woke.wait(0.2)
+    opener = threading.Thread(target=lambda: asyncio.run(_open_later(gates)))
+    opener.start()
+    opener.join(5)
+    sampler.join(5)
+    assert woke.is_set()
+
+
+async def _open_later(gates: AdapterGates) -> None:
+    await asyncio.sleep(0.05)
+    gates.open("a")
+
+
+async def test_typed_errors_carry_the_server_message() -> None:
+    def not_found(_req: object) -> web.Response:
+        return web.json_response({"error": {"type": "adapter_not_found", "message": "no 'zz'"}},
+                                 status=404)
+
+    def vllm_style(_req: object) -> web.Response:
+        return web.json_response({"error": {"message": "bad temp", "type": "BadRequestError",
+                                            "code": 400}}, status=400)
+
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [not_found, vllm_style]
+        with pytest.raises(AdapterNotFoundError, match="no 'zz'") as info:
+            await client.sample(PROMPT, lora_name="zz")
+        assert info.value.status == 404 and info.value.url
+        with pytest.raises(BadRequestError, match="bad temp"):
+            await client.sample(PROMPT)
+
+
+async def test_server_gone_and_timeout_are_typed() -> None:
+    async with RemoteInferenceClient("http://127.0.0.1:9") as client:
+        with pytest.raises(ServerUnavailableError):
+            await client.sample(PROMPT)
+    async with FakeServer() as server:
+        server.sample_delay = 2.0
+        async with RemoteInferenceClient(server.url, config=ClientConfig(sample_timeout=0.2)) as client:
+            with pytest.raises(RequestTimeoutError):
+                await client.sample(PROMPT)
+
+
+async def test_fan_out_failure_raises_after_all_answered() -> None:
+    async with FakeServer() as good:
+        async with RemoteInferenceClient([good.url, "http://127.0.0.1:9"]) as client:
+            with pytest.raises(ServerUnavailableError):
+                await client.pause_generation(lora_name="a")
+            assert good.controls == [("pause", {"lora_name": "a"})]
+            assert not client.gates.is_closed("a"), "a failed pause must not leave the gate closed"

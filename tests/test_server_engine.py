@@ -1,0 +1,257 @@
+"""The server half on a real CPU vLLM engine serving the embedded model.
+
+Every test that changes adapter state loads adapters under its own names, so
+the tests do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import EngineServer
+
+pytestmark = pytest.mark.engine
+
+LONG = 360  # tokens: several seconds on CPU, so aborts land mid-flight
+
+
+async def post(http: aiohttp.ClientSession, server: EngineServer, path: str, body: Any,
+               expect: int = 200) -> Any:
+    async with http.post(server.url + path, json=body) as resp:
+        payload = await resp.json(content_type=None)
+        assert resp.status == expect, (resp.status, payload)
+        return payload
+
+
+async def get(http: aiohttp.ClientSession, server: EngineServer, path: str) -> Any:
+    async with http.get(server.url + path) as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+def sample_body(server: EngineServer, lora: str | None, max_tokens: int = LONG, **extra: Any) -> dict:
+    return {
+        "prompt_token_ids": server.encode("hello there how are you"),
+        "lora_name": lora,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        **extra,
+    }
+
+
+async def sample(http, server, lora, max_tokens=LONG, **extra) -> dict:
+    return await post(http, server, "/skyrl/v1/sample", sample_body(server, lora, max_tokens, **extra))
+
+
+async def load(http, server, name: str, adapter: str) -> dict:
+    path = str(server.model.adapters[adapter])
+    return await post(http, server, "/skyrl/v1/adapters/load", {"lora_name": name, "lora_path": path})
+
+
+async def adapter_state(http, server, name: str) -> dict:
+    listing = await get(http, server, "/skyrl/v1/adapters")
+    (state,) = [a for a in listing["adapters"] if a["lora_name"] == name]
+    return state
+
+
+async def wait_until_running(http, server, name: str, count: int) -> None:
+    """Wait until vLLM itself tracks ``count`` requests of the adapter."""
+    deadline = time.monotonic() + 60
+    while (await adapter_state(http, server, name))["engine_requests"] < count:
+        assert time.monotonic() < deadline, "requests never reached the engine"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # let them produce some tokens
+
+
+async def test_adapters_produce_their_word_and_base_does_not(engine_server, http) -> None:
+    for word in ("meow", "woof", "moo"):
+        out = await sample(http, engine_server, word, max_tokens=20)
+        (seq,) = out["sequences"]
+        assert seq["tokens"] == [engine_server.word_id(word)] * 20
+        assert len(seq["logprobs"]) == 20 and all(lp <= 0 for lp in seq["logprobs"])
+        assert seq["stop_reason"] == "length"
+        assert out["adapter_version"] >= 1
+        assert seq["versions"] == [{"start": 0, "end": 20, "version": out["adapter_version"]}]
+    base = await sample(http, engine_server, None, max_tokens=20)
+    animals = {engine_server.word_id(w) for w in ("meow", "woof", "moo")}
+    assert set(base["sequences"][0]["tokens"]) - animals, "base model should not bark"
+    assert base["adapter_version"] is None
+
+
+async def test_abort_one_adapter_leaves_the_other_running(engine_server, http) -> None:
+    await load(http, engine_server, "abort-a", "meow")
+    await load(http, engine_server, "abort-b", "woof")
+    a = [asyncio.create_task(sample(http, engine_server, "abort-a")) for _ in range(4)]
+    b = [asyncio.create_task(sample(http, engine_server, "abort-b")) for _ in range(4)]
+    await wait_until_running(http, engine_server, "abort-a", 4)
+    started = time.monotonic()
+    aborted = await post(http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-a"})
+    abort_latency = time.monotonic() - started
+    assert aborted["aborted"] == 4
+    assert not any(t.done() for t in b), "the other adapter must keep running"
+    meow, woof = engine_server.word_id("meow"), engine_server.word_id("woof")
+    for result in await asyncio.gather(*a):
+        (seq,) = result["sequences"]
+        assert seq["stop_reason"] == "abort"
+        assert 0 < len(seq["tokens"]) < LONG, "abort must land mid-flight with partial tokens"
+        assert set(seq["tokens"]) == {meow} and len(seq["logprobs"]) == len(seq["tokens"])
+    for result in await asyncio.gather(*b):
+        (seq,) = result["sequences"]
+        assert seq["stop_reason"] == "length" and seq["tokens"] == [woof] * LONG
+    print(f"abort of 4 in-flight requests answered in {abort_latency * 1000:.1f} ms")
+
+
+async def test_parallel_sampling_parent_is_aborted(engine_server, http) -> None:
+    await load(http, engine_server, "abort-n", "moo")
+    task = asyncio.create_task(sample(http, engine_server, "abort-n", num_samples=3))
+    await wait_until_running(http, engine_server, "abort-n", 3)
+    aborted = await post(http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-n"})
+    assert aborted["aborted"] == 1  # one request, three children
+    result = await task
+    assert len(result["sequences"]) == 3
+    assert all(s["stop_reason"] == "abort" and len(s["tokens"]) < LONG for s in result["sequences"])
+
+
+async def test_paused_request_is_held_and_runs_on_the_new_version(engine_server, http) -> None:
+    v1 = (await load(http, engine_server, "swap", "meow"))["version"]
+    paused = await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": "swap"})
+    assert paused["paused"] and not paused["was_paused"]
+    held = asyncio.create_task(sample(http, engine_server, "swap", max_tokens=20))
+    await asyncio.sleep(1.0)
+    assert not held.done(), "a request to a paused adapter must wait"
+    assert (await adapter_state(http, engine_server, "swap"))["held"] == 1
+    reloaded = await load(http, engine_server, "swap", "woof")
+    assert reloaded["version"] == v1 + 1 and reloaded["paused"]
+    resumed = await post(http, engine_server, "/skyrl/v1/resume", {"lora_name": "swap"})
+    assert resumed["was_paused"]
+    result = await asyncio.wait_for(held, 60)
+    assert result["adapter_version"] == v1 + 1
+    assert result["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 20
+
+
+async def test_no_tokens_from_a_paused_adapter(engine_server, http) -> None:
+    """A flood of requests around the pause: between pause and resume, vLLM
+    itself tracks no request of the adapter; everything sent meanwhile waits."""
+    await load(http, engine_server, "flood", "meow")
+    meow, woof = engine_server.word_id("meow"), engine_server.word_id("woof")
+
+    async def one(delay: float) -> tuple[float, dict]:
+        await asyncio.sleep(delay)
+        result = await sample(http, engine_server, "flood", max_tokens=60)
+        return time.monotonic(), result
+
+    tasks = [asyncio.create_task(one(i * 0.02)) for i in range(40)]
+    await asyncio.sleep(0.3)
+    pause = await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": "flood"})
+    paused_at = time.monotonic()
+    assert pause["aborted"] > 0, "the pause must hit requests in flight"
+    for _ in range(20):  # ~1 s of watching the engine while paused
+        state = await adapter_state(http, engine_server, "flood")
+        assert state["engine_requests"] == 0 and state["in_flight"] == 0, state
+        await asyncio.sleep(0.05)
+    await load(http, engine_server, "flood", "woof")
+    resume_at = time.monotonic()
+    await post(http, engine_server, "/skyrl/v1/resume", {"lora_name": "flood"})
+    results = await asyncio.gather(*tasks)
+    new_version = pause_version = None
+    for finished_at, result in results:
+        (seq,) = result["sequences"]
+        if seq["tokens"] and seq["tokens"][0] == woof:
+            new_version = result["adapter_version"]
+            assert finished_at > resume_at and set(seq["tokens"]) == {woof}
+            assert seq["stop_reason"] == "length"
+        else:
+            pause_version = result["adapter_version"]
+            assert set(seq["tokens"]) <= {meow}
+            assert finished_at < paused_at + 0.5, "old-version output arrived long after the pause"
+    assert new_version is not None and pause_version is not None and new_version > pause_version
+
+
+async def test_reload_in_place_changes_output_and_version(engine_server, http) -> None:
+    first = await load(http, engine_server, "reload", "meow")
+    before = await sample(http, engine_server, "reload", max_tokens=8)
+    second = await load(http, engine_server, "reload", "woof")
+    after = await sample(http, engine_server, "reload", max_tokens=8)
+    assert second["version"] == first["version"] + 1 and not second["paused"]
+    assert before["sequences"][0]["tokens"] == [engine_server.word_id("meow")] * 8
+    assert after["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 8
+    assert after["adapter_version"] == second["version"]
+
+
+async def test_reload_with_requests_in_flight_pauses_itself(engine_server, http) -> None:
+    await load(http, engine_server, "busy", "meow")
+    running = [asyncio.create_task(sample(http, engine_server, "busy")) for _ in range(2)]
+    await wait_until_running(http, engine_server, "busy", 2)
+    reloaded = await load(http, engine_server, "busy", "woof")
+    for result in await asyncio.gather(*running):
+        assert result["sequences"][0]["stop_reason"] == "abort"
+        assert result["adapter_version"] == reloaded["version"] - 1
+    after = await sample(http, engine_server, "busy", max_tokens=5)
+    assert after["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 5
+
+
+async def test_vllm_routes_are_gated_and_tagged(engine_server, http) -> None:
+    await load(http, engine_server, "openai", "quack")
+    body = {"model": "openai", "prompt": "hello", "max_tokens": 5, "temperature": 0}
+    await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": "openai"})
+    held = asyncio.create_task(http.post(engine_server.url + "/v1/completions", json=body))
+    await asyncio.sleep(0.8)
+    assert not held.done()
+    await post(http, engine_server, "/skyrl/v1/resume", {"lora_name": "openai"})
+    async with await asyncio.wait_for(held, 60) as resp:
+        payload = await resp.json()
+        assert resp.status == 200
+        assert payload["choices"][0]["text"].split() == ["quack"] * 5
+        version = (await adapter_state(http, engine_server, "openai"))["version"]
+        assert resp.headers["x-skyrl-adapter-version"] == str(version)
+
+
+async def test_global_pause_keep_mode_still_works(engine_server, http) -> None:
+    task = asyncio.create_task(sample(http, engine_server, None, max_tokens=200))
+    await asyncio.sleep(0.5)
+    paused = await post(http, engine_server, "/skyrl/v1/pause", {})
+    assert paused["lora_name"] is None and paused["paused"]
+    await asyncio.sleep(1.0)
+    assert not task.done(), "keep mode freezes requests in place"
+    assert (await get(http, engine_server, "/skyrl/v1/adapters"))["engine_paused"]
+    await post(http, engine_server, "/skyrl/v1/resume", {})
+    result = await asyncio.wait_for(task, 60)
+    assert result["sequences"][0]["stop_reason"] == "length"
+    assert len(result["sequences"][0]["tokens"]) == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/skyrl/v1/sample", {"prompt_token_ids": [5], "lora_name": "nope"}, 404),
+        ("/skyrl/v1/sample", {"prompt_token_ids": [5], "sampling_params": {"temperature": -1}}, 400),
+        ("/skyrl/v1/sample", {"prompt_token_ids": [5], "sampling_params": {"max_tokens": 0}}, 400),
+        ("/skyrl/v1/sample", {"prompt_token_ids": [5] * 1024}, 400),
+        ("/skyrl/v1/sample", {"prompt_token_ids": [100000]}, 400),
+        ("/skyrl/v1/sample", {"prompt_token_ids": []}, 400),
+        ("/skyrl/v1/sample", {"prompt_token_ids": [5], "bogus": 1}, 400),
+        ("/skyrl/v1/sample", "not json at all", 400),
+        ("/skyrl/v1/pause", {"lora_name": "nope"}, 404),
+        ("/skyrl/v1/resume", {"lora_name": "nope"}, 404),
+        ("/skyrl/v1/abort_lora_requests", {"lora_name": "nope"}, 404),
+        ("/skyrl/v1/adapters/load", {"lora_name": "x", "lora_path": "/does/not/exist"}, 400),
+        ("/skyrl/v1/adapters/unload", {"lora_name": "nope"}, 404),
+        ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}, 404),
+    ],
+)
+async def test_bad_input_gets_4xx_and_disturbs_nothing(engine_server, http, path, body, status) -> None:
+    running = asyncio.create_task(sample(http, engine_server, "meow", max_tokens=40))
+    await asyncio.sleep(0.1)
+    kwargs = {"data": body} if isinstance(body, str) else {"json": body}
+    async with http.post(engine_server.url + path, **kwargs) as resp:
+        text = await resp.text()
+        assert resp.status == status, text
+        assert len(text) > 10, "the error must say what is wrong"
+    result = await running
+    assert result["sequences"][0]["stop_reason"] == "length"
+    async with http.get(engine_server.url + "/health") as resp:
+        assert resp.status == 200
