@@ -114,7 +114,6 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         return error_response(exc)
 
     app.add_exception_handler(ServerError, skyrl_error)
-    app.add_middleware(AdapterVersionHeader)
     return app, gated
 
 
@@ -131,7 +130,7 @@ async def serve(
     async with compat.build_async_engine_client(args) as engine_client:
         app, gated = await build_skyrl_app(engine_client, args)
         config = uvicorn.Config(
-            app,
+            AdapterVersionHeader(app),  # vLLM's app has sealed its middleware stack
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=30,
