@@ -113,7 +113,11 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         assert isinstance(exc, ServerError)
         return error_response(exc)
 
+    # vLLM's app has already built its middleware stack, which copies the
+    # exception handlers; drop it so Starlette rebuilds it with ours included.
+    app.middleware_stack = None
     app.add_exception_handler(ServerError, skyrl_error)
+    app.add_middleware(AdapterVersionHeader)
     return app, gated
 
 
@@ -130,7 +134,7 @@ async def serve(
     async with compat.build_async_engine_client(args) as engine_client:
         app, gated = await build_skyrl_app(engine_client, args)
         config = uvicorn.Config(
-            AdapterVersionHeader(app),  # vLLM's app has sealed its middleware stack
+            app,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=30,

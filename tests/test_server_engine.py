@@ -34,17 +34,19 @@ async def get(http: aiohttp.ClientSession, server: EngineServer, path: str) -> A
         return await resp.json()
 
 
-def sample_body(server: EngineServer, lora: str | None, max_tokens: int = LONG, **extra: Any) -> dict:
+def sample_body(server: EngineServer, lora: str | None, max_tokens: int = LONG,
+                temperature: float = 0.0, **extra: Any) -> dict:
     return {
         "prompt_token_ids": server.encode("hello there how are you"),
         "lora_name": lora,
-        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        "sampling_params": {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True},
         **extra,
     }
 
 
 async def sample(http, server, lora, max_tokens=LONG, **extra) -> dict:
-    return await post(http, server, "/skyrl/v1/sample", sample_body(server, lora, max_tokens, **extra))
+    body = sample_body(server, lora, max_tokens, **extra)
+    return await post(http, server, "/skyrl/v1/sample", body)
 
 
 async def load(http, server, name: str, adapter: str) -> dict:
@@ -107,7 +109,8 @@ async def test_abort_one_adapter_leaves_the_other_running(engine_server, http) -
 
 async def test_parallel_sampling_parent_is_aborted(engine_server, http) -> None:
     await load(http, engine_server, "abort-n", "moo")
-    task = asyncio.create_task(sample(http, engine_server, "abort-n", num_samples=3))
+    task = asyncio.create_task(sample(http, engine_server, "abort-n", num_samples=3,
+                                        temperature=1.0))
     await wait_until_running(http, engine_server, "abort-n", 3)
     aborted = await post(http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-n"})
     assert aborted["aborted"] == 1  # one request, three children
