@@ -19,7 +19,6 @@ from skyrl_lora.types import (
     AdapterInfo,
     AdapterList,
     PauseResponse,
-    SampledSequence,
     SampleRequest,
     SampleResponse,
     SamplingParams,
@@ -76,7 +75,10 @@ class RemoteInferenceClient:
     async def _control(self, path: str, body: Any, model: type[ModelT]) -> list[ModelT]:
         """POST to every server concurrently; raise the first failure after all answered."""
         results = await asyncio.gather(
-            *(self._call(u, "POST", path, body, timeout=self.config.control_timeout) for u in self.urls),
+            *(
+                self._call(u, "POST", path, body, timeout=self.config.control_timeout)
+                for u in self.urls
+            ),
             return_exceptions=True,
         )
         for result in results:
@@ -92,7 +94,9 @@ class RemoteInferenceClient:
     async def server_info(self, url: str | None = None) -> ServerInfo:
         url = url or self.urls[0]
         if url not in self._info:
-            raw = await self._call(url, "GET", f"{API}/server_info", timeout=self.config.control_timeout)
+            raw = await self._call(
+                url, "GET", f"{API}/server_info", timeout=self.config.control_timeout
+            )
             self._info[url] = ServerInfo.model_validate(raw)
         return self._info[url]
 
@@ -101,7 +105,10 @@ class RemoteInferenceClient:
         self._outstanding[url] += 1
         try:
             raw = await self._call(
-                url, "POST", f"{API}/sample", request.model_dump(mode="json"),
+                url,
+                "POST",
+                f"{API}/sample",
+                request.model_dump(mode="json"),
                 timeout=self.config.sample_timeout,
             )
         finally:
@@ -118,7 +125,9 @@ class RemoteInferenceClient:
         prompt_logprobs: bool = False,
     ) -> SampleResponse:
         """One request, no retry: aborted sequences come back with ``stop_reason="abort"``."""
-        request = _sample_request(prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs)
+        request = _sample_request(
+            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
+        )
         return await self._sample_on(self._pick(), request)
 
     async def sample_with_retry(
@@ -137,7 +146,9 @@ class RemoteInferenceClient:
         segments' tokens, logprobs and adapter versions are stitched together.
         Prompt logprobs are those of the original prompt (first segment).
         """
-        request = _sample_request(prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs)
+        request = _sample_request(
+            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
+        )
         url = self._pick()
         info = await self.server_info(url)
         first = await self._sample_on(url, request)
@@ -163,14 +174,16 @@ class RemoteInferenceClient:
         )
 
     async def _resume(
-        self, url: str, original: SampleRequest, stitcher: SequenceStitcher, versions: list[int | None]
+        self,
+        url: str,
+        original: SampleRequest,
+        stitcher: SequenceStitcher,
+        versions: list[int | None],
     ) -> None:
         """Resubmit one aborted sequence until it is finished."""
         while not stitcher.done:
             if stitcher.segments > self.config.max_resubmits:
-                raise RetryLimitError(
-                    f"sequence aborted {stitcher.segments - 1} times; giving up"
-                )
+                raise RetryLimitError(f"sequence aborted {stitcher.segments - 1} times; giving up")
             if original.lora_name is not None:
                 await self.gates.wait_open(original.lora_name)
             request = original.model_copy(
@@ -213,7 +226,9 @@ class RemoteInferenceClient:
                 self.gates.open(lora_name)
 
     async def abort_lora_requests(self, lora_name: str) -> list[AbortResponse]:
-        return await self._control(f"{API}/abort_lora_requests", {"lora_name": lora_name}, AbortResponse)
+        return await self._control(
+            f"{API}/abort_lora_requests", {"lora_name": lora_name}, AbortResponse
+        )
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[AdapterInfo]:
         """Load (or reload in place, bumping the version) on every server."""
@@ -226,8 +241,9 @@ class RemoteInferenceClient:
         await self._control(f"{API}/adapters/unload", {"lora_name": lora_name}, _Ack)
 
     async def list_adapters(self, url: str | None = None) -> AdapterList:
-        raw = await self._call(url or self.urls[0], "GET", f"{API}/adapters",
-                               timeout=self.config.control_timeout)
+        raw = await self._call(
+            url or self.urls[0], "GET", f"{API}/adapters", timeout=self.config.control_timeout
+        )
         return AdapterList.model_validate(raw)
 
     # -- vLLM passthroughs -------------------------------------------------
@@ -247,7 +263,9 @@ class RemoteInferenceClient:
         url = self._pick()
         self._outstanding[url] += 1
         try:
-            return await self._call(url, "POST", path, dict(body), timeout=self.config.sample_timeout)
+            return await self._call(
+                url, "POST", path, dict(body), timeout=self.config.sample_timeout
+            )
         finally:
             self._outstanding[url] -= 1
 

@@ -41,7 +41,11 @@ def _error_from_body(status: int, text: str, url: str) -> ServerError:
         elif isinstance(error, str):
             message = error
         elif "detail" in body:
-            message = json.dumps(body["detail"]) if not isinstance(body["detail"], str) else body["detail"]
+            message = (
+                json.dumps(body["detail"])
+                if not isinstance(body["detail"], str)
+                else body["detail"]
+            )
     return error_class_for(status, error_type)(message, status=status, url=url)
 
 
@@ -50,9 +54,9 @@ class Transport:
         self._config = config
         self._headers = headers or {}
         self._lock = threading.Lock()
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._sessions: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, aiohttp.ClientSession
+        ] = weakref.WeakKeyDictionary()
 
     def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -73,7 +77,9 @@ class Transport:
         timeout: float | None,
     ) -> Any:
         """One JSON request; returns the decoded body or raises a typed error."""
-        client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=self._config.connect_timeout)
+        client_timeout = aiohttp.ClientTimeout(
+            total=timeout, sock_connect=self._config.connect_timeout
+        )
         try:
             async with self._session().request(
                 method, url, json=body, timeout=client_timeout

@@ -1,4 +1,5 @@
-from skyrl_lora.server.cli import main
 import sys
+
+from skyrl_lora.server.cli import main
 
 sys.exit(main())

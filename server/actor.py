@@ -65,12 +65,14 @@ class ActorOptions:
     env: Mapping[str, str] = field(default_factory=dict)
 
 
-def start_server_actor(argv: Sequence[str], options: ActorOptions = ActorOptions()) -> tuple[Any, str]:
+def start_server_actor(
+    argv: Sequence[str], options: ActorOptions = ActorOptions()
+) -> tuple[Any, str]:
     """Create a server actor in the current Ray cluster; returns (handle, url)."""
     import ray
 
-    remote_cls = ray.remote(ServerActor)
-    handle = remote_cls.options(  # type: ignore[attr-defined]
+    remote_cls: Any = ray.remote(ServerActor)
+    handle = remote_cls.options(
         num_cpus=options.num_cpus,
         num_gpus=options.num_gpus,
         max_concurrency=16,

@@ -129,8 +129,12 @@ class AdapterRegistry:
             await self._retire(previous)
         logger.info(
             "adapter loaded",
-            extra={"event": "adapter_load", "lora_name": lora_name, "version": version,
-                   "path": str(source)},
+            extra={
+                "event": "adapter_load",
+                "lora_name": lora_name,
+                "version": version,
+                "path": str(source),
+            },
         )
         return record
 

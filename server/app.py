@@ -129,7 +129,7 @@ async def serve(
 ) -> None:
     """Run the server until ``stop`` is set (or uvicorn exits on a signal)."""
     listen_address, sock = compat.setup_server(args)
-    host, port = sock.getsockname()[:2]
+    port = sock.getsockname()[1]
     url = f"http://{_client_host(args.host)}:{port}"
     async with compat.build_async_engine_client(args) as engine_client:
         app, gated = await build_skyrl_app(engine_client, args)
@@ -141,7 +141,7 @@ async def serve(
         )
         server = uvicorn.Server(config)
         serve_task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serve_task.done():
+        while not server.started and not serve_task.done():  # noqa: ASYNC110 (uvicorn has no event)
             await asyncio.sleep(0.05)
         if serve_task.done():
             await serve_task

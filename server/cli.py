@@ -28,7 +28,9 @@ def _serve(argv: Sequence[str]) -> int:
 
         argv.remove("--embedded")
         port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
-        argv = [a for i, a in enumerate(argv) if a != "--port" and (i == 0 or argv[i - 1] != "--port")]
+        argv = [
+            a for i, a in enumerate(argv) if a != "--port" and (i == 0 or argv[i - 1] != "--port")
+        ]
         argv = embedded_server_argv(ensure_embedded_model(), port=int(port), extra=argv)
         env.update(CPU_ENV)
     ray.init(ignore_reinit_error=True)
@@ -69,7 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.parse_args(argv[:1])
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return COMMANDS[argv[0]](argv[1:])
 
 

@@ -40,7 +40,9 @@ def make_arg_parser() -> Any:
     make = _first_attr(
         "make_arg_parser", "vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"
     )
-    return make(flexible(description="skyrl-lora server: vLLM's OpenAI server plus per-adapter pause"))
+    return make(
+        flexible(description="skyrl-lora server: vLLM's OpenAI server plus per-adapter pause")
+    )
 
 
 def validate_serve_args(args: Any) -> None:

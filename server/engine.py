@@ -67,7 +67,9 @@ class GatedEngine:
     ) -> AsyncIterator[Any]:
         """Drop-in for ``AsyncLLM.generate`` that passes adapter requests through the gate."""
         if lora_request is None:
-            async for output in self.raw_generate(prompt, sampling_params, request_id, *args, **kwargs):
+            async for output in self.raw_generate(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
                 yield output
             return
         async with self.admitted(lora_request.lora_name, request_id):
@@ -86,23 +88,32 @@ class GatedEngine:
         was_paused, drain = await self.gate.pause(lora_name, self.abort_requests)
         logger.info(
             "adapter paused",
-            extra={"event": "pause", "lora_name": lora_name, "aborted": drain.aborted,
-                   "drain_ms": round(drain.seconds * 1000, 2), "was_paused": was_paused},
+            extra={
+                "event": "pause",
+                "lora_name": lora_name,
+                "aborted": drain.aborted,
+                "drain_ms": round(drain.seconds * 1000, 2),
+                "was_paused": was_paused,
+            },
         )
         return was_paused, drain
 
     def resume(self, lora_name: str) -> bool:
         self.registry.get(lora_name)
         was_paused = self.gate.resume(lora_name)
-        logger.info("adapter resumed", extra={"event": "resume", "lora_name": lora_name,
-                                              "was_paused": was_paused})
+        logger.info(
+            "adapter resumed",
+            extra={"event": "resume", "lora_name": lora_name, "was_paused": was_paused},
+        )
         return was_paused
 
     async def abort(self, lora_name: str) -> DrainResult:
         self.registry.get(lora_name)
         drain = await self.gate.abort(lora_name, self.abort_requests)
-        logger.info("adapter requests aborted", extra={"event": "abort", "lora_name": lora_name,
-                                                      "aborted": drain.aborted})
+        logger.info(
+            "adapter requests aborted",
+            extra={"event": "abort", "lora_name": lora_name, "aborted": drain.aborted},
+        )
         return drain
 
     async def load(self, lora_name: str, lora_path: str) -> int:

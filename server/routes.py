@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from skyrl_lora.errors import ServerError
@@ -63,8 +63,9 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
     async def abort_lora_requests(body: AdapterRef) -> AbortResponse:
         """Abort every in-flight request of one adapter and wait until they returned."""
         drain = await engine.abort(body.lora_name)
-        return AbortResponse(lora_name=body.lora_name, aborted=drain.aborted,
-                             drain_seconds=drain.seconds)
+        return AbortResponse(
+            lora_name=body.lora_name, aborted=drain.aborted, drain_seconds=drain.seconds
+        )
 
     @router.post("/pause")
     async def pause(body: PauseRequest) -> PauseResponse:
@@ -74,8 +75,13 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
             await compat.pause_engine_keep(engine.engine_client)
             return PauseResponse(lora_name=None, paused=True, was_paused=was_paused)
         was_paused, drain = await engine.pause(body.lora_name)
-        return PauseResponse(lora_name=body.lora_name, paused=True, was_paused=was_paused,
-                             aborted=drain.aborted, drain_seconds=drain.seconds)
+        return PauseResponse(
+            lora_name=body.lora_name,
+            paused=True,
+            was_paused=was_paused,
+            aborted=drain.aborted,
+            drain_seconds=drain.seconds,
+        )
 
     @router.post("/resume")
     async def resume(body: PauseRequest) -> PauseResponse:

@@ -48,11 +48,15 @@ class Sampler:
                 version = admission.version
                 lora = self._engine.registry.get(request.lora_name).lora_request
                 final = await self._run(prompt, params, request_id, lora)
-        sequences = [self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)]
+        sequences = [
+            self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
+        ]
         if request.generated_prefix_len and params.stop:
             tokenizer = await compat.get_tokenizer(self._engine.engine_client)
             prefix = request.prompt_token_ids[-request.generated_prefix_len :]
-            sequences = [_cut_at_boundary_stop(s, prefix, params.stop, tokenizer) for s in sequences]
+            sequences = [
+                _cut_at_boundary_stop(s, prefix, params.stop, tokenizer) for s in sequences
+            ]
         return SampleResponse(
             sequences=sequences,
             prompt_logprobs=_prompt_logprobs(final, request) if request.prompt_logprobs else None,
@@ -97,7 +101,9 @@ class Sampler:
     @staticmethod
     def _sequence(output: Any, version: int | None) -> SampledSequence:
         tokens = list(output.token_ids)
-        logprobs = [float(step[token].logprob) for token, step in zip(tokens, output.logprobs or [])]
+        logprobs = [
+            float(step[token].logprob) for token, step in zip(tokens, output.logprobs or [])
+        ]
         if len(logprobs) != len(tokens):
             raise InternalServerError(
                 f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens"

@@ -98,4 +98,5 @@ class SequenceStitcher:
             logprobs=list(self.logprobs),
             stop_reason=self.stop_reason,
             versions=list(self.versions),
+            segments=self.segments,
         )

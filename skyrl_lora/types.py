@@ -86,19 +86,22 @@ class SampleRequest(_Wire):
 
 
 class SampledSequence(_Wire):
-    """One sampled sequence; ``logprobs[i]`` is the logprob of ``tokens[i]``."""
+    """One sampled sequence; ``logprobs[i]`` is the logprob of ``tokens[i]``.
+
+    ``segments`` counts the server requests that produced it: 1 for a plain
+    sample, more when ``sample_with_retry`` resumed it after aborts.
+    """
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
     versions: list[VersionRange] = Field(default_factory=list)
+    segments: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _aligned(self) -> SampledSequence:
         if len(self.tokens) != len(self.logprobs):
-            raise ValueError(
-                f"{len(self.tokens)} tokens but {len(self.logprobs)} logprobs"
-            )
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
         return self
 
 

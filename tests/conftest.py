@@ -44,11 +44,19 @@ def engine_server(embedded_model: Any) -> Iterator[EngineServer]:
     from skyrl_lora.server.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    handle, url = start_server_actor(embedded_server_argv(embedded_model), ActorOptions(env=CPU_ENV))
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        ignore_reinit_error=True,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
+    handle, url = start_server_actor(
+        embedded_server_argv(embedded_model), ActorOptions(env=CPU_ENV)
+    )
     try:
-        yield EngineServer(url, embedded_model, AutoTokenizer.from_pretrained(embedded_model.model_dir))
+        yield EngineServer(
+            url, embedded_model, AutoTokenizer.from_pretrained(embedded_model.model_dir)
+        )
     finally:
         ray.get(handle.shutdown.remote(), timeout=120)
         ray.shutdown()

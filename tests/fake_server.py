@@ -28,9 +28,15 @@ def seq(tokens: list[int], reason: str, version: int | None = 1) -> dict[str, An
     }
 
 
-def answer(*sequences: dict[str, Any], version: int | None = 1, lora: str | None = "a") -> dict[str, Any]:
-    return {"sequences": list(sequences), "lora_name": lora, "adapter_version": version,
-            "prompt_logprobs": None}
+def answer(
+    *sequences: dict[str, Any], version: int | None = 1, lora: str | None = "a"
+) -> dict[str, Any]:
+    return {
+        "sequences": list(sequences),
+        "lora_name": lora,
+        "adapter_version": version,
+        "prompt_logprobs": None,
+    }
 
 
 class FakeServer:
@@ -80,18 +86,38 @@ class FakeServer:
             self.controls.append((name, body))
             lora = body.get("lora_name")
             if name in ("pause", "resume"):
-                return web.json_response({"lora_name": lora, "paused": name == "pause",
-                                          "was_paused": False, "aborted": 0})
+                return web.json_response(
+                    {
+                        "lora_name": lora,
+                        "paused": name == "pause",
+                        "was_paused": False,
+                        "aborted": 0,
+                    }
+                )
             if name == "abort_lora_requests":
                 return web.json_response({"lora_name": lora, "aborted": 0, "drain_seconds": 0.0})
             if name == "adapters/load":
-                return web.json_response({"lora_name": lora, "version": 1, "lora_path": body["lora_path"],
-                                          "paused": False, "in_flight": 0, "held": 0,
-                                          "engine_requests": 0})
+                return web.json_response(
+                    {
+                        "lora_name": lora,
+                        "version": 1,
+                        "lora_path": body["lora_path"],
+                        "paused": False,
+                        "in_flight": 0,
+                        "held": 0,
+                        "engine_requests": 0,
+                    }
+                )
             return web.json_response({"lora_name": lora})
 
         return handler
 
     async def _info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model": "fake", "max_model_len": self.max_model_len,
-                                  "vllm_version": "0", "eos_token_id": 2})
+        return web.json_response(
+            {
+                "model": "fake",
+                "max_model_len": self.max_model_len,
+                "vllm_version": "0",
+                "eos_token_id": 2,
+            }
+        )

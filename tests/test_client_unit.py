@@ -39,7 +39,10 @@ async def test_pause_without_name_is_global_keep_mode() -> None:
             await client.pause_generation()
             await client.resume_generation()
             for s in (s1, s2):
-                assert s.controls == [("pause", {"lora_name": None}), ("resume", {"lora_name": None})]
+                assert s.controls == [
+                    ("pause", {"lora_name": None}),
+                    ("resume", {"lora_name": None}),
+                ]
 
 
 async def test_retry_stitches_across_abort() -> None:
@@ -50,24 +53,35 @@ async def test_retry_stitches_across_abort() -> None:
             answer(seq([6, 7], "length", version=2), version=2),
         ]
         async with RemoteInferenceClient(server.url) as client:
-            out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 7}, lora_name="a")
+            out = await client.sample_with_retry(
+                PROMPT, sampling_params={"max_tokens": 7}, lora_name="a"
+            )
         first, second, third = server.samples
         assert first.prompt_token_ids == PROMPT and first.sampling_params.max_tokens == 7
-        assert second.prompt_token_ids == [*PROMPT, 1, 2, 3] and second.sampling_params.max_tokens == 4
+        assert (
+            second.prompt_token_ids == [*PROMPT, 1, 2, 3] and second.sampling_params.max_tokens == 4
+        )
         assert second.generated_prefix_len == 3
-        assert third.prompt_token_ids == [*PROMPT, 1, 2, 3, 4, 5] and third.sampling_params.max_tokens == 2
+        assert (
+            third.prompt_token_ids == [*PROMPT, 1, 2, 3, 4, 5]
+            and third.sampling_params.max_tokens == 2
+        )
         (result,) = out.sequences
         assert result.tokens == [1, 2, 3, 4, 5, 6, 7]
         assert result.logprobs == pytest.approx([-0.5 - t / 100 for t in result.tokens])
         assert result.stop_reason == "length"
-        assert result.versions == [VersionRange(start=0, end=5, version=1),
-                                   VersionRange(start=5, end=7, version=2)]
+        assert result.versions == [
+            VersionRange(start=0, end=5, version=1),
+            VersionRange(start=5, end=7, version=2),
+        ]
         assert out.adapter_version == 2
 
 
 async def test_no_abort_means_one_request() -> None:
     async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
-        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 5}, lora_name="a")
+        out = await client.sample_with_retry(
+            PROMPT, sampling_params={"max_tokens": 5}, lora_name="a"
+        )
         assert len(server.samples) == 1
         assert out.sequences[0].tokens == [0, 1, 2, 3, 4]
 
@@ -90,26 +104,31 @@ async def test_retry_waits_on_gate_until_resume() -> None:
 async def test_num_samples_retries_each_sequence_alone() -> None:
     async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
         server.script = [answer(seq([1, 2], "abort"), seq([3, 4, 5], "stop"), seq([6], "abort"))]
-        out = await client.sample_with_retry(PROMPT, num_samples=3,
-                                             sampling_params={"max_tokens": 4}, lora_name="a")
+        out = await client.sample_with_retry(
+            PROMPT, num_samples=3, sampling_params={"max_tokens": 4}, lora_name="a"
+        )
         assert [s.tokens for s in out.sequences] == [[1, 2, 0, 1], [3, 4, 5], [6, 0, 1, 2]]
         assert [s.stop_reason for s in out.sequences] == ["length", "stop", "length"]
         resubmits = server.samples[1:]
-        assert sorted(r.prompt_token_ids[len(PROMPT):] for r in resubmits) == [[1, 2], [6]]
+        assert sorted(r.prompt_token_ids[len(PROMPT) :] for r in resubmits) == [[1, 2], [6]]
         assert all(r.num_samples == 1 for r in resubmits)
 
 
 async def test_budget_exhausted_on_abort_is_not_resubmitted() -> None:
     async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
         server.script = [answer(seq([1, 2, 3], "abort"))]
-        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3}, lora_name="a")
+        out = await client.sample_with_retry(
+            PROMPT, sampling_params={"max_tokens": 3}, lora_name="a"
+        )
         assert len(server.samples) == 1 and out.sequences[0].stop_reason == "length"
 
 
 async def test_context_limit_stops_without_resubmit() -> None:
     async with FakeServer(max_model_len=6) as server, RemoteInferenceClient(server.url) as client:
         server.script = [answer(seq([1, 2, 3], "abort"))]
-        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 50}, lora_name="a")
+        out = await client.sample_with_retry(
+            PROMPT, sampling_params={"max_tokens": 50}, lora_name="a"
+        )
         assert len(server.samples) == 1 and out.sequences[0].stop_reason == "length"
 
 
@@ -127,8 +146,9 @@ async def test_prompt_logprobs_only_for_original_prompt() -> None:
         first = answer(seq([1], "abort"))
         first["prompt_logprobs"] = [None, -1.0, -2.0]
         server.script = [first]
-        out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3},
-                                             lora_name="a", prompt_logprobs=True)
+        out = await client.sample_with_retry(
+            PROMPT, sampling_params={"max_tokens": 3}, lora_name="a", prompt_logprobs=True
+        )
         assert out.prompt_logprobs == [None, -1.0, -2.0]
         assert server.samples[0].prompt_logprobs and not server.samples[1].prompt_logprobs
 
@@ -165,12 +185,14 @@ async def _open_later(gates: AdapterGates) -> None:
 
 async def test_typed_errors_carry_the_server_message() -> None:
     def not_found(_req: object) -> web.Response:
-        return web.json_response({"error": {"type": "adapter_not_found", "message": "no 'zz'"}},
-                                 status=404)
+        return web.json_response(
+            {"error": {"type": "adapter_not_found", "message": "no 'zz'"}}, status=404
+        )
 
     def vllm_style(_req: object) -> web.Response:
-        return web.json_response({"error": {"message": "bad temp", "type": "BadRequestError",
-                                            "code": 400}}, status=400)
+        return web.json_response(
+            {"error": {"message": "bad temp", "type": "BadRequestError", "code": 400}}, status=400
+        )
 
     async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
         server.script = [not_found, vllm_style]
@@ -187,7 +209,9 @@ async def test_server_gone_and_timeout_are_typed() -> None:
             await client.sample(PROMPT)
     async with FakeServer() as server:
         server.sample_delay = 2.0
-        async with RemoteInferenceClient(server.url, config=ClientConfig(sample_timeout=0.2)) as client:
+        async with RemoteInferenceClient(
+            server.url, config=ClientConfig(sample_timeout=0.2)
+        ) as client:
             with pytest.raises(RequestTimeoutError):
                 await client.sample(PROMPT)
 

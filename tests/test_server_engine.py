@@ -20,8 +20,9 @@ pytestmark = pytest.mark.engine
 LONG = 360  # tokens: several seconds on CPU, so aborts land mid-flight
 
 
-async def post(http: aiohttp.ClientSession, server: EngineServer, path: str, body: Any,
-               expect: int = 200) -> Any:
+async def post(
+    http: aiohttp.ClientSession, server: EngineServer, path: str, body: Any, expect: int = 200
+) -> Any:
     async with http.post(server.url + path, json=body) as resp:
         payload = await resp.json(content_type=None)
         assert resp.status == expect, (resp.status, payload)
@@ -34,12 +35,21 @@ async def get(http: aiohttp.ClientSession, server: EngineServer, path: str) -> A
         return await resp.json()
 
 
-def sample_body(server: EngineServer, lora: str | None, max_tokens: int = LONG,
-                temperature: float = 0.0, **extra: Any) -> dict:
+def sample_body(
+    server: EngineServer,
+    lora: str | None,
+    max_tokens: int = LONG,
+    temperature: float = 0.0,
+    **extra: Any,
+) -> dict:
     return {
         "prompt_token_ids": server.encode("hello there how are you"),
         "lora_name": lora,
-        "sampling_params": {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True},
+        "sampling_params": {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,
+        },
         **extra,
     }
 
@@ -51,7 +61,9 @@ async def sample(http, server, lora, max_tokens=LONG, **extra) -> dict:
 
 async def load(http, server, name: str, adapter: str) -> dict:
     path = str(server.model.adapters[adapter])
-    return await post(http, server, "/skyrl/v1/adapters/load", {"lora_name": name, "lora_path": path})
+    return await post(
+        http, server, "/skyrl/v1/adapters/load", {"lora_name": name, "lora_path": path}
+    )
 
 
 async def adapter_state(http, server, name: str) -> dict:
@@ -91,7 +103,9 @@ async def test_abort_one_adapter_leaves_the_other_running(engine_server, http) -
     b = [asyncio.create_task(sample(http, engine_server, "abort-b")) for _ in range(4)]
     await wait_until_running(http, engine_server, "abort-a", 4)
     started = time.monotonic()
-    aborted = await post(http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-a"})
+    aborted = await post(
+        http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-a"}
+    )
     abort_latency = time.monotonic() - started
     assert aborted["aborted"] == 4
     assert not any(t.done() for t in b), "the other adapter must keep running"
@@ -109,10 +123,13 @@ async def test_abort_one_adapter_leaves_the_other_running(engine_server, http) -
 
 async def test_parallel_sampling_parent_is_aborted(engine_server, http) -> None:
     await load(http, engine_server, "abort-n", "moo")
-    task = asyncio.create_task(sample(http, engine_server, "abort-n", num_samples=3,
-                                        temperature=1.0))
+    task = asyncio.create_task(
+        sample(http, engine_server, "abort-n", num_samples=3, temperature=1.0)
+    )
     await wait_until_running(http, engine_server, "abort-n", 3)
-    aborted = await post(http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-n"})
+    aborted = await post(
+        http, engine_server, "/skyrl/v1/abort_lora_requests", {"lora_name": "abort-n"}
+    )
     assert aborted["aborted"] == 1  # one request, three children
     result = await task
     assert len(result["sequences"]) == 3
@@ -231,7 +248,11 @@ async def test_global_pause_keep_mode_still_works(engine_server, http) -> None:
     ("path", "body", "status"),
     [
         ("/skyrl/v1/sample", {"prompt_token_ids": [5], "lora_name": "nope"}, 404),
-        ("/skyrl/v1/sample", {"prompt_token_ids": [5], "sampling_params": {"temperature": -1}}, 400),
+        (
+            "/skyrl/v1/sample",
+            {"prompt_token_ids": [5], "sampling_params": {"temperature": -1}},
+            400,
+        ),
         ("/skyrl/v1/sample", {"prompt_token_ids": [5], "sampling_params": {"max_tokens": 0}}, 400),
         ("/skyrl/v1/sample", {"prompt_token_ids": [5] * 1024}, 400),
         ("/skyrl/v1/sample", {"prompt_token_ids": [100000]}, 400),
@@ -246,7 +267,9 @@ async def test_global_pause_keep_mode_still_works(engine_server, http) -> None:
         ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}, 404),
     ],
 )
-async def test_bad_input_gets_4xx_and_disturbs_nothing(engine_server, http, path, body, status) -> None:
+async def test_bad_input_gets_4xx_and_disturbs_nothing(
+    engine_server, http, path, body, status
+) -> None:
     running = asyncio.create_task(sample(http, engine_server, "meow", max_tokens=40))
     await asyncio.sleep(0.1)
     kwargs = {"data": body} if isinstance(body, str) else {"json": body}

