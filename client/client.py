@@ -11,8 +11,9 @@ from pydantic import BaseModel
 
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
-from skyrl_lora.errors import RetryLimitError
+from skyrl_lora.errors import FanOutError, RetryLimitError, ServerUnavailableError
 from skyrl_lora.stitching import SequenceStitcher
 from skyrl_lora.types import (
     AbortResponse,
@@ -34,9 +35,13 @@ API = "/skyrl/v1"
 class RemoteInferenceClient:
     """Samples from, and controls, skyrl-lora servers.
 
-    Sampling spreads over the servers (fewest outstanding requests first);
-    control calls (pause, resume, abort, adapter loads) go to every server at
-    once. Use it as an async context manager, or call :meth:`aclose`.
+    Sampling spreads over the servers by a routing policy (``config.routing``
+    or ``policy``); a server that stops answering is skipped until its health
+    check passes again, and a sample it was serving resumes elsewhere.
+    Control calls (pause, resume, abort, adapter loads) go to every server at
+    once and return when all have answered; with several servers a partial
+    failure raises :class:`~skyrl_lora.errors.FanOutError` naming who failed.
+    Use it as an async context manager, or call :meth:`aclose`.
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class RemoteInferenceClient:
         *,
         config: ClientConfig | None = None,
         api_key: str | None = None,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
@@ -54,7 +60,14 @@ class RemoteInferenceClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._transport = Transport(self.config, headers)
         self.gates = AdapterGates()
-        self._outstanding = dict.fromkeys(self.urls, 0)
+        if policy is None:
+            if self.config.routing not in POLICIES:
+                raise ValueError(
+                    f"unknown routing policy {self.config.routing!r}; "
+                    f"choose from {sorted(POLICIES)}"
+                )
+            policy = POLICIES[self.config.routing]()
+        self.replicas = ReplicaSet(self.urls, policy, self._probe, self.config.recheck_after)
         self._info: dict[str, ServerInfo] = {}
 
     async def __aenter__(self) -> RemoteInferenceClient:
@@ -73,23 +86,46 @@ class RemoteInferenceClient:
         return await self._transport.call(method, url + path, body, timeout=timeout)
 
     async def _control(self, path: str, body: Any, model: type[ModelT]) -> list[ModelT]:
-        """POST to every server concurrently; raise the first failure after all answered."""
-        results = await asyncio.gather(
+        """POST to every server concurrently and wait for all of them.
+
+        One server: its error is raised as is. Several: any failure raises
+        :class:`FanOutError` with the answers and the errors by URL.
+        """
+        answers = await asyncio.gather(
             *(
                 self._call(u, "POST", path, body, timeout=self.config.control_timeout)
                 for u in self.urls
             ),
             return_exceptions=True,
         )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return [model.model_validate(r) for r in results]
+        failures: dict[str, Exception] = {}
+        results: dict[str, ModelT] = {}
+        for url, answer in zip(self.urls, answers):
+            if isinstance(answer, Exception):
+                failures[url] = answer
+                if isinstance(answer, ServerUnavailableError):
+                    self.replicas.mark_unhealthy(url)
+            elif isinstance(answer, BaseException):
+                raise answer  # cancellation is not a replica failure
+            else:
+                results[url] = model.model_validate(answer)
+        if failures and len(self.urls) == 1:
+            raise next(iter(failures.values()))
+        if failures:
+            detail = "; ".join(f"{u}: {e}" for u, e in failures.items())
+            raise FanOutError(
+                f"{path} failed on {len(failures)} of {len(self.urls)} servers: {detail}",
+                results=dict(results),
+                failures=failures,
+            )
+        return list(results.values())
 
-    def _pick(self, preferred: str | None = None) -> str:
-        if preferred is not None:
-            return preferred
-        return min(self.urls, key=lambda u: self._outstanding[u])
+    async def _probe(self, url: str) -> bool:
+        try:
+            await self._call(url, "GET", "/health", timeout=self.config.connect_timeout)
+        except Exception:
+            return False
+        return True
 
     async def server_info(self, url: str | None = None) -> ServerInfo:
         url = url or self.urls[0]
@@ -101,19 +137,38 @@ class RemoteInferenceClient:
         return self._info[url]
 
     # -- sampling ----------------------------------------------------------
-    async def _sample_on(self, url: str, request: SampleRequest) -> SampleResponse:
-        self._outstanding[url] += 1
-        try:
-            raw = await self._call(
-                url,
-                "POST",
-                f"{API}/sample",
-                request.model_dump(mode="json"),
-                timeout=self.config.sample_timeout,
-            )
-        finally:
-            self._outstanding[url] -= 1
-        return SampleResponse.model_validate(raw)
+    async def _post_routed(
+        self, path: str, body: Any, lora_name: str | None, prefer: str | None = None
+    ) -> tuple[str, Any]:
+        """POST to a replica chosen by the policy; fail over while replicas are down.
+
+        A request that died with its replica is re-sent whole to another one:
+        for a sample that only costs recomputation, since the caller resumes
+        from the tokens it already has.
+        """
+        for _ in range(len(self.urls)):
+            replica = self.replicas.pick(lora_name, prefer)
+            replica.outstanding += 1
+            try:
+                answer = await self._call(
+                    replica.url, "POST", path, body, timeout=self.config.sample_timeout
+                )
+                return replica.url, answer
+            except ServerUnavailableError:
+                logger.warning("replica %s is unavailable; failing over", replica.url)
+                self.replicas.mark_unhealthy(replica.url)
+                prefer = None
+            finally:
+                replica.outstanding -= 1
+        raise ServerUnavailableError(f"{path}: every replica failed: {', '.join(self.urls)}")
+
+    async def _sample_on(
+        self, request: SampleRequest, prefer: str | None = None
+    ) -> tuple[str, SampleResponse]:
+        url, raw = await self._post_routed(
+            f"{API}/sample", request.model_dump(mode="json"), request.lora_name, prefer
+        )
+        return url, SampleResponse.model_validate(raw)
 
     async def sample(
         self,
@@ -128,7 +183,7 @@ class RemoteInferenceClient:
         request = _sample_request(
             prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
         )
-        return await self._sample_on(self._pick(), request)
+        return (await self._sample_on(request))[1]
 
     async def sample_with_retry(
         self,
@@ -149,9 +204,8 @@ class RemoteInferenceClient:
         request = _sample_request(
             prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
         )
-        url = self._pick()
+        url, first = await self._sample_on(request)
         info = await self.server_info(url)
-        first = await self._sample_on(url, request)
         params = request.sampling_params
         stitchers = [
             SequenceStitcher(
@@ -197,7 +251,7 @@ class RemoteInferenceClient:
                     "generated_prefix_len": len(stitcher.tokens),
                 }
             )
-            response = await self._sample_on(self._pick(url), request)
+            url, response = await self._sample_on(request, prefer=url)
             versions.append(response.adapter_version)
             stitcher.add_segment(response.sequences[0], response.adapter_version)
 
@@ -260,14 +314,9 @@ class RemoteInferenceClient:
         return await self._passthrough(f"{API}/sample", body)
 
     async def _passthrough(self, path: str, body: Mapping[str, Any]) -> Any:
-        url = self._pick()
-        self._outstanding[url] += 1
-        try:
-            return await self._call(
-                url, "POST", path, dict(body), timeout=self.config.sample_timeout
-            )
-        finally:
-            self._outstanding[url] -= 1
+        lora = body.get("model") if path.startswith("/v1/") else body.get("lora_name")
+        lora_name = lora if isinstance(lora, str) else None
+        return (await self._post_routed(path, dict(body), lora_name))[1]
 
 
 class _Ack(BaseModel):

@@ -20,3 +20,7 @@ class ClientConfig:
     control_timeout: float = 120.0
     max_connections: int = 0  # 0: no limit (aiohttp's default is 100)
     max_resubmits: int = 1000
+    #: "least_outstanding" or "adapter_affinity" (see ``skyrl_lora.client.routing``).
+    routing: str = "least_outstanding"
+    #: Seconds before a replica marked unhealthy is probed again.
+    recheck_after: float = 1.0

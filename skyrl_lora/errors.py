@@ -27,6 +27,20 @@ class RetryLimitError(SkyRLLoraError):
     """A sequence was aborted more often than the client's ``max_resubmits`` allows."""
 
 
+class FanOutError(SkyRLLoraError):
+    """A control call failed on some replicas.
+
+    ``results`` holds the answers of the replicas that acknowledged,
+    ``failures`` the error of each replica that did not (by URL), so the
+    caller can tell a partial pause from a failed one.
+    """
+
+    def __init__(self, message: str, results: dict[str, object], failures: dict[str, Exception]):
+        super().__init__(message)
+        self.results = results
+        self.failures = failures
+
+
 class ServerError(SkyRLLoraError):
     """The server answered with an error status.
 

@@ -16,7 +16,10 @@ from aiohttp.test_utils import TestServer
 
 from skyrl_lora.types import SampleRequest
 
-Answer = dict[str, Any] | Callable[[SampleRequest], Any]
+Answer = dict[str, Any] | Callable[[SampleRequest], Any] | object
+
+#: Scripted answer that drops the connection, as a replica that died would.
+DROP = object()
 
 
 def seq(tokens: list[int], reason: str, version: int | None = 1) -> dict[str, Any]:
@@ -46,6 +49,7 @@ class FakeServer:
         self.controls: list[tuple[str, Any]] = []
         self.script: list[Answer] = []
         self.sample_delay = 0.0
+        self.control_delay = 0.0
         app = web.Application()
         app.router.add_post("/skyrl/v1/sample", self._sample)
         for name in ("pause", "resume", "abort_lora_requests", "adapters/load", "adapters/unload"):
@@ -71,6 +75,11 @@ class FakeServer:
             await asyncio.sleep(self.sample_delay)
         if self.script:
             scripted = self.script.pop(0)
+            if scripted is DROP:
+                assert request.transport is not None
+                request.transport.close()
+                await asyncio.sleep(0.1)
+                return web.Response()
             result = scripted(body) if callable(scripted) else scripted
             if isinstance(result, web.Response):
                 return result
@@ -84,6 +93,8 @@ class FakeServer:
         async def handler(request: web.Request) -> web.Response:
             body = await request.json()
             self.controls.append((name, body))
+            if self.control_delay:
+                await asyncio.sleep(self.control_delay)
             lora = body.get("lora_name")
             if name in ("pause", "resume"):
                 return web.json_response(

@@ -13,6 +13,7 @@ from skyrl_lora.client.gates import AdapterGates
 from skyrl_lora.errors import (
     AdapterNotFoundError,
     BadRequestError,
+    FanOutError,
     RequestTimeoutError,
     ServerUnavailableError,
 )
@@ -219,7 +220,10 @@ async def test_server_gone_and_timeout_are_typed() -> None:
 async def test_fan_out_failure_raises_after_all_answered() -> None:
     async with FakeServer() as good:
         async with RemoteInferenceClient([good.url, "http://127.0.0.1:9"]) as client:
-            with pytest.raises(ServerUnavailableError):
+            with pytest.raises(FanOutError) as info:
                 await client.pause_generation(lora_name="a")
+            assert list(info.value.results) == [good.url]
+            (failure,) = info.value.failures.values()
+            assert isinstance(failure, ServerUnavailableError)
             assert good.controls == [("pause", {"lora_name": "a"})]
             assert not client.gates.is_closed("a"), "a failed pause must not leave the gate closed"
