@@ -15,6 +15,7 @@ from typing import Any
 
 from skyrl_lora.server.actor import ServerActor
 
+
 @dataclass(frozen=True)
 class GroupConfig:
     """Shape of a replica group.
@@ -31,12 +32,14 @@ class GroupConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = 600
 
+
 @dataclass
 class ReplicaHandle:
     index: int
     actor: Any
     placement_group: Any
     url: str
+
 
 class ServerGroup:
     """Starts, reports and stops N server actors."""
@@ -117,6 +120,7 @@ class ServerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
 
 def _kill(actor: Any, pg: Any) -> None:
     import ray

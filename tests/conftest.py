@@ -1,12 +1,11 @@
-"""Shared fixtures: the embedded model and one real CPU vLLM server per session.
+"""Shared fixtures: the embedded model and real CPU vLLM servers on Ray.
 
-The server runs in a Ray actor, exactly as ``skyrl-lora serve`` runs it. It is
-started lazily, so the pure unit tests never pay for it.
+Servers run in Ray actors, exactly as ``skyrl-lora serve`` runs them. They
+start lazily, so the pure unit tests never pay for them.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,29 +36,33 @@ def embedded_model() -> Any:
 
 
 @pytest.fixture(scope="session")
-def engine_server(embedded_model: Any) -> Iterator[EngineServer]:
-    ray = pytest.importorskip("ray")
+def tokenizer(embedded_model: Any) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(embedded_model.model_dir)
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[Any]:
+    """One local Ray instance for every engine test (4 logical CPUs: the
+    single server and a two-replica group fit side by side)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_server(embedded_model: Any, local_ray: Any, tokenizer: Any) -> Iterator[EngineServer]:
     from skyrl_lora.server.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        ignore_reinit_error=True,
-        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-    )
-    handle, url = start_server_actor(
-        embedded_server_argv(embedded_model), ActorOptions(env=CPU_ENV)
-    )
+    argv = embedded_server_argv(embedded_model)
+    handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
     try:
-        yield EngineServer(
-            url, embedded_model, AutoTokenizer.from_pretrained(embedded_model.model_dir)
-        )
+        yield EngineServer(url, embedded_model, tokenizer)
     finally:
-        ray.get(handle.shutdown.remote(), timeout=120)
-        ray.shutdown()
+        local_ray.get(handle.shutdown.remote(), timeout=120)
 
 
 @pytest.fixture

@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from skyrl_lora.types import SampledSequence, VersionRange
-
-
-@pytest.fixture(scope="module")
-def tokenizer(embedded_model):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(embedded_model.model_dir)
 
 
 def ids(tokenizer, text: str) -> list[int]:
