@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -82,7 +83,7 @@ class RemoteInferenceClient:
     # -- low level ---------------------------------------------------------
     async def _call(
         self, url: str, method: str, path: str, body: Any = None, *, timeout: float | None
-    ) -> Any:
+    ) -> bytes:
         return await self._transport.call(method, url + path, body, timeout=timeout)
 
     async def _control(self, path: str, body: Any, model: type[ModelT]) -> list[ModelT]:
@@ -108,7 +109,7 @@ class RemoteInferenceClient:
             elif isinstance(answer, BaseException):
                 raise answer  # cancellation is not a replica failure
             else:
-                results[url] = model.model_validate(answer)
+                results[url] = model.model_validate_json(answer)
         if failures and len(self.urls) == 1:
             raise next(iter(failures.values()))
         if failures:
@@ -133,13 +134,13 @@ class RemoteInferenceClient:
             raw = await self._call(
                 url, "GET", f"{API}/server_info", timeout=self.config.control_timeout
             )
-            self._info[url] = ServerInfo.model_validate(raw)
+            self._info[url] = ServerInfo.model_validate_json(raw)
         return self._info[url]
 
     # -- sampling ----------------------------------------------------------
     async def _post_routed(
         self, path: str, body: Any, lora_name: str | None, prefer: str | None = None
-    ) -> tuple[str, Any]:
+    ) -> tuple[str, bytes]:
         """POST to a replica chosen by the policy; fail over while replicas are down.
 
         A request that died with its replica is re-sent whole to another one:
@@ -165,10 +166,8 @@ class RemoteInferenceClient:
     async def _sample_on(
         self, request: SampleRequest, prefer: str | None = None
     ) -> tuple[str, SampleResponse]:
-        url, raw = await self._post_routed(
-            f"{API}/sample", request.model_dump(mode="json"), request.lora_name, prefer
-        )
-        return url, SampleResponse.model_validate(raw)
+        url, raw = await self._post_routed(f"{API}/sample", request, request.lora_name, prefer)
+        return url, SampleResponse.model_validate_json(raw)
 
     async def sample(
         self,
@@ -298,7 +297,7 @@ class RemoteInferenceClient:
         raw = await self._call(
             url or self.urls[0], "GET", f"{API}/adapters", timeout=self.config.control_timeout
         )
-        return AdapterList.model_validate(raw)
+        return AdapterList.model_validate_json(raw)
 
     # -- vLLM passthroughs -------------------------------------------------
     async def completion(self, body: Mapping[str, Any]) -> Any:
@@ -316,7 +315,7 @@ class RemoteInferenceClient:
     async def _passthrough(self, path: str, body: Mapping[str, Any]) -> Any:
         lora = body.get("model") if path.startswith("/v1/") else body.get("lora_name")
         lora_name = lora if isinstance(lora, str) else None
-        return (await self._post_routed(path, dict(body), lora_name))[1]
+        return json.loads((await self._post_routed(path, dict(body), lora_name))[1])
 
 
 class _Ack(BaseModel):

@@ -1,5 +1,8 @@
+"""``python -m skyrl_lora.server``: the ``skyrl-lora`` CLI."""
+
 import sys
 
 from skyrl_lora.server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this module
+    sys.exit(main())

@@ -2,7 +2,8 @@
 
 ``skyrl-lora serve [vllm serve flags]`` starts one server in a local Ray
 actor and keeps it up until interrupted; ``--embedded`` fills in the flags
-for the embedded tiny model and its adapters.
+for the embedded tiny model and its adapters, and ``--no-ray`` serves in
+this process instead (for machines without Ray, and for debugging).
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ from collections.abc import Sequence
 
 
 def _serve(argv: Sequence[str]) -> int:
-    import ray
-
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
-
     argv = list(argv)
     env: dict[str, str] = {}
     if "--embedded" in argv:
@@ -33,6 +30,14 @@ def _serve(argv: Sequence[str]) -> int:
         ]
         argv = embedded_server_argv(ensure_embedded_model(), port=int(port), extra=argv)
         env.update(CPU_ENV)
+    if "--no-ray" in argv:
+        argv.remove("--no-ray")
+        return _serve_here(argv, env)
+
+    import ray
+
+    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+
     ray.init(ignore_reinit_error=True)
     handle, url = start_server_actor(argv, ActorOptions(env=env))
     print(f"skyrl-lora server ready at {url}", flush=True)
@@ -42,6 +47,22 @@ def _serve(argv: Sequence[str]) -> int:
     stop.wait()
     ray.get(handle.shutdown.remote())
     ray.shutdown()
+    return 0
+
+
+def _serve_here(argv: Sequence[str], env: dict[str, str]) -> int:
+    import asyncio
+    import os
+
+    from skyrl_lora.server.app import RunningServer, parse_server_args, serve
+
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+    def ready(running: RunningServer) -> None:
+        print(f"skyrl-lora server ready at {running.url}", flush=True)
+
+    asyncio.run(serve(parse_server_args(argv), on_ready=ready))
     return 0
 
 

@@ -1,0 +1,92 @@
+"""Shared benchmark plumbing: a real server on the embedded model, token meters."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyrl_lora.client import RemoteInferenceClient
+
+
+@contextmanager
+def embedded_server(extra: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
+    """A skyrl-lora server in a Ray actor on the embedded model; yields (url, model)."""
+    import ray
+
+    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+    from skyrl_lora.server.embedded import ensure_embedded_model
+    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+
+    model = ensure_embedded_model()
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    handle, url = start_server_actor(
+        embedded_server_argv(model, extra=extra), ActorOptions(env=CPU_ENV)
+    )
+    try:
+        yield url, model
+    finally:
+        ray.get(handle.shutdown.remote(), timeout=120)
+
+
+@dataclass
+class TokenMeter:
+    """Completed tokens per tenant with timestamps, for rates and timelines."""
+
+    events: list[tuple[float, str, int]] = field(default_factory=list)
+
+    def add(self, tenant: str, tokens: int) -> None:
+        self.events.append((time.monotonic(), tenant, tokens))
+
+    def rate(self, tenants: Sequence[str], start: float, end: float) -> float:
+        total = sum(n for t, who, n in self.events if who in tenants and start <= t < end)
+        return total / (end - start)
+
+
+async def keep_sampling(
+    client: RemoteInferenceClient,
+    tenant: str,
+    prompt: list[int],
+    meter: TokenMeter,
+    stop: asyncio.Event,
+    streams: int,
+    max_tokens: int,
+) -> None:
+    """``streams`` concurrent loops of short greedy samples until ``stop``."""
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    async def loop() -> None:
+        while not stop.is_set():
+            out = await client.sample_with_retry(prompt, sampling_params=params, lora_name=tenant)
+            meter.add(tenant, len(out.sequences[0].tokens))
+
+    await asyncio.gather(*(loop() for _ in range(streams)))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+async def wait_engine_requests(
+    client: RemoteInferenceClient, tenant: str, count: int, timeout: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        listing = await client.list_adapters()
+        (state,) = [a for a in listing.adapters if a.lora_name == tenant]
+        if state.engine_requests >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{tenant}: {state.engine_requests} of {count} requests running")
+        await asyncio.sleep(0.01)

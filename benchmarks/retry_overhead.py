@@ -1,0 +1,68 @@
+"""Retry overhead: a sample interrupted 3 times versus the same sample uninterrupted.
+
+Generation time of the interrupted sample excludes the time spent paused.
+Run once against a server with prefix caching (vLLM's default) and once
+against one without, where every resume re-prefills prompt + tokens so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import median, wait_engine_requests
+from skyrl_lora.client import RemoteInferenceClient
+
+
+@dataclass
+class RetryOverhead:
+    prefix_caching: bool
+    uninterrupted_s: float
+    interrupted_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.interrupted_s / self.uninterrupted_s
+
+
+async def _interrupted(
+    client: RemoteInferenceClient, prompt: list[int], params: dict, interrupts: int, gap: float
+) -> float:
+    started = time.perf_counter()
+    task = asyncio.create_task(
+        client.sample_with_retry(prompt, sampling_params=params, lora_name="retry")
+    )
+    paused = 0.0
+    for _ in range(interrupts):
+        await wait_engine_requests(client, "retry", 1)
+        await asyncio.sleep(gap)
+        pause_at = time.perf_counter()
+        await client.pause_generation(lora_name="retry")
+        await client.resume_generation(lora_name="retry")
+        paused += time.perf_counter() - pause_at
+    result = await task
+    assert result.sequences[0].segments == interrupts + 1
+    return time.perf_counter() - started - paused
+
+
+async def run(
+    url: str,
+    model: Any,
+    prompt: list[int],
+    prefix_caching: bool,
+    max_tokens: int = 600,
+    repeats: int = 3,
+) -> RetryOverhead:
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with RemoteInferenceClient(url) as client:
+        await client.load_lora_adapter("retry", str(model.adapters["babble"]))
+        plain, interrupted = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await client.sample(prompt, sampling_params=params, lora_name="retry")
+            plain.append(time.perf_counter() - started)
+            gap = plain[-1] / 5
+            interrupted.append(await _interrupted(client, prompt, params, 3, gap))
+    return RetryOverhead(prefix_caching, median(plain), median(interrupted))

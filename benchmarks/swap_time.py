@@ -1,0 +1,49 @@
+"""Weight swap time: pause + reload in place + resume, by adapter rank."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import median
+from skyrl_lora.client import RemoteInferenceClient
+
+
+def build_rank_adapters(model: Any, ranks: tuple[int, ...]) -> dict[int, list[Path]]:
+    """Two random adapters per rank, so each reload really changes the weights."""
+    from skyrl_lora.server.embedded.builder import build_babble_adapter
+
+    root = Path(tempfile.mkdtemp(prefix="skyrl-bench-adapters-"))
+    return {
+        r: [
+            build_babble_adapter(model.model_dir, root / f"r{r}-{i}", rank=r, seed=i)
+            for i in (1, 2)
+        ]
+        for r in ranks
+    }
+
+
+async def run(
+    url: str,
+    model: Any,
+    ranks: tuple[int, ...] = (8, 16, 64),
+    repeats: int = 6,
+    adapters: dict[int, list[Path]] | None = None,
+) -> dict[int, float]:
+    adapters = adapters or build_rank_adapters(model, ranks)
+    result: dict[int, float] = {}
+    async with RemoteInferenceClient(url) as client:
+        for rank, paths in adapters.items():
+            name = f"swap-r{rank}"
+            await client.load_lora_adapter(name, str(paths[0]))
+            times = []
+            for i in range(repeats):
+                started = time.perf_counter()
+                await client.pause_generation(lora_name=name)
+                await client.reload_lora_adapter(name, str(paths[(i + 1) % 2]))
+                await client.resume_generation(lora_name=name)
+                times.append((time.perf_counter() - started) * 1000)
+            result[rank] = median(times)
+    return result

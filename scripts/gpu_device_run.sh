@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run ON the lent GPU machine, from the repository root, through the device tool.
+#
+#   scripts/gpu_device_run.sh stash N        copy the carried part .pN to $HOME/stash
+#   scripts/gpu_device_run.sh test [ARGS]    install vLLM from the parts (once per
+#                                            machine), then run gpu_tests with pytest
+#
+# The machine keeps $HOME only while it stays warm (about 30 s after a call),
+# so the stash calls and the test call must follow each other closely.
+set -euo pipefail
+stash="$HOME/stash"
+site="$HOME/site"
+
+install() {
+    if [[ -f "$site/.complete" ]]; then
+        return
+    fi
+    local unpack="$HOME/wheels"
+    mkdir -p "$unpack"
+    cat "$stash"/part.* | tar xf - -C "$unpack"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$unpack"/*.whl
+    touch "$site/.complete"
+}
+
+case "${1:-}" in
+    stash)
+        mkdir -p "$stash"
+        cp ".p$2"/part.* "$stash/"
+        ls -la "$stash"
+        ;;
+    test)
+        shift
+        started=$(date +%s)
+        install
+        echo "vLLM installed in $(( $(date +%s) - started )) s"
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        export PYTHONUNBUFFERED=1 SKYRL_LORA_CACHE="$HOME/skyrl-cache"
+        # Editable, like on the CPU machines: client/ and server/ map into skyrl_lora.
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --user -e . \
+            || python3 -m pip install -q --no-index --no-deps --no-build-isolation --user \
+                --break-system-packages -e .
+        python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+        exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s gpu_tests "$@"
+        ;;
+    *)
+        sed -n '2,9p' "$0" >&2
+        exit 2
+        ;;
+esac

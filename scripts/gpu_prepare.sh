@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run HERE (not on the GPU machine): fetch the wheels CUDA vLLM 0.26.0 needs on
+# the lent GPU machines (torch 2.11.0+cu130 is already there), plus our test
+# dependencies, and split them into parts of at most 58 MB in git-ignored
+# folders .p1 ... .pN, one to carry per device call (a call carries 64 MiB).
+# See "GPU tests" in the README for the calls that follow.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+work="${SKYRL_GPU_WHEELS:-$root/.gpu-wheels}"
+resolver="${SKYRL_GPU_RESOLVER:-$root/../shared/tools/gpu-vllm/resolve_wheels.py}"
+mkdir -p "$work/wheels"
+if [[ ! -f "$work/wheels/.complete" ]]; then
+    python3 "$resolver" vllm==0.26.0 "$work/wheels"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_17_x86_64 --platform any \
+        -d "$work/wheels" pycountry pytest-asyncio==1.5.0
+    touch "$work/wheels/.complete"
+fi
+rm -rf "$root"/.p[0-9]*
+tar cf "$work/all.tar" -C "$work/wheels" --exclude=.complete .
+(cd "$work" && rm -f part.* && split -b 58m -d -a 1 all.tar part.)
+n=0
+for part in "$work"/part.*; do
+    n=$((n + 1))
+    mkdir -p "$root/.p$n"
+    cp "$part" "$root/.p$n/"
+done
+echo "$n parts in .p1 ... .p$n ($(du -sh "$work/all.tar" | cut -f1) in all)"
