@@ -16,8 +16,8 @@ import threading
 from collections.abc import Sequence
 
 
-def _serve(argv: Sequence[str]) -> int:
-    argv = list(argv)
+def _serve(raw_argv: Sequence[str]) -> int:
+    argv = list(raw_argv)
     env: dict[str, str] = {}
     if "--embedded" in argv:
         from skyrl_lora.server.embedded import ensure_embedded_model
