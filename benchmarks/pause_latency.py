@@ -23,6 +23,7 @@ class PauseLatency:
     in_flight: int
     client_ms: list[float]
     server_ms: list[float]
+    aborted: list[int]
 
     @property
     def summary(self) -> dict[str, float]:
@@ -31,6 +32,8 @@ class PauseLatency:
             "p99_ms": percentile(self.client_ms, 99),
             "server_median_ms": median(self.server_ms),
             "server_p99_ms": percentile(self.server_ms, 99),
+            "aborted_min": min(self.aborted),
+            "aborted_median": median(self.aborted),
         }
 
 
@@ -39,6 +42,7 @@ async def run(
 ) -> PauseLatency:
     client_ms: list[float] = []
     server_ms: list[float] = []
+    aborted: list[int] = []
     async with RemoteInferenceClient(url) as client:
         await client.load_lora_adapter("lat-a", str(model.adapters["meow"]))
         params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
@@ -55,8 +59,8 @@ async def run(
             (ack,) = await client.pause_generation(lora_name="lat-a")
             client_ms.append((time.perf_counter() - started) * 1000)
             server_ms.append(ack.drain_seconds * 1000)
-            assert ack.aborted == in_flight, ack
+            aborted.append(ack.aborted)  # a stream between two samples may miss one pause
             await client.resume_generation(lora_name="lat-a")
         stop.set()
         await asyncio.gather(*load)
-    return PauseLatency(rounds, in_flight, client_ms, server_ms)
+    return PauseLatency(rounds, in_flight, client_ms, server_ms, aborted)

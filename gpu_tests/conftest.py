@@ -17,6 +17,11 @@ from typing import Any
 
 import pytest
 
+# The CUDA engine runs the tiny model so fast that short samples finish before
+# a pause can land: the shared scenarios read these when they are imported.
+os.environ.setdefault("SKYRL_TEST_LONG", "900")
+os.environ.setdefault("SKYRL_TEST_SETTLE_S", "0.05")
+
 from tests.conftest import EngineServer, embedded_model, http, tokenizer  # noqa: F401
 
 
@@ -82,7 +87,7 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 def engine_server(embedded_model: Any, tokenizer: Any) -> Iterator[EngineServer]:  # noqa: F811
     from skyrl_lora.server.presets import embedded_server_argv
 
-    dtype = os.environ.get("SKYRL_GPU_DTYPE", "float32")
+    dtype = os.environ.get("SKYRL_GPU_DTYPE", "bfloat16")  # CUDA LoRA kernels: fp16/bf16 only
     argv = embedded_server_argv(embedded_model, extra=[*GPU_FLAGS, "--dtype", dtype])
     started = time.monotonic()
     proc, url = start_server(argv, "gpu_scenario_server")

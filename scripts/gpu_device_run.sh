@@ -36,11 +36,10 @@ case "${1:-}" in
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         export PYTHONUNBUFFERED=1 SKYRL_LORA_CACHE="$HOME/skyrl-cache"
         # Editable, like on the CPU machines: client/ and server/ map into skyrl_lora.
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation --user -e . \
-            || python3 -m pip install -q --no-index --no-deps --no-build-isolation --user \
-                --break-system-packages -e .
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
-        exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s gpu_tests "$@"
+        [[ $# -gt 0 ]] || set -- gpu_tests
+        exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s "$@"
         ;;
     *)
         sed -n '2,9p' "$0" >&2

@@ -7,6 +7,7 @@ the tests do not depend on each other's order.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -17,7 +18,12 @@ from tests.conftest import EngineServer
 
 pytestmark = pytest.mark.engine
 
-LONG = 360  # tokens: several seconds on CPU, so aborts land mid-flight
+# GPU runs set these: the CUDA engine is fast enough to finish short samples
+# before a pause could land.
+LONG = int(
+    os.environ.get("SKYRL_TEST_LONG", "360")
+)  # tokens: several seconds on CPU, so aborts land mid-flight
+SETTLE_S = float(os.environ.get("SKYRL_TEST_SETTLE_S", "0.3"))
 
 
 async def post(
@@ -78,7 +84,7 @@ async def wait_until_running(http, server, name: str, count: int) -> None:
     while (await adapter_state(http, server, name))["engine_requests"] < count:
         assert time.monotonic() < deadline, "requests never reached the engine"
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # let them produce some tokens
+    await asyncio.sleep(SETTLE_S)  # let them produce some tokens
 
 
 async def test_adapters_produce_their_word_and_base_does_not(engine_server, http) -> None:
@@ -161,7 +167,7 @@ async def test_no_tokens_from_a_paused_adapter(engine_server, http) -> None:
 
     async def one(delay: float) -> tuple[float, dict]:
         await asyncio.sleep(delay)
-        result = await sample(http, engine_server, "flood", max_tokens=60)
+        result = await sample(http, engine_server, "flood", max_tokens=LONG // 6)
         return time.monotonic(), result
 
     tasks = [asyncio.create_task(one(i * 0.02)) for i in range(40)]
@@ -231,17 +237,19 @@ async def test_vllm_routes_are_gated_and_tagged(engine_server, http) -> None:
 
 
 async def test_global_pause_keep_mode_still_works(engine_server, http) -> None:
-    task = asyncio.create_task(sample(http, engine_server, None, max_tokens=200))
-    await asyncio.sleep(0.5)
+    task = asyncio.create_task(sample(http, engine_server, "meow", max_tokens=LONG))
+    await wait_until_running(http, engine_server, "meow", 1)
     paused = await post(http, engine_server, "/skyrl/v1/pause", {})
-    assert paused["lora_name"] is None and paused["paused"]
-    await asyncio.sleep(1.0)
-    assert not task.done(), "keep mode freezes requests in place"
-    assert (await get(http, engine_server, "/skyrl/v1/adapters"))["engine_paused"]
-    await post(http, engine_server, "/skyrl/v1/resume", {})
+    try:
+        assert paused["lora_name"] is None and paused["paused"]
+        await asyncio.sleep(1.0)
+        assert not task.done(), "keep mode freezes requests in place"
+        assert (await get(http, engine_server, "/skyrl/v1/adapters"))["engine_paused"]
+    finally:  # never leave the engine paused for the tests after this one
+        await post(http, engine_server, "/skyrl/v1/resume", {})
     result = await asyncio.wait_for(task, 60)
     assert result["sequences"][0]["stop_reason"] == "length"
-    assert len(result["sequences"][0]["tokens"]) == 200
+    assert len(result["sequences"][0]["tokens"]) == LONG
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,23 @@
 from skyrl_lora.server.embedded.builder import (
     ADAPTER_WORDS,
     BABBLE,
+    BUILD_VERSION,
     EmbeddedModel,
     build_adapter,
+    default_cache_dir,
     ensure_embedded_model,
+    load_model,
     vocabulary,
 )
 
 __all__ = [
     "ADAPTER_WORDS",
     "BABBLE",
+    "BUILD_VERSION",
     "EmbeddedModel",
     "build_adapter",
+    "default_cache_dir",
     "ensure_embedded_model",
+    "load_model",
     "vocabulary",
 ]
