@@ -15,6 +15,7 @@ The adapters are written in PEFT's format without depending on ``peft``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,6 +122,12 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file`` makes the file private (0600); a shared cache needs it readable."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
 def _model_config() -> LlamaConfig:
     from transformers import LlamaConfig
 
@@ -162,7 +170,7 @@ def build_base_model(out_dir: Path) -> None:
     # What save_pretrained writes, minus its progress bar on stderr.
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out_dir)
-    save_file(model.state_dict(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _save_tensors(model.state_dict(), out_dir / "model.safetensors")
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out_dir)
 
 
@@ -281,7 +289,7 @@ def _save_adapter(
         key = f"base_model.model.{name}"
         tensors[f"{key}.lora_A.weight"] = lora.lora_A.detach().contiguous()
         tensors[f"{key}.lora_B.weight"] = lora.lora_B.detach().contiguous()
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    _save_tensors(tensors, out_dir / "adapter_model.safetensors")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -383,19 +391,26 @@ def _describe(root: Path) -> EmbeddedModel:
     return EmbeddedModel(root, root / "model", {n: root / "adapters" / n for n in names})
 
 
-def ensure_embedded_model(cache_dir: Path | None = None) -> EmbeddedModel:
-    """Return the cached build, building it first if needed.
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` (released by the kernel if the holder dies).
 
-    Builds go to a temporary sibling folder that is renamed into place when
-    complete, so a crash never leaves a half-built cache. Renaming onto a
-    folder that another builder completed meanwhile fails; that counts as
-    success, so concurrent builders all end up with the same complete one.
+    Builders wait for each other rather than build side by side: two
+    builds on two cores, each with two torch threads, run ~25x slower.
     """
-    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    marker = target / "COMPLETE"
-    if marker.exists():
-        return _describe(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _build_into(target: Path) -> None:
+    """Build in a scratch sibling, then rename it into place in one step, so
+    a crash never leaves a half-built ``target``. Should the rename find the
+    target completed by another builder (no working lock, e.g. on some
+    network file systems), that counts as success."""
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
     try:
         build(scratch / "out")
@@ -404,8 +419,19 @@ def ensure_embedded_model(cache_dir: Path | None = None) -> EmbeddedModel:
         try:
             os.replace(scratch / "out", target)
         except OSError as error:
-            if not marker.exists():
+            if not (target / "COMPLETE").exists():
                 raise RuntimeError(f"{target} exists but holds no complete build") from error
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> EmbeddedModel:
+    """Return the build in ``cache_dir`` (default: ``default_cache_dir()``),
+    building it first if it is not complete; safe with concurrent callers."""
+    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if not (target / "COMPLETE").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(target.parent / f".{target.name}.lock"):
+            if not (target / "COMPLETE").exists():
+                _build_into(target)
     return _describe(target)
