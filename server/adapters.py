@@ -23,11 +23,13 @@ import logging
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from skyrl_lora.errors import AdapterNotFoundError, BadRequestError
+from skyrl_lora.server.observability import log_event
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,13 @@ class AdapterRegistry:
         published: dict[str, Any],
         lora_request_factory: Any,
         snapshot_root: Path | None = None,
+        allowed_roots: Sequence[Path] | None = None,
     ) -> None:
         self._engine = engine
         self._published = published
         self._make_request = lora_request_factory
         self._snapshot_root = snapshot_root or Path(tempfile.mkdtemp(prefix="skyrl-lora-adapters-"))
+        self._roots = [Path(r).resolve() for r in allowed_roots] if allowed_roots else None
         self._records: dict[str, AdapterRecord] = {}
         self._last_version: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -107,7 +111,7 @@ class AdapterRegistry:
         The caller holds :meth:`lock` and, for a reload, the adapter's pause.
         On failure the previous version (if any) stays in service.
         """
-        source = validate_adapter_dir(source_path)
+        source = validate_adapter_dir(source_path, self._roots)
         version = self._last_version[lora_name] + 1
         snapshot = await asyncio.to_thread(self._snapshot, source, lora_name, version)
         request = self._make_request(
@@ -117,6 +121,7 @@ class AdapterRegistry:
             await self._engine.add_lora(request)
         except Exception as exc:
             shutil.rmtree(snapshot, ignore_errors=True)
+            log_event("adapter_load_failed", lora_name=lora_name, path=source_path, error=str(exc))
             raise BadRequestError(
                 f"loading LoRA adapter {lora_name!r} from {source_path!r} failed: {exc}"
             ) from exc
@@ -127,15 +132,7 @@ class AdapterRegistry:
         self._published[lora_name] = request
         if previous is not None:
             await self._retire(previous)
-        logger.info(
-            "adapter loaded",
-            extra={
-                "event": "adapter_load",
-                "lora_name": lora_name,
-                "version": version,
-                "path": str(source),
-            },
-        )
+        log_event("adapter_load", lora_name=lora_name, version=version, path=str(source))
         return record
 
     async def unload(self, lora_name: str) -> AdapterRecord:
@@ -143,7 +140,7 @@ class AdapterRegistry:
         del self._records[lora_name]
         self._published.pop(lora_name, None)
         await self._retire(record)
-        logger.info("adapter unloaded", extra={"event": "adapter_unload", "lora_name": lora_name})
+        log_event("adapter_unload", lora_name=lora_name, version=record.version)
         return record
 
     async def _retire(self, record: AdapterRecord) -> None:
@@ -163,14 +160,31 @@ class AdapterRegistry:
         return target
 
 
-def validate_adapter_dir(path: str) -> Path:
-    """Fail early, with a message a trainer can act on, on a path that cannot load."""
+def validate_adapter_dir(path: str, roots: Sequence[Path] | None = None) -> Path:
+    """Fail early, with a message a trainer can act on, on a path that cannot load.
+
+    With ``roots``, the folder and every file in it must resolve (symlinks
+    followed, ``..`` collapsed) to somewhere under one of them: a tenant must
+    not be able to make the server read files outside the adapter store.
+    """
     source = Path(path)
     if not source.is_dir():
         raise BadRequestError(f"adapter path {path!r} is not a directory")
-    if not (source / ADAPTER_CONFIG).is_file():
+    resolved = source.resolve()
+    if roots is not None:
+        escaped = [p for p in [resolved, *resolved.rglob("*")] if not _inside(p.resolve(), roots)]
+        if escaped:
+            raise BadRequestError(
+                f"adapter path {path!r} leads outside the allowed adapter roots "
+                f"({', '.join(map(str, roots))}): {escaped[0]}"
+            )
+    if not (resolved / ADAPTER_CONFIG).is_file():
         raise BadRequestError(f"adapter path {path!r} has no {ADAPTER_CONFIG}")
-    return source.resolve()
+    return resolved
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == root or path.is_relative_to(root) for root in roots)
 
 
 def _safe_dirname(name: str) -> str:

@@ -21,8 +21,9 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skyrl_lora.errors import ServerError
-from skyrl_lora.server import compat
+from skyrl_lora.server import compat, observability
 from skyrl_lora.server.adapters import AdapterRegistry
+from skyrl_lora.server.auth import AuthMiddleware, KeyStore
 from skyrl_lora.server.engine import GatedEngine, admitted_versions
 from skyrl_lora.server.gate import AdapterGate
 from skyrl_lora.server.routes import build_router, error_response
@@ -38,6 +39,20 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse ``vllm serve`` flags plus ours; every vLLM flag passes through."""
     parser = compat.make_arg_parser()
     group = parser.add_argument_group("skyrl-lora")
+    group.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        help="JSON file of API keys scoped to adapters (see skyrl_lora.server.auth); "
+        "without it the server is open",
+    )
+    group.add_argument(
+        "--adapter-root",
+        type=Path,
+        action="append",
+        default=None,
+        help="folder adapters may be loaded from (repeatable); without it any path loads",
+    )
     group.add_argument(
         "--adapter-snapshot-dir",
         type=Path,
@@ -95,10 +110,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         published=app.state.openai_serving_models.lora_requests,
         lora_request_factory=compat.lora_request_class(),
         snapshot_root=args.adapter_snapshot_dir,
+        allowed_roots=args.adapter_root,
     )
     registry.adopt_static()
     gated = GatedEngine(engine_client, AdapterGate(version_of=registry.version), registry)
     gated.install()
+    observability.register(gated.gate)
     max_model_len = int(engine_client.model_config.max_model_len)
     tokenizer = await compat.get_tokenizer(engine_client)
     info = ServerInfo(
@@ -118,6 +135,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     app.middleware_stack = None
     app.add_exception_handler(ServerError, skyrl_error)
     app.add_middleware(AdapterVersionHeader)
+    if args.api_keys is not None:
+        app.add_middleware(
+            AuthMiddleware, keys=KeyStore.load(args.api_keys), base_model_name=info.model
+        )
+    else:
+        logger.warning("no --api-keys: every client may use and control every adapter")
     return app, gated
 
 

@@ -8,7 +8,6 @@ route it came from, without forking any of vLLM's serving code.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -16,8 +15,7 @@ from typing import Any
 
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.gate import AdapterGate, Admission, DrainResult
-
-logger = logging.getLogger(__name__)
+from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
 
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
@@ -86,33 +84,33 @@ class GatedEngine:
     async def pause(self, lora_name: str) -> tuple[bool, DrainResult]:
         self.registry.get(lora_name)
         was_paused, drain = await self.gate.pause(lora_name, self.abort_requests)
-        logger.info(
-            "adapter paused",
-            extra={
-                "event": "pause",
-                "lora_name": lora_name,
-                "aborted": drain.aborted,
-                "drain_ms": round(drain.seconds * 1000, 2),
-                "was_paused": was_paused,
-            },
+        if drain.aborted:
+            PAUSE_TO_ABORTED.observe(drain.seconds)
+        log_event(
+            "pause",
+            lora_name=lora_name,
+            aborted=drain.aborted,
+            drain_ms=round(drain.seconds * 1000, 2),
+            was_paused=was_paused,
         )
         return was_paused, drain
 
     def resume(self, lora_name: str) -> bool:
         self.registry.get(lora_name)
         was_paused = self.gate.resume(lora_name)
-        logger.info(
-            "adapter resumed",
-            extra={"event": "resume", "lora_name": lora_name, "was_paused": was_paused},
-        )
+        log_event("resume", lora_name=lora_name, was_paused=was_paused)
         return was_paused
 
     async def abort(self, lora_name: str) -> DrainResult:
         self.registry.get(lora_name)
         drain = await self.gate.abort(lora_name, self.abort_requests)
-        logger.info(
-            "adapter requests aborted",
-            extra={"event": "abort", "lora_name": lora_name, "aborted": drain.aborted},
+        if drain.aborted:
+            PAUSE_TO_ABORTED.observe(drain.seconds)
+        log_event(
+            "abort",
+            lora_name=lora_name,
+            aborted=drain.aborted,
+            drain_ms=round(drain.seconds * 1000, 2),
         )
         return drain
 

@@ -72,6 +72,7 @@ class GateCounters:
     pauses: int = 0
     aborted_requests: int = 0
     held_requests: int = 0
+    resumed_segments: int = 0
 
 
 class AdapterGate:
@@ -101,6 +102,9 @@ class AdapterGate:
 
     def held(self, lora_name: str) -> int:
         return self._state(lora_name).held
+
+    def held_by_adapter(self) -> dict[str, int]:
+        return {name: s.held for name, s in self._states.items() if s.held}
 
     async def admit(self, lora_name: str, request_id: str) -> Admission:
         """Wait while the adapter is paused, then register the request.
@@ -166,18 +170,28 @@ class AdapterGate:
 
         Only the requests in flight at the call are waited for: a plain abort
         leaves the gate open, and requests admitted after it are not its
-        business (under a pause nothing new is admitted anyway).
+        business (under a pause nothing new is admitted anyway). The abort is
+        re-sent only when ``ABORT_RETRY_INTERVAL_S`` passes without the drain
+        finishing, not on every release: while 64 requests come back one by
+        one, re-aborting the rest each time would flood the engine.
         """
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         targets = list(state.in_flight.values())
         remaining = targets
+        resend_at = started
         while remaining:
+            now = loop.time()
+            if now >= resend_at:
+                await abort([a.request_id for a in remaining])
+                resend_at = loop.time() + ABORT_RETRY_INTERVAL_S
+                remaining = [a for a in remaining if not a.ended]
+                continue
             state.released.clear()
-            await abort([a.request_id for a in remaining])
             try:
-                await asyncio.wait_for(state.released.wait(), ABORT_RETRY_INTERVAL_S)
+                await asyncio.wait_for(state.released.wait(), resend_at - now)
             except asyncio.TimeoutError:
                 pass
             remaining = [a for a in remaining if not a.ended]
         self.counters.aborted_requests += len(targets)
-        return DrainResult(aborted=len(targets), seconds=time.monotonic() - started)
+        return DrainResult(aborted=len(targets), seconds=loop.time() - started)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from skyrl_lora.errors import ServerError
+from skyrl_lora.errors import PermissionDeniedError, ServerError
 from skyrl_lora.server import compat
+from skyrl_lora.server.auth import request_key
 from skyrl_lora.server.engine import GatedEngine
 from skyrl_lora.server.sample import Sampler
 from skyrl_lora.types import (
@@ -28,6 +29,8 @@ PREFIX = "/skyrl/v1"
 
 _ERRORS = {
     400: {"model": ErrorBody, "description": "invalid request"},
+    401: {"model": ErrorBody, "description": "missing or unknown API key"},
+    403: {"model": ErrorBody, "description": "API key not allowed this adapter or operation"},
     404: {"model": ErrorBody, "description": "unknown adapter"},
 }
 
@@ -94,16 +97,27 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
         return PauseResponse(lora_name=body.lora_name, paused=False, was_paused=was_paused)
 
     @router.get("/adapters")
-    async def list_adapters() -> AdapterList:
+    async def list_adapters(request: Request) -> AdapterList:
+        """Adapters this caller may use (all of them without API keys)."""
+        key = request_key(request.scope)
         counts = compat.engine_requests_by_lora(engine.engine_client)
+        names = [n for n in engine.registry.names() if key is None or key.may_use(n)]
         return AdapterList(
-            adapters=[adapter_info(n, counts) for n in engine.registry.names()],
+            adapters=[adapter_info(n, counts) for n in names],
             engine_paused=await compat.engine_is_paused(engine.engine_client),
         )
 
     @router.post("/adapters/load")
-    async def load_adapter(body: LoadAdapterRequest) -> AdapterInfo:
-        """Load a new adapter, or reload one in place (pausing it if the caller did not)."""
+    async def load_adapter(body: LoadAdapterRequest, request: Request) -> AdapterInfo:
+        """Load a new adapter, or reload one in place (pausing it if the caller did not).
+
+        With API keys, only an admin key may bring in a name not loaded yet.
+        """
+        key = request_key(request.scope)
+        if key is not None and not key.admin and body.lora_name not in engine.registry.names():
+            raise PermissionDeniedError(
+                f"loading the new adapter name {body.lora_name!r} needs an admin key"
+            )
         await engine.load(body.lora_name, body.lora_path)
         return adapter_info(body.lora_name)
 

@@ -40,6 +40,8 @@ class Sampler:
         params = self._sampling_params(request, room=self._max_model_len - prompt_len)
         prompt = compat.tokens_prompt(list(request.prompt_token_ids))
         request_id = f"skyrl-sample-{uuid.uuid4().hex}"
+        if request.generated_prefix_len:
+            self._engine.gate.counters.resumed_segments += 1
         version: int | None = None
         if request.lora_name is None:
             final = await self._run(prompt, params, request_id, None)

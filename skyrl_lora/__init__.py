@@ -9,10 +9,12 @@ pydantic so that a trainer can depend on the client without pulling in vLLM.
 
 from skyrl_lora.errors import (
     AdapterNotFoundError,
+    AuthenticationError,
     BadRequestError,
     ConflictError,
     FanOutError,
     InternalServerError,
+    PermissionDeniedError,
     RequestTimeoutError,
     RetryLimitError,
     ServerError,
@@ -30,10 +32,12 @@ from skyrl_lora.types import (
 
 __all__ = [
     "AdapterNotFoundError",
+    "AuthenticationError",
     "BadRequestError",
     "ConflictError",
     "FanOutError",
     "InternalServerError",
+    "PermissionDeniedError",
     "RequestTimeoutError",
     "RetryLimitError",
     "SampleRequest",

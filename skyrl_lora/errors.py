@@ -70,6 +70,20 @@ class BadRequestError(ServerError):
     error_type = "bad_request"
 
 
+class AuthenticationError(ServerError):
+    """The API key is missing or unknown."""
+
+    status = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(ServerError):
+    """The API key is valid but not for this adapter or operation."""
+
+    status = 403
+    error_type = "permission_denied"
+
+
 class AdapterNotFoundError(ServerError):
     """The named LoRA adapter is not loaded on the server."""
 
@@ -93,7 +107,14 @@ class InternalServerError(ServerError):
 
 _BY_TYPE: dict[str, type[ServerError]] = {
     cls.error_type: cls
-    for cls in (BadRequestError, AdapterNotFoundError, ConflictError, InternalServerError)
+    for cls in (
+        BadRequestError,
+        AuthenticationError,
+        PermissionDeniedError,
+        AdapterNotFoundError,
+        ConflictError,
+        InternalServerError,
+    )
 }
 
 
@@ -105,6 +126,10 @@ def error_class_for(status: int, error_type: str | None) -> type[ServerError]:
     """
     if error_type in _BY_TYPE:
         return _BY_TYPE[error_type]
+    if status == 401:
+        return AuthenticationError
+    if status == 403:
+        return PermissionDeniedError
     if status == 404:
         return AdapterNotFoundError
     if status == 409:

@@ -6,12 +6,18 @@ start lazily, so the pure unit tests never pay for them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+
+ADMIN_KEY = "test-admin-key"
+#: Tenant keys of the session server: each may use only its own adapter.
+TENANT_KEYS = {"sec-a": "tenant-a-key", "sec-b": "tenant-b-key"}
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,8 @@ class EngineServer:
     url: str
     model: Any  # skyrl_lora.server.embedded.EmbeddedModel
     tokenizer: Any
+    admin_key: str | None = None
+    adapter_root: Path | None = None  # a folder the server may load adapters from
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -53,19 +61,43 @@ def local_ray() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def engine_server(embedded_model: Any, local_ray: Any, tokenizer: Any) -> Iterator[EngineServer]:
+def engine_server(
+    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
+) -> Iterator[EngineServer]:
+    """The session's server, as in production: API keys on, adapter paths confined
+    to the embedded model's folder and one scratch folder the tests write to."""
     from skyrl_lora.server.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
-    argv = embedded_server_argv(embedded_model)
+    config = tmp_path_factory.mktemp("server-config")
+    keys = [{"key": ADMIN_KEY, "admin": True}]
+    keys += [{"key": k, "adapters": [name]} for name, k in TENANT_KEYS.items()]
+    (config / "keys.json").write_text(json.dumps({"keys": keys}))
+    scratch = tmp_path_factory.mktemp("adapter-root")
+    argv = embedded_server_argv(
+        embedded_model,
+        extra=[
+            "--api-keys",
+            str(config / "keys.json"),
+            "--adapter-root",
+            str(embedded_model.root),
+            "--adapter-root",
+            str(scratch),
+        ],
+    )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
     try:
-        yield EngineServer(url, embedded_model, tokenizer)
+        yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch)
     finally:
         local_ray.get(handle.shutdown.remote(), timeout=120)
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+async def http(engine_server: EngineServer) -> AsyncIterator[aiohttp.ClientSession]:
+    """A session that authenticates as the admin (where the server has keys)."""
+    headers = (
+        {"Authorization": f"Bearer {engine_server.admin_key}"} if engine_server.admin_key else {}
+    )
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         yield session

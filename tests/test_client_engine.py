@@ -23,7 +23,7 @@ SETTLE_S = float(os.environ.get("SKYRL_TEST_SETTLE_S", "0.3"))
 
 @pytest.fixture
 async def client(engine_server: EngineServer) -> AsyncIterator[RemoteInferenceClient]:
-    async with RemoteInferenceClient(engine_server.url) as c:
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as c:
         yield c
 
 
