@@ -7,7 +7,10 @@ from pathlib import Path
 from benchmarks.common import TokenMeter
 from benchmarks.isolation import TENANTS, Phase
 
+TENANTS_SWAPPING = "iso-a"
+
 BIN_S = 0.25
+SMOOTH_BINS = 4  # a 1 s moving average: samples complete in waves, raw bins are spiky
 
 
 def plot(phases: list[Phase], meter: TokenMeter, out: Path) -> Path:
@@ -27,14 +30,19 @@ def plot(phases: list[Phase], meter: TokenMeter, out: Path) -> Path:
                 index = int((t - phase.start) / BIN_S)
                 if who == tenant and 0 <= index < bins:
                     counts[index] += n / BIN_S
-            ax.plot([i * BIN_S for i in range(bins)], counts, label=tenant)
+            smooth = [
+                sum(counts[max(0, i - SMOOTH_BINS + 1) : i + 1]) / min(i + 1, SMOOTH_BINS)
+                for i in range(bins)
+            ]
+            style = "--" if tenant == TENANTS_SWAPPING else "-"
+            ax.plot([i * BIN_S for i in range(bins)], smooth, style, label=tenant)
         for a, b in phase.windows:
             ax.axvspan(a - phase.start, b - phase.start, color="grey", alpha=0.25)
         ax.set_title(
             f"{titles[phase.name]}: others at {phase.others_rate / phases[0].others_rate:.2f}x"
         )
         ax.set_xlabel("seconds (grey: iso-a swapping)")
-    axes[0].set_ylabel("tokens/s (completed samples)")
+    axes[0].set_ylabel("tokens/s (completed samples, 1 s average)")
     axes[0].legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -131,16 +131,19 @@ async def test_client_raises_typed_auth_errors(tenants) -> None:
             await client.sample(tenants.encode("hi"), lora_name="sec-a")
 
 
-def _outside_copy(server: EngineServer, tmp_path) -> str:
-    outside = tmp_path / "outside"
-    shutil.copytree(server.model.adapters["woof"], outside)
+def _outside_copy(server: EngineServer) -> str:
+    """A valid adapter right next to the allowed root, so ``root/../name`` reaches it."""
+    assert server.adapter_root is not None
+    outside = server.adapter_root.parent / "outside-adapter"
+    if not outside.exists():
+        shutil.copytree(server.model.adapters["woof"], outside)
     return str(outside)
 
 
-async def test_adapter_paths_are_confined_to_the_roots(tenants, tmp_path) -> None:
+async def test_adapter_paths_are_confined_to_the_roots(tenants) -> None:
     root = tenants.adapter_root
     assert root is not None
-    outside = _outside_copy(tenants, tmp_path)
+    outside = _outside_copy(tenants)
     (root / "link-out").symlink_to(outside)
     inner = root / "sneaky"
     inner.mkdir()
@@ -151,7 +154,7 @@ async def test_adapter_paths_are_confined_to_the_roots(tenants, tmp_path) -> Non
     async with RemoteInferenceClient(tenants.url, api_key=tenants.admin_key) as admin:
         for path in (
             outside,
-            str(root / ".." / "outside"),
+            str(root / ".." / "outside-adapter"),
             str(root / "link-out"),
             str(inner),
             "/etc",
