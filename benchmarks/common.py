@@ -36,16 +36,27 @@ def embedded_server(extra: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
 
 @dataclass
 class TokenMeter:
-    """Completed tokens per tenant with timestamps, for rates and timelines."""
+    """Tokens per tenant over time, for rates and timelines.
 
-    events: list[tuple[float, str, int]] = field(default_factory=list)
+    A sample's tokens are spread evenly over its lifetime rather than counted
+    when it completes: samples finish in waves, and counting completions
+    would make the rate of a few-second window jump by whole waves.
+    """
 
-    def add(self, tenant: str, tokens: int) -> None:
-        self.events.append((time.monotonic(), tenant, tokens))
+    spans: list[tuple[float, float, str, int]] = field(default_factory=list)
+
+    def add(self, tenant: str, tokens: int, started: float) -> None:
+        self.spans.append((started, time.monotonic(), tenant, tokens))
+
+    def tokens_in(self, tenants: Sequence[str], start: float, end: float) -> float:
+        total = 0.0
+        for s, e, who, n in self.spans:
+            if who in tenants and e > start and s < end:
+                total += n * (min(e, end) - max(s, start)) / max(e - s, 1e-9)
+        return total
 
     def rate(self, tenants: Sequence[str], start: float, end: float) -> float:
-        total = sum(n for t, who, n in self.events if who in tenants and start <= t < end)
-        return total / (end - start)
+        return self.tokens_in(tenants, start, end) / (end - start)
 
 
 async def keep_sampling(
@@ -62,8 +73,9 @@ async def keep_sampling(
 
     async def loop() -> None:
         while not stop.is_set():
+            started = time.monotonic()
             out = await client.sample_with_retry(prompt, sampling_params=params, lora_name=tenant)
-            meter.add(tenant, len(out.sequences[0].tokens))
+            meter.add(tenant, len(out.sequences[0].tokens), started)
 
     await asyncio.gather(*(loop() for _ in range(streams)))
 

@@ -84,15 +84,7 @@ class GatedEngine:
     async def pause(self, lora_name: str) -> tuple[bool, DrainResult]:
         self.registry.get(lora_name)
         was_paused, drain = await self.gate.pause(lora_name, self.abort_requests)
-        if drain.aborted:
-            PAUSE_TO_ABORTED.observe(drain.seconds)
-        log_event(
-            "pause",
-            lora_name=lora_name,
-            aborted=drain.aborted,
-            drain_ms=round(drain.seconds * 1000, 2),
-            was_paused=was_paused,
-        )
+        _record_drain("pause", lora_name, drain, was_paused=was_paused)
         return was_paused, drain
 
     def resume(self, lora_name: str) -> bool:
@@ -104,14 +96,7 @@ class GatedEngine:
     async def abort(self, lora_name: str) -> DrainResult:
         self.registry.get(lora_name)
         drain = await self.gate.abort(lora_name, self.abort_requests)
-        if drain.aborted:
-            PAUSE_TO_ABORTED.observe(drain.seconds)
-        log_event(
-            "abort",
-            lora_name=lora_name,
-            aborted=drain.aborted,
-            drain_ms=round(drain.seconds * 1000, 2),
-        )
+        _record_drain("abort", lora_name, drain)
         return drain
 
     async def load(self, lora_name: str, lora_path: str) -> int:
@@ -141,3 +126,16 @@ class GatedEngine:
             finally:
                 self.gate.resume(lora_name)
             self.gate.forget(lora_name)
+
+
+def _record_drain(event: str, lora_name: str, drain: DrainResult, **fields: Any) -> None:
+    """Metric and event line for one pause or abort."""
+    if drain.aborted:
+        PAUSE_TO_ABORTED.observe(drain.seconds)
+    log_event(
+        event,
+        lora_name=lora_name,
+        aborted=drain.aborted,
+        drain_ms=round(drain.seconds * 1000, 2),
+        **fields,
+    )
