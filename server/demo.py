@@ -123,11 +123,12 @@ async def run(url: str, model: Any, tokenizer: Any, samples: int, max_tokens: in
         await shower
     print(f"\nAll {samples * len(TENANTS)} samples finished in {elapsed:.1f} s.\n")
     for tenant, p in progress.items():
-        result = p.results[0]
+        # Show the sample that saw the most versions (for tenant-a: the swaps).
+        result = max(p.results, key=lambda r: len(r.sequences[0].versions))
         (seq,) = result.sequences
         text = tokenizer.decode(seq.tokens).split()
         print(
-            f"{tenant} (started on {TENANTS[tenant]} weights), first sample, "
+            f"{tenant} (started on {TENANTS[tenant]} weights), one sample, "
             f"{len(seq.tokens)} tokens, stop={seq.stop_reason}, {seq.segments} segment(s):"
         )
         for r in seq.versions:
