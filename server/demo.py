@@ -51,9 +51,18 @@ async def _sample_tenant(
     await asyncio.gather(*(one() for _ in range(samples)))
 
 
+async def _generating(client: RemoteInferenceClient, tenant: str) -> bool:
+    listing = await client.list_adapters()
+    return any(a.engine_requests for a in listing.adapters if a.lora_name == tenant)
+
+
 async def _swap_twice(
     client: RemoteInferenceClient, adapters: dict[str, Any], log: list[str], every: float
 ) -> None:
+    # Start the clock once tenant-a's samples are really generating: the first
+    # requests of a fresh server also pay for its warm-up.
+    while not await _generating(client, "tenant-a"):  # noqa: ASYNC110 (polls the server)
+        await asyncio.sleep(0.05)
     for weights in SWAPS:
         await asyncio.sleep(every)
         started = time.monotonic()
