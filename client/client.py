@@ -198,7 +198,8 @@ class RemoteInferenceClient:
         Each aborted sequence waits on its adapter's gate, then is resubmitted
         as ``prompt + tokens so far`` with the remaining ``max_tokens``; the
         segments' tokens, logprobs and adapter versions are stitched together.
-        Prompt logprobs are those of the original prompt (first segment).
+        Prompt logprobs are those of the original prompt (first segment);
+        ``adapter_version`` is the newest version that produced any token.
         """
         request = _sample_request(
             prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
@@ -217,22 +218,17 @@ class RemoteInferenceClient:
         ]
         for stitcher, seq in zip(stitchers, first.sequences):
             stitcher.add_segment(seq, first.adapter_version)
-        versions = [first.adapter_version]
-        await asyncio.gather(*(self._resume(url, request, s, versions) for s in stitchers))
+        await asyncio.gather(*(self._resume(url, request, s) for s in stitchers))
+        sequences = [s.result() for s in stitchers]
+        produced = [r.version for s in sequences for r in s.versions if r.version is not None]
         return SampleResponse(
-            sequences=[s.result() for s in stitchers],
+            sequences=sequences,
             prompt_logprobs=first.prompt_logprobs,
             lora_name=request.lora_name,
-            adapter_version=versions[-1],
+            adapter_version=max(produced, default=first.adapter_version),
         )
 
-    async def _resume(
-        self,
-        url: str,
-        original: SampleRequest,
-        stitcher: SequenceStitcher,
-        versions: list[int | None],
-    ) -> None:
+    async def _resume(self, url: str, original: SampleRequest, stitcher: SequenceStitcher) -> None:
         """Resubmit one aborted sequence until it is finished."""
         while not stitcher.done:
             if stitcher.segments > self.config.max_resubmits:
@@ -251,7 +247,6 @@ class RemoteInferenceClient:
                 }
             )
             url, response = await self._sample_on(request, prefer=url)
-            versions.append(response.adapter_version)
             stitcher.add_segment(response.sequences[0], response.adapter_version)
 
     # -- control -----------------------------------------------------------

@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from skyrl_lora.server.adapters import AdapterRegistry
-from skyrl_lora.server.gate import AdapterGate, Admission, DrainResult
+from skyrl_lora.server.adapters import AdapterRecord, AdapterRegistry
+from skyrl_lora.server.gate import AdapterGate, DrainResult
 from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
 
 #: Versions admitted while serving the current HTTP request; read by the
@@ -36,21 +36,22 @@ class GatedEngine:
         self.engine_client.generate = self.generate
 
     @asynccontextmanager
-    async def admitted(self, lora_name: str, request_id: str) -> AsyncIterator[Admission]:
-        """Hold the adapter's gate for one request.
+    async def admitted(self, lora_name: str, request_id: str) -> AsyncIterator[AdapterRecord]:
+        """Hold the adapter's gate for one request; yields the version to run on.
 
         The registry lookup happens after admission: a request that waited
         through a reload must run on the new version, and one whose adapter
-        was unloaded meanwhile must fail cleanly.
+        was unloaded meanwhile must fail cleanly. The pause keeps the record
+        current until the admission is released.
         """
         self.registry.get(lora_name)
         admission = await self.gate.admit(lora_name, request_id)
         try:
-            self.registry.get(lora_name)
+            record = self.registry.get(lora_name)
             tags = admitted_versions.get()
             if tags is not None:
-                tags.append(admission.version)
-            yield admission
+                tags.append(record.version)
+            yield record
         finally:
             self.gate.release(admission)
 
@@ -70,10 +71,14 @@ class GatedEngine:
             ):
                 yield output
             return
-        async with self.admitted(lora_request.lora_name, request_id):
-            current = self.registry.get(lora_request.lora_name).lora_request
+        async with self.admitted(lora_request.lora_name, request_id) as record:
             async for output in self.raw_generate(
-                prompt, sampling_params, request_id, *args, lora_request=current, **kwargs
+                prompt,
+                sampling_params,
+                request_id,
+                *args,
+                lora_request=record.lora_request,
+                **kwargs,
             ):
                 yield output
 

@@ -46,10 +46,9 @@ class Sampler:
         if request.lora_name is None:
             final = await self._run(prompt, params, request_id, None)
         else:
-            async with self._engine.admitted(request.lora_name, request_id) as admission:
-                version = admission.version
-                lora = self._engine.registry.get(request.lora_name).lora_request
-                final = await self._run(prompt, params, request_id, lora)
+            async with self._engine.admitted(request.lora_name, request_id) as record:
+                version = record.version
+                final = await self._run(prompt, params, request_id, record.lora_request)
         sequences = [
             self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
         ]
