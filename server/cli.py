@@ -15,9 +15,38 @@ import sys
 import threading
 from collections.abc import Sequence
 
+#: Flags ``serve`` handles itself, before vLLM's parser sees the rest.
+SERVE_USAGE = """\
+usage: skyrl-lora serve [--embedded] [--no-ray] [skyrl-lora flags] [vllm serve flags]
+
+  --embedded   serve the embedded tiny model and its adapters (no download)
+  --no-ray     serve in this process instead of a local Ray actor
+
+skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir) and
+every `vllm serve` flag follow.
+"""
+
+
+def _serve_help() -> int:
+    """Print ours and vLLM's flags without starting Ray or an engine.
+
+    The full parser is vLLM's, so this imports vLLM (a few seconds) but
+    builds nothing; argparse's own ``--help`` exit is turned into a return code.
+    """
+    from skyrl_lora.server.app import parse_server_args
+
+    print(SERVE_USAGE, flush=True)
+    try:
+        parse_server_args(["--help"])
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
 
 def _serve(raw_argv: Sequence[str]) -> int:
     argv = list(raw_argv)
+    if "-h" in argv or "--help" in argv:
+        return _serve_help()
     env: dict[str, str] = {}
     if "--embedded" in argv:
         from skyrl_lora.server.embedded import ensure_embedded_model

@@ -1,0 +1,37 @@
+"""``skyrl-lora serve --help`` prints help and exits 0 without starting Ray or an engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+#: Runs the CLI's ``main`` in a fresh interpreter and reports whether Ray was started.
+PROBE = """
+import sys
+from skyrl_lora.server.cli import main
+rc = main(sys.argv[1:])
+ray = sys.modules.get("ray")
+started = bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+print(f"RAY_STARTED={started}")
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize(("flag", "extra"), [("--help", []), ("-h", ["--embedded", "--port", "0"])])
+def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(flag: str, extra: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, "serve", *extra, flag],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for ours in ("--embedded", "--no-ray", "--api-keys", "--adapter-root"):
+        assert ours in out, ours
+    for vllms in ("--lora-modules", "--max-lora-rank", "--tensor-parallel-size"):
+        assert vllms in out, vllms
+    assert "RAY_STARTED=False" in out
+    assert "Traceback" not in done.stderr
