@@ -45,6 +45,22 @@ def make_arg_parser() -> Any:
     )
 
 
+def add_worker_extension(args: Any, qualname: str) -> bool:
+    """Ask vLLM to mix ``qualname`` into its worker class (``--worker-extension-cls``).
+
+    vLLM takes one extension; a user's own wins, and the caller is told so.
+    """
+    if getattr(args, "worker_extension_cls", None):
+        return args.worker_extension_cls == qualname  # type: ignore[no-any-return]
+    args.worker_extension_cls = qualname
+    return True
+
+
+async def collective_rpc(engine_client: Any, method: str, *args: Any) -> list[Any]:
+    """Call a worker method on every worker; one result per worker."""
+    return list(await engine_client.collective_rpc(method, args=args))
+
+
 def validate_serve_args(args: Any) -> None:
     validate = _first_attr(
         "validate_parsed_serve_args",

@@ -181,6 +181,10 @@ class ServerInfo(_Wire):
     max_model_len: int
     vllm_version: str
     eos_token_id: int | None
+    #: Whether adapter weights are read and prepared off the engine's step
+    #: loop (see ``skyrl_lora.server.staging``); False means every load
+    #: stalls all tenants for as long as it takes.
+    adapter_staging: bool = False
 
 
 class ErrorDetail(_Wire):

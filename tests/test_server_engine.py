@@ -87,6 +87,21 @@ async def wait_until_running(http, server, name: str, count: int) -> None:
     await asyncio.sleep(SETTLE_S)  # let them produce some tokens
 
 
+async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -> None:
+    info = await get(http, engine_server, "/skyrl/v1/server_info")
+    assert info["adapter_staging"] is True  # the worker extension is live in vLLM's workers
+    name = "staged-load"
+    await post(
+        http,
+        engine_server,
+        "/skyrl/v1/adapters/load",
+        {"lora_name": name, "lora_path": str(engine_server.model.adapters["woof"])},
+    )
+    out = await post(http, engine_server, "/skyrl/v1/sample", sample_body(engine_server, name, 8))
+    assert set(engine_server.tokenizer.decode(out["sequences"][0]["tokens"]).split()) == {"woof"}
+    await post(http, engine_server, "/skyrl/v1/adapters/unload", {"lora_name": name})
+
+
 async def test_adapters_produce_their_word_and_base_does_not(engine_server, http) -> None:
     for word in ("meow", "woof", "moo"):
         out = await sample(http, engine_server, word, max_tokens=20)

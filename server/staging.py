@@ -1,0 +1,198 @@
+"""Stage adapter weights off the engine's step loop.
+
+vLLM loads a LoRA adapter inside the engine core's busy loop: ``add_lora``
+reads the safetensors files, parses tensor names, checks shapes, converts
+dtype and pins host memory, and no step runs meanwhile, so every tenant
+stalls for as long as one tenant's reload takes (tens of ms on an H100, far
+more for large adapters).
+
+Here the expensive part moves to a background thread of each worker:
+
+1. :meth:`LoRAStagingExtension.skyrl_stage_lora` (a ``collective_rpc`` call
+   that only submits work and returns at once) builds vLLM's own
+   ``LoRAModel`` for the request on a worker thread, with the worker's own
+   loader, so validation and layout are exactly vLLM's.
+2. The API server polls :meth:`LoRAStagingExtension.skyrl_lora_staged` (a
+   dictionary look-up per call) until the model is ready or failed.
+3. The ordinary ``add_lora`` then finds the staged model: the worker's
+   ``_load_adapter`` is wrapped to hand it out instead of reading the files
+   again, so what runs in the step loop is only the install into vLLM's
+   adapter cache.
+
+The extension is injected with vLLM's ``--worker-extension-cls`` (see
+:func:`skyrl_lora.server.compat.add_worker_extension`); everything else in
+vLLM is untouched. Where it is absent (a user brought their own extension),
+:class:`StagedLoRAEngine` falls back to a plain ``add_lora``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_lora.server import compat
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
+
+READY = "ready"
+PENDING = "pending"
+UNKNOWN = "unknown"
+#: Prefix of the status of a staging that failed; the rest is the error.
+FAILED = "failed: "
+
+
+class _WorkerStaging:
+    """Per-worker state: one loader thread and the models it has built."""
+
+    def __init__(self, lora_manager: Any) -> None:
+        self._manager = lora_manager
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="skyrl-lora-stage"
+        )
+        self._lock = threading.Lock()
+        self._staged: dict[int, concurrent.futures.Future[Any]] = {}
+        self._load_from_files = lora_manager._load_adapter
+        lora_manager._load_adapter = self._load_adapter
+
+    def stage(self, lora_request: Any) -> None:
+        future = self._pool.submit(self._load_from_files, lora_request)
+        with self._lock:
+            self._staged[lora_request.lora_int_id] = future
+
+    def status(self, lora_int_id: int) -> str:
+        with self._lock:
+            future = self._staged.get(lora_int_id)
+        if future is None:
+            return UNKNOWN
+        if not future.done():
+            return PENDING
+        error = future.exception()
+        if error is not None:
+            with self._lock:
+                self._staged.pop(lora_int_id, None)
+            return FAILED + f"{type(error).__name__}: {error}"
+        return READY
+
+    def discard(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._staged.pop(lora_int_id, None)
+
+    def _load_adapter(self, lora_request: Any) -> Any:
+        """vLLM's loader, short-cut by a finished staging of the same adapter id."""
+        with self._lock:
+            future = self._staged.pop(lora_request.lora_int_id, None)
+        if future is not None and future.done() and future.exception() is None:
+            return future.result()
+        return self._load_from_files(lora_request)
+
+
+class LoRAStagingExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``.
+
+    Method names carry a ``skyrl_`` prefix: vLLM refuses an extension whose
+    attributes collide with the worker's own.
+    """
+
+    _skyrl_staging: _WorkerStaging | None = None
+
+    def _skyrl_stager(self) -> _WorkerStaging:
+        if self._skyrl_staging is None:
+            manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+            if manager is None:
+                raise RuntimeError("LoRA is not enabled on this worker (--enable-lora)")
+            self._skyrl_staging = _WorkerStaging(manager)
+        return self._skyrl_staging
+
+    def skyrl_staging_available(self) -> bool:
+        self._skyrl_stager()
+        return True
+
+    def skyrl_stage_lora(self, request: dict[str, Any]) -> None:
+        self._skyrl_stager().stage(compat.lora_request_class()(**request))
+
+    def skyrl_lora_staged(self, lora_int_id: int) -> str:
+        return self._skyrl_stager().status(lora_int_id)
+
+    def skyrl_discard_staged(self, lora_int_id: int) -> None:
+        self._skyrl_stager().discard(lora_int_id)
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How the API server waits for a staging: polls back off from
+    ``first_poll_s`` to ``max_poll_s`` (each poll is one cheap engine call)."""
+
+    first_poll_s: float = 0.002
+    max_poll_s: float = 0.02
+    timeout_s: float = 600.0
+
+
+class StagingError(Exception):
+    """The worker could not build the adapter (bad files, wrong shapes, ...)."""
+
+
+class StagedLoRAEngine:
+    """The engine's LoRA calls as the registry sees them, with loads staged.
+
+    ``add_lora`` stages on every worker, waits, then lets vLLM's ``add_lora``
+    install the ready model; ``remove_lora`` passes through.
+    """
+
+    def __init__(self, engine_client: Any, config: StagingConfig = StagingConfig()) -> None:
+        self._engine = engine_client
+        self._config = config
+        self.available = False
+
+    async def probe(self) -> bool:
+        """Whether the workers carry the extension (checked once at start-up)."""
+        try:
+            await compat.collective_rpc(self._engine, "skyrl_staging_available")
+            self.available = True
+        except Exception as exc:  # no extension, or an engine without collective_rpc
+            logger.warning("adapter staging off, loads run in the step loop: %s", exc)
+            self.available = False
+        return self.available
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Build the adapter off the step loop, then install it (short, in the loop)."""
+        if self.available:
+            await self._stage(lora_request)
+        return bool(await self._engine.add_lora(lora_request))
+
+    async def _stage(self, lora_request: Any) -> None:
+        lora_id = lora_request.lora_int_id
+        fields = {
+            "lora_name": lora_request.lora_name,
+            "lora_int_id": lora_id,
+            "lora_path": lora_request.lora_path,
+        }
+        await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._config.timeout_s
+        delay = self._config.first_poll_s
+        while True:
+            statuses = await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id)
+            failed = [s for s in statuses if s.startswith(FAILED)]
+            if failed:
+                await self.discard(lora_id)
+                raise StagingError(failed[0][len(FAILED) :])
+            if all(s == READY for s in statuses):
+                return
+            if UNKNOWN in statuses or loop.time() > deadline:
+                await self.discard(lora_id)
+                raise StagingError(f"staging of adapter {lora_id} was lost or timed out")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._config.max_poll_s)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return bool(await self._engine.remove_lora(lora_id))
+
+    async def discard(self, lora_id: int) -> None:
+        if self.available:
+            await compat.collective_rpc(self._engine, "skyrl_discard_staged", lora_id)
