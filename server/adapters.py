@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from skyrl_lora.errors import AdapterNotFoundError, BadRequestError
+from skyrl_lora.errors import AdapterNotFoundError, BadRequestError, ConflictError
 from skyrl_lora.server.observability import log_event
 
 logger = logging.getLogger(__name__)
@@ -105,14 +105,23 @@ class AdapterRegistry:
                 name, self._last_version[name], request.lora_path, request
             )
 
-    async def load(self, lora_name: str, source_path: str) -> AdapterRecord:
-        """Load ``source_path`` as the next version of ``lora_name``.
+    async def load(
+        self, lora_name: str, source_path: str, version: int | None = None
+    ) -> AdapterRecord:
+        """Load ``source_path`` as the next version of ``lora_name`` (or as
+        exactly ``version``, which must be greater than the last one).
 
         The caller holds :meth:`lock` and, for a reload, the adapter's pause.
         On failure the previous version (if any) stays in service.
         """
+        last = self._last_version[lora_name]
+        if version is not None and version <= last:
+            raise ConflictError(
+                f"adapter {lora_name!r} was already at version {last}; "
+                f"cannot load version {version}"
+            )
         source = validate_adapter_dir(source_path, self._roots)
-        version = self._last_version[lora_name] + 1
+        version = last + 1 if version is None else version
         snapshot = await asyncio.to_thread(self._snapshot, source, lora_name, version)
         request = self._make_request(
             lora_name=lora_name, lora_int_id=next(self._ids), lora_path=str(snapshot)

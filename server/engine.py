@@ -104,16 +104,16 @@ class GatedEngine:
         _record_drain("abort", lora_name, drain)
         return drain
 
-    async def load(self, lora_name: str, lora_path: str) -> int:
+    async def load(self, lora_name: str, lora_path: str, version: int | None = None) -> int:
         """Load or reload; a reload performs the pause itself if the caller did not."""
         async with self.registry.lock(lora_name):
             if lora_name not in self.registry.names():
-                return (await self.registry.load(lora_name, lora_path)).version
+                return (await self.registry.load(lora_name, lora_path, version)).version
             paused_here = not self.gate.is_paused(lora_name)
             if paused_here:
                 await self.pause(lora_name)
             try:
-                return (await self.registry.load(lora_name, lora_path)).version
+                return (await self.registry.load(lora_name, lora_path, version)).version
             finally:
                 if paused_here:
                     self.resume(lora_name)

@@ -118,7 +118,9 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
             raise PermissionDeniedError(
                 f"loading the new adapter name {body.lora_name!r} needs an admin key"
             )
-        await engine.load(body.lora_name, body.lora_path)
+        if key is not None and not key.admin and body.version is not None:
+            raise PermissionDeniedError("loading as an exact version needs an admin key")
+        await engine.load(body.lora_name, body.lora_path, body.version)
         return adapter_info(body.lora_name)
 
     @router.post("/adapters/unload")

@@ -146,10 +146,16 @@ class AbortResponse(_Wire):
 
 
 class LoadAdapterRequest(_Wire):
-    """Load an adapter, or reload it in place when the name is already loaded."""
+    """Load an adapter, or reload it in place when the name is already loaded.
+
+    ``version`` (admin only) loads it as exactly that version, which must be
+    greater than the name's last one: a server group rebuilding a replica uses
+    it so that version numbers mean the same weights on every replica.
+    """
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    version: int | None = Field(default=None, ge=1)
 
 
 class AdapterInfo(_Wire):
