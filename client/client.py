@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
 from skyrl_lora.errors import FanOutError, RetryLimitError, ServerUnavailableError
@@ -25,6 +27,7 @@ from skyrl_lora.types import (
     SampleResponse,
     SamplingParams,
     ServerInfo,
+    SwapPolicy,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,18 +90,22 @@ class RemoteInferenceClient:
         return await self._transport.call(method, url + path, body, timeout=timeout)
 
     async def _control(self, path: str, body: Any, model: type[ModelT]) -> list[ModelT]:
-        """POST to every server concurrently and wait for all of them.
+        """POST the same JSON body to every server; see :meth:`_fan_out`."""
+
+        async def send(url: str) -> bytes:
+            return await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
+
+        return await self._fan_out(path, send, model)
+
+    async def _fan_out(
+        self, path: str, send: Callable[[str], Awaitable[bytes]], model: type[ModelT]
+    ) -> list[ModelT]:
+        """Call every server concurrently and wait for all of them.
 
         One server: its error is raised as is. Several: any failure raises
         :class:`FanOutError` with the answers and the errors by URL.
         """
-        answers = await asyncio.gather(
-            *(
-                self._call(u, "POST", path, body, timeout=self.config.control_timeout)
-                for u in self.urls
-            ),
-            return_exceptions=True,
-        )
+        answers = await asyncio.gather(*(send(u) for u in self.urls), return_exceptions=True)
         failures: dict[str, Exception] = {}
         results: dict[str, ModelT] = {}
         for url, answer in zip(self.urls, answers):
@@ -278,10 +285,42 @@ class RemoteInferenceClient:
             f"{API}/abort_lora_requests", {"lora_name": lora_name}, AbortResponse
         )
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[AdapterInfo]:
-        """Load (or reload in place, bumping the version) on every server."""
-        body = {"lora_name": lora_name, "lora_path": lora_path}
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, swap_policy: SwapPolicy = "abort_resume"
+    ) -> list[AdapterInfo]:
+        """Load (or reload in place, bumping the version) on every server.
+
+        The path is read by each server: use :meth:`push_lora_adapter` where
+        trainer and servers share no disk. ``swap_policy="finish_old"`` lets
+        requests in flight finish on the old version instead of aborting them.
+        """
+        body = {"lora_name": lora_name, "lora_path": lora_path, "swap_policy": swap_policy}
         return await self._control(f"{API}/adapters/load", body, AdapterInfo)
+
+    async def push_lora_adapter(
+        self,
+        lora_name: str,
+        adapter: str | os.PathLike[str] | InMemoryAdapter,
+        *,
+        swap_policy: SwapPolicy = "abort_resume",
+    ) -> list[AdapterInfo]:
+        """Send adapter weights to every server and load them as the next version.
+
+        ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
+        servers need no access to the trainer's disk; each gets its own
+        streamed request, concurrently, checked against the weights' sha256.
+        Returns when every server answered (fan-out rules as for loads).
+        """
+        payload = await asyncio.to_thread(adapter_payload, adapter)
+        path = f"{API}/adapters/push"
+
+        async def send(url: str) -> bytes:
+            with payload.form(lora_name, swap_policy) as form:
+                return await self._call(
+                    url, "POST", path, form, timeout=self.config.control_timeout
+                )
+
+        return await self._fan_out(path, send, AdapterInfo)
 
     reload_lora_adapter = load_lora_adapter
 

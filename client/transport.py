@@ -76,7 +76,7 @@ class Transport:
         self,
         method: str,
         url: str,
-        body: BaseModel | Mapping[str, Any] | None = None,
+        body: BaseModel | Mapping[str, Any] | aiohttp.FormData | None = None,
         *,
         timeout: float | None,
     ) -> bytes:
@@ -86,8 +86,12 @@ class Transport:
         pydantic's compiled code: on the sampling hot path that is most of
         what separates this client from a bare aiohttp loop.
         """
+        headers = _JSON
+        data: bytes | aiohttp.FormData | None
         if isinstance(body, BaseModel):
-            data: bytes | None = body.model_dump_json().encode()
+            data = body.model_dump_json().encode()
+        elif isinstance(body, aiohttp.FormData):
+            data, headers = body, {}  # multipart: aiohttp sets the type and boundary
         else:
             data = None if body is None else json.dumps(body).encode()
         client_timeout = aiohttp.ClientTimeout(
@@ -98,7 +102,7 @@ class Transport:
                 method,
                 url,
                 data=data,
-                headers=_JSON if data is not None else None,
+                headers=headers if data is not None else None,
                 timeout=client_timeout,
             ) as response:
                 raw = await response.read()

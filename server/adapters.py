@@ -1,8 +1,8 @@
 """Adapter registry: names, versions and the engine's LoRA slots.
 
 Each load of a name gets a new version (1, 2, 3, ...; versions never repeat,
-even across an unload) and a fresh snapshot of the adapter's files. The
-snapshot is what the engine loads, for two reasons:
+even across an unload) and its own snapshot of the adapter's files. The
+snapshot is what the engine loads, for three reasons:
 
 * vLLM keys prefix-cache blocks on the adapter's (name, path). Reloading
   changed weights from the same path would silently reuse KV computed with
@@ -10,9 +10,15 @@ snapshot is what the engine loads, for two reasons:
 * vLLM may evict an adapter from its CPU cache and later reload it from its
   path. If the trainer has overwritten that path meanwhile, the old version
   would turn into the new one behind our back; the snapshot stays immutable.
+* The snapshot is taken first, without following links out of the folder,
+  and only the snapshot is validated and loaded: a tenant who can write to
+  its adapter folder cannot swap a file between our check and vLLM's read.
 
-A reload swaps the engine's ``LoRARequest`` for the name under the adapter's
-pause (see :mod:`skyrl_lora.server.gate`), so no request spans two versions.
+Every version is registered in the engine under its own name
+(``<name>@v<version>``): vLLM deduplicates the adapters of one batch by name,
+so two versions of one adapter (the ``finish_old`` swap policy keeps the old
+one running for the requests that started on it) need two engine names.
+vLLM's OpenAI routes keep resolving the public name (``published``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import shutil
+import stat
 import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
@@ -46,6 +54,8 @@ class LoRAEngine(Protocol):
 
 @dataclass(frozen=True)
 class AdapterRecord:
+    """One loaded version; ``lora_request`` is what the engine runs it as."""
+
     lora_name: str
     version: int
     source_path: str
@@ -57,7 +67,8 @@ class AdapterRegistry:
 
     ``published`` is vLLM's own ``name -> LoRARequest`` table (the serving
     models' ``lora_requests``); keeping it in step makes vLLM's OpenAI routes
-    resolve the same adapters as ours.
+    resolve the same adapters as ours. Versions replaced by a ``finish_old``
+    load stay registered as *draining* until the engine layer retires them.
     """
 
     def __init__(
@@ -74,12 +85,19 @@ class AdapterRegistry:
         self._snapshot_root = snapshot_root or Path(tempfile.mkdtemp(prefix="skyrl-lora-adapters-"))
         self._roots = [Path(r).resolve() for r in allowed_roots] if allowed_roots else None
         self._records: dict[str, AdapterRecord] = {}
+        self._draining: dict[str, dict[int, AdapterRecord]] = defaultdict(dict)
+        self._public_names: dict[str, str] = {}  # engine name -> public name
+        self._retired: set[int] = set()  # lora_int_ids
         self._last_version: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         used_ids = [r.lora_int_id for r in published.values()]
         self._ids = itertools.count(max(used_ids, default=0) + 1)
 
     # -- queries -----------------------------------------------------------
+    @property
+    def snapshot_root(self) -> Path:
+        return self._snapshot_root
+
     def names(self) -> list[str]:
         return sorted(self._records)
 
@@ -89,8 +107,34 @@ class AdapterRegistry:
             raise AdapterNotFoundError(f"LoRA adapter {lora_name!r} is not loaded")
         return record
 
+    def record(self, lora_name: str, version: int) -> AdapterRecord:
+        """The current or a draining version of ``lora_name``."""
+        current = self.get(lora_name)
+        if current.version == version:
+            return current
+        try:
+            return self._draining[lora_name][version]
+        except KeyError:
+            raise AdapterNotFoundError(
+                f"version {version} of LoRA adapter {lora_name!r} is no longer loaded"
+            ) from None
+
     def version(self, lora_name: str) -> int:
         return self.get(lora_name).version
+
+    def draining(self, lora_name: str) -> list[AdapterRecord]:
+        return [self._draining[lora_name][v] for v in sorted(self._draining.get(lora_name, {}))]
+
+    def engine_slots_used(self) -> int:
+        """Adapter versions registered in the engine (current and draining)."""
+        return len(self._records) + sum(len(d) for d in self._draining.values())
+
+    def by_public_name(self, engine_counts: dict[str, int]) -> dict[str, int]:
+        """Fold per-engine-name counts (one per version) into per-adapter counts."""
+        folded: dict[str, int] = defaultdict(int)
+        for engine_name, count in engine_counts.items():
+            folded[self._public_names.get(engine_name, engine_name)] += count
+        return dict(folded)
 
     def lock(self, lora_name: str) -> asyncio.Lock:
         """Serialises loads of one name (two reloads must not interleave)."""
@@ -104,55 +148,93 @@ class AdapterRegistry:
             self._records[name] = AdapterRecord(
                 name, self._last_version[name], request.lora_path, request
             )
+            self._public_names[request.lora_name] = name
 
     async def load(
         self, lora_name: str, source_path: str, version: int | None = None
-    ) -> AdapterRecord:
+    ) -> tuple[AdapterRecord, AdapterRecord | None]:
         """Load ``source_path`` as the next version of ``lora_name`` (or as
         exactly ``version``, which must be greater than the last one).
 
-        The caller holds :meth:`lock` and, for a reload, the adapter's pause.
-        On failure the previous version (if any) stays in service.
+        Returns the new record and the one it replaced, which is kept as
+        draining: the caller retires it (at once under a pause, or once its
+        last request ends). The caller holds :meth:`lock`. On failure the
+        previous version (if any) stays in service and nothing is left on disk.
         """
-        last = self._last_version[lora_name]
-        if version is not None and version <= last:
-            raise ConflictError(
-                f"adapter {lora_name!r} was already at version {last}; "
-                f"cannot load version {version}"
-            )
-        source = validate_adapter_dir(source_path, self._roots)
-        version = last + 1 if version is None else version
-        snapshot = await asyncio.to_thread(self._snapshot, source, lora_name, version)
+        version = self._next_version(lora_name, version)
+        target = self._snapshot_dir(lora_name, version)
+        await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots)
+        return await self._install(lora_name, version, target, source_path)
+
+    async def load_owned(
+        self, lora_name: str, folder: Path, source: str, version: int | None = None
+    ) -> tuple[AdapterRecord, AdapterRecord | None]:
+        """Like :meth:`load` for a folder the server wrote itself (an upload).
+
+        The folder is moved into place (never copied) and removed on failure.
+        """
+        try:
+            version = self._next_version(lora_name, version)
+            target = self._snapshot_dir(lora_name, version)
+            await asyncio.to_thread(_move_into_place, folder, target)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return await self._install(lora_name, version, target, source)
+
+    def upload_dir(self) -> Path:
+        """A fresh folder beside the snapshots (same file system, so moves are renames)."""
+        uploads = self._snapshot_root / ".uploads"
+        uploads.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=uploads))
+
+    async def _install(
+        self, lora_name: str, version: int, snapshot: Path, source: str
+    ) -> tuple[AdapterRecord, AdapterRecord | None]:
+        lora_id = next(self._ids)
+        engine_name = f"{lora_name}@v{version}"
         request = self._make_request(
-            lora_name=lora_name, lora_int_id=next(self._ids), lora_path=str(snapshot)
+            lora_name=engine_name, lora_int_id=lora_id, lora_path=str(snapshot)
         )
         try:
             await self._engine.add_lora(request)
         except Exception as exc:
             shutil.rmtree(snapshot, ignore_errors=True)
-            log_event("adapter_load_failed", lora_name=lora_name, path=source_path, error=str(exc))
+            log_event("adapter_load_failed", lora_name=lora_name, path=source, error=str(exc))
             raise BadRequestError(
-                f"loading LoRA adapter {lora_name!r} from {source_path!r} failed: {exc}"
+                f"loading LoRA adapter {lora_name!r} from {source!r} failed: {exc}"
             ) from exc
         previous = self._records.get(lora_name)
         self._last_version[lora_name] = version
-        record = AdapterRecord(lora_name, version, str(source), request)
+        record = AdapterRecord(lora_name, version, source, request)
         self._records[lora_name] = record
-        self._published[lora_name] = request
+        self._public_names[engine_name] = lora_name
+        self._published[lora_name] = self._make_request(
+            lora_name=lora_name, lora_int_id=lora_id, lora_path=str(snapshot)
+        )
         if previous is not None:
-            await self._retire(previous)
-        log_event("adapter_load", lora_name=lora_name, version=version, path=str(source))
-        return record
+            self._draining[lora_name][previous.version] = previous
+        log_event("adapter_load", lora_name=lora_name, version=version, path=source)
+        return record, previous
 
     async def unload(self, lora_name: str) -> AdapterRecord:
+        """Drop the name and retire every version of it (the caller paused it)."""
         record = self.get(lora_name)
         del self._records[lora_name]
         self._published.pop(lora_name, None)
-        await self._retire(record)
+        for old in self.draining(lora_name):
+            await self.retire(old)
+        await self.retire(record)
         log_event("adapter_unload", lora_name=lora_name, version=record.version)
         return record
 
-    async def _retire(self, record: AdapterRecord) -> None:
+    async def retire(self, record: AdapterRecord) -> None:
+        """Free a replaced version's engine slot and delete its snapshot (once)."""
+        if record.lora_request.lora_int_id in self._retired:
+            return
+        self._retired.add(record.lora_request.lora_int_id)
+        self._draining.get(record.lora_name, {}).pop(record.version, None)
+        self._public_names.pop(record.lora_request.lora_name, None)
         try:
             await self._engine.remove_lora(record.lora_request.lora_int_id)
         except Exception:  # the slot is reclaimed by LRU eviction anyway
@@ -160,36 +242,101 @@ class AdapterRegistry:
         snapshot = Path(record.lora_request.lora_path)
         if snapshot.is_relative_to(self._snapshot_root):
             await asyncio.to_thread(shutil.rmtree, snapshot, True)
+        log_event("adapter_retired", lora_name=record.lora_name, version=record.version)
 
-    def _snapshot(self, source: Path, lora_name: str, version: int) -> Path:
-        target = self._snapshot_root / _safe_dirname(lora_name) / f"v{version}"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(source, target)
-        return target
+    def _next_version(self, lora_name: str, version: int | None) -> int:
+        last = self._last_version[lora_name]
+        if version is not None and version <= last:
+            raise ConflictError(
+                f"adapter {lora_name!r} was already at version {last}; "
+                f"cannot load version {version}"
+            )
+        return last + 1 if version is None else version
+
+    def _snapshot_dir(self, lora_name: str, version: int) -> Path:
+        return self._snapshot_root / _safe_dirname(lora_name) / f"v{version}"
 
 
-def validate_adapter_dir(path: str, roots: Sequence[Path] | None = None) -> Path:
-    """Fail early, with a message a trainer can act on, on a path that cannot load.
+def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None = None) -> Path:
+    """Copy an adapter folder to ``target`` without following links out of it.
 
-    With ``roots``, the folder and every file in it must resolve (symlinks
-    followed, ``..`` collapsed) to somewhere under one of them: a tenant must
-    not be able to make the server read files outside the adapter store.
+    The folder is resolved once and checked against ``roots``; its entries
+    are then opened relative to their parent directory with ``O_NOFOLLOW``,
+    so swapping a file or a sub-folder for a link after the check reads
+    nothing outside. A link inside the folder (a Hugging Face cache snapshot
+    links to its blobs) is followed only after its resolved target passed the
+    same check. The copy, not the source, is what gets validated and loaded.
+    On failure nothing is left at ``target``.
     """
     source = Path(path)
     if not source.is_dir():
         raise BadRequestError(f"adapter path {path!r} is not a directory")
-    resolved = source.resolve()
-    if roots is not None:
-        escaped = [p for p in [resolved, *resolved.rglob("*")] if not _inside(p.resolve(), roots)]
-        if escaped:
-            raise BadRequestError(
-                f"adapter path {path!r} leads outside the allowed adapter roots "
-                f"({', '.join(map(str, roots))}): {escaped[0]}"
-            )
-    if not (resolved / ADAPTER_CONFIG).is_file():
-        raise BadRequestError(f"adapter path {path!r} has no {ADAPTER_CONFIG}")
+    resolved = _checked(source, path, roots)
+    if target.exists():
+        shutil.rmtree(target)
+    try:
+        _copy_tree(resolved, target, path, roots)
+        if not (target / ADAPTER_CONFIG).is_file():
+            raise BadRequestError(f"adapter path {path!r} has no {ADAPTER_CONFIG}")
+    except OSError as exc:  # an entry changed under us (a link where a file was, ...)
+        shutil.rmtree(target, ignore_errors=True)
+        raise BadRequestError(f"adapter path {path!r} could not be copied: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    return target
+
+
+def _move_into_place(folder: Path, target: Path) -> None:
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise BadRequestError(f"the adapter has no {ADAPTER_CONFIG}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    folder.rename(target)
+
+
+def _checked(path: Path, shown: str, roots: Sequence[Path] | None) -> Path:
+    resolved = path.resolve()
+    if roots is not None and not _inside(resolved, roots):
+        raise BadRequestError(
+            f"adapter path {shown!r} leads outside the allowed adapter roots "
+            f"({', '.join(map(str, roots))}): {resolved}"
+        )
     return resolved
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def _copy_tree(source: Path, target: Path, shown: str, roots: Sequence[Path] | None) -> None:
+    target.mkdir(parents=True)
+    dir_fd = os.open(source, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    try:
+        for name in os.listdir(dir_fd):
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                real = _checked(source / name, shown, roots)
+                if real.is_dir():
+                    _copy_tree(real, target / name, shown, roots)
+                else:
+                    _copy_file(os.open(real, os.O_RDONLY | _NOFOLLOW), target / name, shown)
+            elif stat.S_ISDIR(info.st_mode):
+                _copy_tree(source / name, target / name, shown, roots)
+            else:
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+                _copy_file(fd, target / name, shown)
+    finally:
+        os.close(dir_fd)
+
+
+def _copy_file(fd: int, target: Path, shown: str) -> None:
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise BadRequestError(f"adapter path {shown!r} holds {target.name!r}, not a file")
+        with open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _inside(path: Path, roots: Sequence[Path]) -> bool:

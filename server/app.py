@@ -21,12 +21,13 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skyrl_lora.errors import ServerError
+from skyrl_lora.errors import EngineUnavailableError, ServerError
 from skyrl_lora.server import compat, observability, staging
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.auth import AuthMiddleware, KeyStore
 from skyrl_lora.server.engine import GatedEngine, admitted_versions
 from skyrl_lora.server.gate import AdapterGate
+from skyrl_lora.server.push import DEFAULT_MAX_ADAPTER_BYTES
 from skyrl_lora.server.routes import build_router, error_response
 from skyrl_lora.server.sample import Sampler
 from skyrl_lora.types import ServerInfo
@@ -53,6 +54,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         action="append",
         default=None,
         help="folder adapters may be loaded from (repeatable); without it any path loads",
+    )
+    group.add_argument(
+        "--max-adapter-bytes",
+        type=int,
+        default=DEFAULT_MAX_ADAPTER_BYTES,
+        help="largest adapter upload /skyrl/v1/adapters/push accepts, in bytes "
+        f"(default {DEFAULT_MAX_ADAPTER_BYTES})",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -122,7 +130,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         allowed_roots=args.adapter_root,
     )
     registry.adopt_static()
-    gated = GatedEngine(engine_client, AdapterGate(version_of=registry.version), registry)
+    gated = GatedEngine(
+        engine_client,
+        AdapterGate(version_of=registry.version),
+        registry,
+        max_loras=compat.max_loras(engine_client),
+    )
     gated.install()
     observability.register(gated.gate)
     max_model_len = int(engine_client.model_config.max_model_len)
@@ -134,7 +147,9 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         eos_token_id=getattr(tokenizer, "eos_token_id", None),
         adapter_staging=lora_engine.available,
     )
-    app.include_router(build_router(gated, Sampler(gated, max_model_len), info))
+    app.include_router(
+        build_router(gated, Sampler(gated, max_model_len), info, args.max_adapter_bytes)
+    )
 
     async def skyrl_error(_: Any, exc: Exception) -> Any:
         assert isinstance(exc, ServerError)
@@ -144,6 +159,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     # exception handlers; drop it so Starlette rebuilds it with ours included.
     app.middleware_stack = None
     app.add_exception_handler(ServerError, skyrl_error)
+
+    async def engine_dead(_: Any, exc: Exception) -> Any:
+        # vLLM answers a dead engine with a plain 500; ours tells clients to fail over.
+        return error_response(EngineUnavailableError(f"the engine is dead: {exc}"))
+
+    app.add_exception_handler(compat.engine_dead_error(), engine_dead)
     app.add_middleware(AdapterVersionHeader)
     if args.api_keys is not None:
         app.add_middleware(
@@ -159,13 +180,20 @@ async def serve(
     *,
     on_ready: Callable[[RunningServer], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    before_serving: Callable[[GatedEngine], Awaitable[None]] | None = None,
 ) -> None:
-    """Run the server until ``stop`` is set (or uvicorn exits on a signal)."""
+    """Run the server until ``stop`` is set (or uvicorn exits on a signal).
+
+    ``before_serving`` runs once the engine and app are up but before the
+    HTTP server accepts anything (a rebuilt replica replays its adapters).
+    """
     listen_address, sock = compat.setup_server(args)
     port = sock.getsockname()[1]
     url = f"http://{_client_host(args.host)}:{port}"
     async with compat.build_async_engine_client(args) as engine_client:
         app, gated = await build_skyrl_app(engine_client, args)
+        if before_serving is not None:
+            await before_serving(gated)
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,

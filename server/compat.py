@@ -148,6 +148,12 @@ async def pause_engine_keep(engine_client: Any) -> None:
         await engine_client.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
 
 
+def max_loras(engine_client: Any) -> int:
+    """How many adapters one engine batch can hold (``--max-loras``)."""
+    lora_config = getattr(engine_client.vllm_config, "lora_config", None)
+    return int(getattr(lora_config, "max_loras", 0) or 0)
+
+
 async def engine_is_paused(engine_client: Any) -> bool:
     return bool(await engine_client.is_paused())
 
@@ -166,6 +172,11 @@ def engine_requests_by_lora(engine_client: Any) -> dict[str, int]:
         if name is not None:
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def engine_dead_error() -> type[BaseException]:
+    """What vLLM raises for every request once its engine process has died."""
+    return _first_attr("EngineDeadError", "vllm.v1.engine.exceptions")  # type: ignore[no-any-return]
 
 
 def client_error_types() -> tuple[type[BaseException], ...]:

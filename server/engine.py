@@ -8,14 +8,20 @@ route it came from, without forking any of vLLM's serving code.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from skyrl_lora.server import compat
 from skyrl_lora.server.adapters import AdapterRecord, AdapterRegistry
 from skyrl_lora.server.gate import AdapterGate, DrainResult
 from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
+from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
+
+#: Installs the next version of an adapter; returns (new record, replaced record).
+Installer = Callable[[], Awaitable[tuple[AdapterRecord, AdapterRecord | None]]]
 
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
@@ -25,11 +31,15 @@ admitted_versions: ContextVar[list[int] | None] = ContextVar("admitted_versions"
 class GatedEngine:
     """The gate, the registry and the raw engine client, wired together."""
 
-    def __init__(self, engine_client: Any, gate: AdapterGate, registry: AdapterRegistry) -> None:
+    def __init__(
+        self, engine_client: Any, gate: AdapterGate, registry: AdapterRegistry, max_loras: int
+    ) -> None:
         self.engine_client = engine_client
         self.gate = gate
         self.registry = registry
+        self.max_loras = max_loras
         self.raw_generate = engine_client.generate
+        self._background: set[asyncio.Task[None]] = set()
 
     def install(self) -> None:
         """Make ``engine_client.generate`` gate adapter requests."""
@@ -39,21 +49,23 @@ class GatedEngine:
     async def admitted(self, lora_name: str, request_id: str) -> AsyncIterator[AdapterRecord]:
         """Hold the adapter's gate for one request; yields the version to run on.
 
-        The registry lookup happens after admission: a request that waited
-        through a reload must run on the new version, and one whose adapter
-        was unloaded meanwhile must fail cleanly. The pause keeps the record
-        current until the admission is released.
+        The version is the one current at admission: a request that waited
+        through a reload runs on the new version, one whose adapter was
+        unloaded meanwhile fails cleanly, and one admitted before a
+        ``finish_old`` load keeps its version to the end. When the last
+        request of a replaced version ends, that version is retired.
         """
         self.registry.get(lora_name)
         admission = await self.gate.admit(lora_name, request_id)
         try:
-            record = self.registry.get(lora_name)
+            record = self.registry.record(lora_name, admission.version)
             tags = admitted_versions.get()
             if tags is not None:
                 tags.append(record.version)
             yield record
         finally:
             self.gate.release(admission)
+            self._retire_if_drained(lora_name, admission.version)
 
     async def generate(
         self,
@@ -104,19 +116,101 @@ class GatedEngine:
         _record_drain("abort", lora_name, drain)
         return drain
 
-    async def load(self, lora_name: str, lora_path: str, version: int | None = None) -> int:
-        """Load or reload; a reload performs the pause itself if the caller did not."""
+    async def load(
+        self,
+        lora_name: str,
+        lora_path: str,
+        version: int | None = None,
+        policy: SwapPolicy = "abort_resume",
+    ) -> SwapPolicy:
+        """Load or reload from a folder; see :meth:`swap` for the policies."""
+        return await self.swap(
+            lora_name, policy, lambda: self.registry.load(lora_name, lora_path, version)
+        )
+
+    async def swap(self, lora_name: str, policy: SwapPolicy, install: Installer) -> SwapPolicy:
+        """Install a new version of ``lora_name`` under ``policy``; returns the policy applied.
+
+        ``abort_resume``: pause the adapter (unless the caller did), install,
+        retire every older version, resume. In-flight requests are aborted
+        and resumed by the client on the new version.
+
+        ``finish_old``: no pause. Requests admitted from now on run on the new
+        version; those in flight finish on the old one, which is retired when
+        the last of them ends. The extra version needs an engine LoRA slot of
+        its own while both run: when every slot (``--max-loras``) is already
+        taken by versions with requests running, vLLM would have to hold some
+        tenant's requests back, possibly another tenant's, so the load falls
+        back to ``abort_resume`` instead and says so in its answer.
+        """
         async with self.registry.lock(lora_name):
             if lora_name not in self.registry.names():
-                return (await self.registry.load(lora_name, lora_path, version)).version
+                await install()
+                return policy
+            if policy == "finish_old" and not self._spare_slot_for(lora_name):
+                log_event("swap_policy_fallback", lora_name=lora_name, policy="abort_resume")
+                policy = "abort_resume"
+            if policy == "finish_old":
+                _, previous = await install()
+                if previous is not None:
+                    self._retire_if_drained(lora_name, previous.version)
+                return policy
             paused_here = not self.gate.is_paused(lora_name)
             if paused_here:
                 await self.pause(lora_name)
             try:
-                return (await self.registry.load(lora_name, lora_path, version)).version
+                await install()
+                for old in self.registry.draining(lora_name):  # nothing of it runs: paused
+                    await self.registry.retire(old)
             finally:
                 if paused_here:
                     self.resume(lora_name)
+            return policy
+
+    def engine_requests(self) -> dict[str, int]:
+        """vLLM's own count of requests per adapter (all versions together)."""
+        return self.registry.by_public_name(compat.engine_requests_by_lora(self.engine_client))
+
+    def adapter_info(
+        self,
+        lora_name: str,
+        engine_counts: dict[str, int] | None = None,
+        applied: SwapPolicy | None = None,
+    ) -> AdapterInfo:
+        """What ``/skyrl/v1/adapters`` and a load's answer say of one adapter."""
+        record = self.registry.get(lora_name)
+        counts = self.engine_requests() if engine_counts is None else engine_counts
+        return AdapterInfo(
+            lora_name=lora_name,
+            version=record.version,
+            lora_path=record.source_path,
+            paused=self.gate.is_paused(lora_name),
+            in_flight=self.gate.in_flight(lora_name),
+            held=self.gate.held(lora_name),
+            engine_requests=counts.get(lora_name, 0),
+            draining=[
+                DrainingVersion(
+                    version=r.version,
+                    in_flight=self.gate.in_flight_of_version(lora_name, r.version),
+                )
+                for r in self.registry.draining(lora_name)
+            ],
+            applied_swap_policy=applied,
+        )
+
+    def _spare_slot_for(self, lora_name: str) -> bool:
+        running_old = self.gate.in_flight(lora_name) > 0
+        return not running_old or self.gate.busy_versions() + 1 <= self.max_loras
+
+    def _retire_if_drained(self, lora_name: str, version: int) -> None:
+        """Retire a replaced version once none of its requests is left."""
+        if self.gate.in_flight_of_version(lora_name, version):
+            return
+        for record in self.registry.draining(lora_name):
+            if record.version == version:
+                task = asyncio.create_task(self.registry.retire(record))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def unload(self, lora_name: str) -> None:
         """Pause, drop the adapter, then open its gate again.

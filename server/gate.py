@@ -100,6 +100,18 @@ class AdapterGate:
     def in_flight(self, lora_name: str) -> int:
         return len(self._state(lora_name).in_flight)
 
+    def in_flight_of_version(self, lora_name: str, version: int) -> int:
+        """Requests of one adapter version still running (a draining version
+        is retired when this reaches 0)."""
+        return sum(a.version == version for a in self._state(lora_name).in_flight.values())
+
+    def busy_versions(self) -> int:
+        """Distinct adapter versions with requests running: the engine LoRA
+        slots the running batch needs."""
+        return len(
+            {(a.lora_name, a.version) for s in self._states.values() for a in s.in_flight.values()}
+        )
+
     def held(self, lora_name: str) -> int:
         return self._state(lora_name).held
 

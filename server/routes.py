@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from skyrl_lora.errors import PermissionDeniedError, ServerError
 from skyrl_lora.server import compat
-from skyrl_lora.server.auth import request_key
+from skyrl_lora.server.auth import ApiKey, request_key
 from skyrl_lora.server.engine import GatedEngine
+from skyrl_lora.server.push import PUSH_FORM_SCHEMA, load_pushed, receive_push
 from skyrl_lora.server.sample import Sampler
 from skyrl_lora.types import (
     AbortResponse,
@@ -40,22 +43,29 @@ def error_response(exc: ServerError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=exc.status)
 
 
-def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> APIRouter:
+def _check_may_load(
+    key: ApiKey | None, lora_name: str, version: int | None, names: list[str]
+) -> None:
+    """Tenant keys may reload their own existing adapters; new names and exact
+    versions (a group rebuilding a replica) are for admins."""
+    if key is None or key.admin:
+        return
+    if lora_name not in names:
+        raise PermissionDeniedError(
+            f"loading the new adapter name {lora_name!r} needs an admin key"
+        )
+    if not key.may_use(lora_name):
+        raise PermissionDeniedError(f"this API key may not use adapter {lora_name!r}")
+    if version is not None:
+        raise PermissionDeniedError("loading as an exact version needs an admin key")
+
+
+def build_router(
+    engine: GatedEngine, sampler: Sampler, info: ServerInfo, max_adapter_bytes: int
+) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
-    def adapter_info(name: str, engine_counts: dict[str, int] | None = None) -> AdapterInfo:
-        record = engine.registry.get(name)
-        if engine_counts is None:
-            engine_counts = compat.engine_requests_by_lora(engine.engine_client)
-        return AdapterInfo(
-            lora_name=name,
-            version=record.version,
-            lora_path=record.source_path,
-            paused=engine.gate.is_paused(name),
-            in_flight=engine.gate.in_flight(name),
-            held=engine.gate.held(name),
-            engine_requests=engine_counts.get(name, 0),
-        )
+    adapter_info = engine.adapter_info
 
     @router.post("/sample")
     async def sample(body: SampleRequest) -> SampleResponse:
@@ -100,7 +110,7 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
     async def list_adapters(request: Request) -> AdapterList:
         """Adapters this caller may use (all of them without API keys)."""
         key = request_key(request.scope)
-        counts = compat.engine_requests_by_lora(engine.engine_client)
+        counts = engine.engine_requests()
         names = [n for n in engine.registry.names() if key is None or key.may_use(n)]
         return AdapterList(
             adapters=[adapter_info(n, counts) for n in names],
@@ -113,15 +123,42 @@ def build_router(engine: GatedEngine, sampler: Sampler, info: ServerInfo) -> API
 
         With API keys, only an admin key may bring in a name not loaded yet.
         """
-        key = request_key(request.scope)
-        if key is not None and not key.admin and body.lora_name not in engine.registry.names():
-            raise PermissionDeniedError(
-                f"loading the new adapter name {body.lora_name!r} needs an admin key"
+        _check_may_load(
+            request_key(request.scope), body.lora_name, body.version, engine.registry.names()
+        )
+        applied = await engine.load(body.lora_name, body.lora_path, body.version, body.swap_policy)
+        return adapter_info(body.lora_name, applied=applied)
+
+    @router.post(
+        "/adapters/push",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"multipart/form-data": {"schema": PUSH_FORM_SCHEMA}},
+            }
+        },
+        responses={413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"}},
+    )
+    async def push_adapter(request: Request) -> AdapterInfo:
+        """Load adapter weights sent in the body (no shared disk), as the next version.
+
+        Same rules as a load: a tenant key may push only its own existing names.
+        """
+        pushed = await receive_push(
+            request.headers, request.stream(), engine.registry.upload_dir(), max_adapter_bytes
+        )
+        try:
+            _check_may_load(
+                request_key(request.scope),
+                pushed.lora_name,
+                pushed.version,
+                engine.registry.names(),
             )
-        if key is not None and not key.admin and body.version is not None:
-            raise PermissionDeniedError("loading as an exact version needs an admin key")
-        await engine.load(body.lora_name, body.lora_path, body.version)
-        return adapter_info(body.lora_name)
+        except BaseException:
+            shutil.rmtree(pushed.folder, ignore_errors=True)
+            raise
+        applied = await load_pushed(engine, pushed)
+        return adapter_info(pushed.lora_name, applied=applied)
 
     @router.post("/adapters/unload")
     async def unload_adapter(body: AdapterRef) -> AdapterRef:

@@ -98,6 +98,24 @@ class ConflictError(ServerError):
     error_type = "conflict"
 
 
+class PayloadTooLargeError(ServerError):
+    """The request body is larger than the server accepts (``--max-adapter-bytes``)."""
+
+    status = 413
+    error_type = "payload_too_large"
+
+
+class EngineUnavailableError(ServerError, ServerUnavailableError):
+    """The server answers but its engine is dead (crash, OOM, killed process).
+
+    It is also a :class:`ServerUnavailableError`: the client fails the
+    request over to another replica, as if the connection had dropped.
+    """
+
+    status = 503
+    error_type = "engine_unavailable"
+
+
 class InternalServerError(ServerError):
     """The server failed while handling a valid request."""
 
@@ -113,6 +131,8 @@ _BY_TYPE: dict[str, type[ServerError]] = {
         PermissionDeniedError,
         AdapterNotFoundError,
         ConflictError,
+        PayloadTooLargeError,
+        EngineUnavailableError,
         InternalServerError,
     )
 }
@@ -134,6 +154,8 @@ def error_class_for(status: int, error_type: str | None) -> type[ServerError]:
         return AdapterNotFoundError
     if status == 409:
         return ConflictError
+    if status == 413:
+        return PayloadTooLargeError
     if 400 <= status < 500:
         return BadRequestError
     return InternalServerError

@@ -13,6 +13,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 StopReason = Literal["stop", "length", "abort"]
+#: How a reload treats the adapter's requests in flight: ``abort_resume``
+#: pauses the adapter and aborts them (the client resumes them on the new
+#: version); ``finish_old`` lets them finish on the old version.
+SwapPolicy = Literal["abort_resume", "finish_old"]
 
 
 class _Wire(BaseModel):
@@ -156,6 +160,14 @@ class LoadAdapterRequest(_Wire):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     version: int | None = Field(default=None, ge=1)
+    swap_policy: SwapPolicy = "abort_resume"
+
+
+class DrainingVersion(_Wire):
+    """A replaced version still finishing the requests that started on it."""
+
+    version: int
+    in_flight: int
 
 
 class AdapterInfo(_Wire):
@@ -173,6 +185,10 @@ class AdapterInfo(_Wire):
     in_flight: int
     held: int
     engine_requests: int
+    draining: list[DrainingVersion] = Field(default_factory=list)
+    #: On a load's answer: the swap policy that was applied (``finish_old``
+    #: falls back to ``abort_resume`` when no engine LoRA slot is free).
+    applied_swap_policy: SwapPolicy | None = None
 
 
 class AdapterList(_Wire):

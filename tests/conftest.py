@@ -18,6 +18,8 @@ import pytest
 ADMIN_KEY = "test-admin-key"
 #: Tenant keys of the session server: each may use only its own adapter.
 TENANT_KEYS = {"sec-a": "tenant-a-key", "sec-b": "tenant-b-key"}
+#: The session server's push limit (the embedded adapters are ~140 KB).
+MAX_ADAPTER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class EngineServer:
     tokenizer: Any
     admin_key: str | None = None
     adapter_root: Path | None = None  # a folder the server may load adapters from
+    snapshot_dir: Path | None = None  # where the server keeps adapter versions and uploads
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -74,6 +77,7 @@ def engine_server(
     keys += [{"key": k, "adapters": [name]} for name, k in TENANT_KEYS.items()]
     (config / "keys.json").write_text(json.dumps({"keys": keys}))
     scratch = tmp_path_factory.mktemp("adapter-root")
+    snapshots = tmp_path_factory.mktemp("snapshots")
     argv = embedded_server_argv(
         embedded_model,
         extra=[
@@ -83,11 +87,15 @@ def engine_server(
             str(embedded_model.root),
             "--adapter-root",
             str(scratch),
+            "--adapter-snapshot-dir",
+            str(snapshots),
+            "--max-adapter-bytes",
+            str(MAX_ADAPTER_BYTES),
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
     try:
-        yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch)
+        yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
     finally:
         local_ray.get(handle.shutdown.remote(), timeout=120)
 

@@ -123,3 +123,18 @@ async def test_flood_around_pause_never_runs_after_pause_returned(n: int) -> Non
     gate.resume("a")
     await asyncio.gather(*tasks)
     assert ran_while_paused == []
+
+
+async def test_versions_in_flight_are_counted_per_version() -> None:
+    versions = {"a": 1, "b": 1}
+    gate = AdapterGate(version_of=lambda name: versions[name])
+    first = await gate.admit("a", "r1")
+    versions["a"] = 2  # a finish_old load: later admissions get the new version
+    second = await gate.admit("a", "r2")
+    await gate.admit("b", "r3")
+    assert (gate.in_flight_of_version("a", 1), gate.in_flight_of_version("a", 2)) == (1, 1)
+    assert gate.busy_versions() == 3  # a@v1, a@v2, b@v1 each need an engine slot
+    gate.release(first)
+    assert gate.in_flight_of_version("a", 1) == 0 and gate.busy_versions() == 2
+    gate.release(second)
+    assert gate.busy_versions() == 1

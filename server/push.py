@@ -1,0 +1,283 @@
+"""Adapter weights pushed over the wire, for trainers that share no disk with the server.
+
+``POST /skyrl/v1/adapters/push`` takes ``multipart/form-data``: the text
+fields ``lora_name``, optionally ``sha256`` (hex digest of the weights file),
+``swap_policy`` and ``version``, and the files ``adapter_config.json`` and
+``adapter_model.safetensors``. The body is streamed straight into a folder
+beside the server's snapshots (never into an adapter root, never held whole
+in memory), checked (size limit, checksum, a well-formed safetensors file),
+and then loaded exactly like a path load: same gate, versions, metrics and
+event lines. Whatever fails, the folder is removed and the previous version
+keeps serving.
+
+The Ray path (:meth:`skyrl_lora.server.actor.ServerActor.push_adapter`)
+hands the same files over as bytes from the object store and shares
+:func:`load_pushed` with the HTTP route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, cast, get_args
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
+from skyrl_lora.server.engine import GatedEngine
+from skyrl_lora.types import SwapPolicy
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+FILES = (CONFIG_FILE, WEIGHTS_FILE)
+TEXT_FIELDS = ("lora_name", "sha256", "swap_policy", "version")
+#: Text fields are names and digests: anything longer is not one of ours.
+MAX_TEXT_FIELD_BYTES = 1024
+#: ``--max-adapter-bytes`` default: a rank-64 adapter of a 70B model fits.
+DEFAULT_MAX_ADAPTER_BYTES = 2 << 30
+
+
+#: The form, for the OpenAPI document (the route reads the stream itself).
+PUSH_FORM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["lora_name", CONFIG_FILE, WEIGHTS_FILE],
+    "properties": {
+        "lora_name": {"type": "string"},
+        "sha256": {"type": "string", "description": "hex sha256 of the weights file"},
+        "swap_policy": {"type": "string", "enum": ["abort_resume", "finish_old"]},
+        "version": {"type": "integer", "minimum": 1, "description": "admin only"},
+        CONFIG_FILE: {"type": "string", "format": "binary"},
+        WEIGHTS_FILE: {"type": "string", "format": "binary"},
+    },
+}
+
+
+@dataclass(frozen=True)
+class PushedAdapter:
+    """A pushed adapter, written to ``folder`` and checked."""
+
+    lora_name: str
+    folder: Path
+    sha256: str
+    swap_policy: SwapPolicy = "abort_resume"
+    version: int | None = None
+
+
+async def receive_push(
+    headers: Mapping[str, str], body: AsyncIterator[bytes], folder: Path, max_bytes: int
+) -> PushedAdapter:
+    """Stream a multipart push into ``folder``; removes the folder on any failure."""
+    try:
+        fields = await _FormWriter(folder, max_bytes).write(headers, body)
+        return _checked_push(fields, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def write_pushed_files(
+    folder: Path,
+    lora_name: str,
+    files: Mapping[str, bytes],
+    sha256: str | None = None,
+    swap_policy: SwapPolicy = "abort_resume",
+    version: int | None = None,
+) -> PushedAdapter:
+    """The object-store path: the same files as bytes, written and checked alike."""
+    try:
+        unknown = set(files) - set(FILES)
+        if unknown:
+            raise BadRequestError(f"unknown adapter files {sorted(unknown)}; expected {FILES}")
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        fields = {"lora_name": lora_name, "swap_policy": swap_policy}
+        if sha256:
+            fields["sha256"] = sha256
+        if version is not None:
+            fields["version"] = str(version)
+        return _checked_push(fields, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy:
+    """Load a checked push as the adapter's next version; returns the policy applied."""
+    source = f"push:sha256={pushed.sha256}"
+    try:
+        return await engine.swap(
+            pushed.lora_name,
+            pushed.swap_policy,
+            lambda: engine.registry.load_owned(
+                pushed.lora_name, pushed.folder, source, pushed.version
+            ),
+        )
+    finally:  # moved into its snapshot on success; gone in every other case
+        shutil.rmtree(pushed.folder, ignore_errors=True)
+
+
+def _checked_push(fields: Mapping[str, str], folder: Path) -> PushedAdapter:
+    name = fields.get("lora_name", "")
+    if not name:
+        raise BadRequestError("push needs the form field 'lora_name'")
+    missing = [f for f in FILES if not (folder / f).is_file()]
+    if missing:
+        raise BadRequestError(f"push needs the files {', '.join(missing)}")
+    policy = cast(SwapPolicy, fields.get("swap_policy") or "abort_resume")
+    if policy not in get_args(SwapPolicy):
+        raise BadRequestError(f"unknown swap_policy {policy!r}; use one of {get_args(SwapPolicy)}")
+    version = fields.get("version")
+    if version is not None and not (version.isdigit() and int(version) >= 1):
+        raise BadRequestError(f"version must be a positive integer, got {version!r}")
+    try:
+        json.loads((folder / CONFIG_FILE).read_bytes())
+    except ValueError as exc:
+        raise BadRequestError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    digest = _sha256(folder / WEIGHTS_FILE)
+    expected = fields.get("sha256")
+    if expected and expected.lower() != digest:
+        raise BadRequestError(
+            f"{WEIGHTS_FILE} has sha256 {digest}, the push said {expected}: "
+            "the upload was damaged or truncated"
+        )
+    check_safetensors(folder / WEIGHTS_FILE)
+    return PushedAdapter(
+        name,
+        folder,
+        digest,
+        policy,
+        None if version is None else int(version),  # type: ignore[arg-type]
+    )
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file with a message, before vLLM reads it."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadRequestError(f"{path.name} is truncated: {size} bytes")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise BadRequestError(f"{path.name} is truncated or corrupt: bad header length")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise BadRequestError(f"{path.name} has a corrupt header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise BadRequestError(f"{path.name} has a corrupt header")
+    data_len = size - 8 - header_len
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] <= data_len):
+            raise BadRequestError(f"{path.name} is truncated: tensor {name!r} lies past its end")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _FormWriter:
+    """python-multipart callbacks that write file parts to disk as they arrive."""
+
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self._folder = folder
+        self._max_bytes = max_bytes
+        self._received = 0
+        self.fields: dict[str, str] = {}
+        self._header_field = b""
+        self._header_value = b""
+        self._part_headers: dict[bytes, bytes] = {}
+        self._part_name = ""
+        self._file: BinaryIO | None = None
+        self._text = bytearray()
+
+    async def write(self, headers: Mapping[str, str], body: AsyncIterator[bytes]) -> dict[str, str]:
+        content_type, options = parse_options_header(headers.get("content-type", ""))
+        boundary = options.get(b"boundary")
+        if content_type != b"multipart/form-data" or not boundary:
+            raise BadRequestError("push needs a multipart/form-data body")
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self._max_bytes:
+            raise self._too_large()
+        callbacks: Any = {
+            "on_part_begin": self._part_begin,
+            "on_header_field": self._on_header_field,
+            "on_header_value": self._on_header_value,
+            "on_header_end": self._on_header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+        parser = MultipartParser(boundary, callbacks)
+        try:
+            async for chunk in body:
+                self._received += len(chunk)
+                if self._received > self._max_bytes:
+                    raise self._too_large()
+                parser.write(chunk)
+            parser.finalize()
+        finally:
+            if self._file is not None:
+                self._file.close()
+        return self.fields
+
+    def _too_large(self) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"the pushed adapter is larger than the server's limit of {self._max_bytes} bytes "
+            "(--max-adapter-bytes)"
+        )
+
+    def _part_begin(self) -> None:
+        self._part_headers = {}
+        self._text = bytearray()
+
+    def _on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_field += data[start:end]
+
+    def _on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def _on_header_end(self) -> None:
+        self._part_headers[self._header_field.lower()] = self._header_value
+        self._header_field = self._header_value = b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._part_headers.get(b"content-disposition", b""))
+        self._part_name = options.get(b"name", b"").decode(errors="replace")
+        if b"filename" in options:
+            if self._part_name not in FILES:
+                raise BadRequestError(
+                    f"unexpected file field {self._part_name!r}; push takes {', '.join(FILES)}"
+                )
+            self._file = (self._folder / self._part_name).open("wb")
+        elif self._part_name not in TEXT_FIELDS:
+            raise BadRequestError(
+                f"unexpected form field {self._part_name!r}; push takes {', '.join(TEXT_FIELDS)}"
+            )
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._file is not None:
+            self._file.write(data[start:end])
+            return
+        self._text += data[start:end]
+        if len(self._text) > MAX_TEXT_FIELD_BYTES:
+            raise BadRequestError(f"form field {self._part_name!r} is too long")
+
+    def _part_end(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        else:
+            self.fields[self._part_name] = self._text.decode(errors="replace").strip()

@@ -1,0 +1,243 @@
+"""Weights pushed over the wire and the ``finish_old`` swap policy, on the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
+from skyrl_lora.errors import (
+    BadRequestError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+)
+from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer
+
+pytestmark = pytest.mark.engine
+
+LONG = 360  # tokens: several seconds on CPU, so a push lands mid-sample
+
+
+def files_of(server: EngineServer, word: str) -> dict[str, bytes]:
+    folder = Path(server.model.adapters[word])
+    return {f.name: f.read_bytes() for f in folder.iterdir()}
+
+
+def in_memory(files: dict[str, bytes], **config_changes: Any) -> InMemoryAdapter:
+    config = {**json.loads(files["adapter_config.json"]), **config_changes}
+    return InMemoryAdapter(weights=files["adapter_model.safetensors"], config=config)
+
+
+def words(server: EngineServer, tokens: list[int]) -> set[str]:
+    return set(server.tokenizer.decode(tokens).split())
+
+
+@pytest.fixture(scope="module")
+async def admin(engine_server: EngineServer):
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as c:
+        yield c
+
+
+async def sample(client: RemoteInferenceClient, server: EngineServer, name: str, n: int = 8):
+    params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    return await client.sample_with_retry(
+        server.encode("hello"), sampling_params=params, lora_name=name
+    )
+
+
+async def wait_running(client: RemoteInferenceClient, name: str, count: int = 1) -> None:
+    for _ in range(1000):
+        (state,) = [a for a in (await client.list_adapters()).adapters if a.lora_name == name]
+        if state.engine_requests >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{name}: requests never reached the engine")
+
+
+async def test_push_a_folder_and_in_memory_weights(engine_server, admin) -> None:
+    (info,) = await admin.push_lora_adapter("pushed", engine_server.model.adapters["woof"])
+    assert info.version == 1 and info.lora_path.startswith("push:sha256=")
+    out = await sample(admin, engine_server, "pushed")
+    assert words(engine_server, out.sequences[0].tokens) == {"woof"}
+    (info,) = await admin.push_lora_adapter("pushed", in_memory(files_of(engine_server, "moo")))
+    assert info.version == 2
+    out = await sample(admin, engine_server, "pushed")
+    assert words(engine_server, out.sequences[0].tokens) == {"moo"}
+    assert out.adapter_version == 2
+
+
+async def test_push_mid_sample_abort_resume_gives_two_ranges(engine_server, admin) -> None:
+    await admin.push_lora_adapter("push-ar", engine_server.model.adapters["meow"])
+    task = asyncio.create_task(sample(admin, engine_server, "push-ar", LONG))
+    await wait_running(admin, "push-ar")
+    await asyncio.sleep(0.3)
+    (info,) = await admin.push_lora_adapter("push-ar", engine_server.model.adapters["woof"])
+    assert info.applied_swap_policy == "abort_resume"
+    (seq,) = (await task).sequences
+    assert len(seq.tokens) == LONG and seq.segments >= 2
+    assert [r.version for r in seq.versions] == [1, 2]
+    first, second = seq.versions
+    assert words(engine_server, seq.tokens[: first.end]) == {"meow"}
+    assert words(engine_server, seq.tokens[second.start :]) == {"woof"}
+
+
+async def test_finish_old_lets_in_flight_finish_on_the_old_version(engine_server, admin) -> None:
+    await admin.push_lora_adapter("push-fo", engine_server.model.adapters["meow"])
+    old = asyncio.create_task(
+        admin.sample(
+            engine_server.encode("hello"),
+            sampling_params={"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True},
+            lora_name="push-fo",
+        )
+    )
+    await wait_running(admin, "push-fo")
+    (info,) = await admin.push_lora_adapter(
+        "push-fo", engine_server.model.adapters["woof"], swap_policy="finish_old"
+    )
+    assert info.applied_swap_policy == "finish_old" and info.version == 2
+    assert [(d.version, d.in_flight) for d in info.draining] == [(1, 1)]
+    new = await sample(admin, engine_server, "push-fo", 16)  # admitted after the push
+    assert words(engine_server, new.sequences[0].tokens) == {"woof"}
+    assert [r.version for r in new.sequences[0].versions] == [2]
+    done = await old
+    (seq,) = done.sequences
+    assert seq.stop_reason == "length" and len(seq.tokens) == LONG  # never aborted
+    assert done.adapter_version == 1 and words(engine_server, seq.tokens) == {"meow"}
+    for _ in range(100):  # the old version retires once its last request ended
+        (state,) = [a for a in (await admin.list_adapters()).adapters if a.lora_name == "push-fo"]
+        if not state.draining:
+            break
+        await asyncio.sleep(0.02)
+    assert state.draining == [] and state.version == 2
+    assert not (engine_server.snapshot_dir / "push-fo" / "v1").exists()
+
+
+async def test_finish_old_falls_back_when_no_lora_slot_is_free(engine_server, admin) -> None:
+    """Every engine slot (--max-loras 5) busy: an extra version would starve someone."""
+    names = [f"slot-{i}" for i in range(5)]
+    for name in names:
+        await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
+    long = {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
+    prompt = engine_server.encode("hello")
+    tasks = [
+        asyncio.create_task(admin.sample_with_retry(prompt, sampling_params=long, lora_name=n))
+        for n in names
+    ]
+    for name in names:
+        await wait_running(admin, name)
+    (info,) = await admin.push_lora_adapter(
+        names[0], engine_server.model.adapters["woof"], swap_policy="finish_old"
+    )
+    assert info.applied_swap_policy == "abort_resume" and info.draining == []
+    results = await asyncio.gather(*tasks)
+    seq = results[0].sequences[0]
+    assert [r.version for r in seq.versions] == [1, 2] and len(seq.tokens) == LONG
+    assert all(r.sequences[0].segments == 1 for r in results[1:])  # the others untouched
+
+
+def _damaged(files: dict[str, bytes]) -> dict[str, tuple[dict[str, Any], str]]:
+    weights = files["adapter_model.safetensors"]
+    from safetensors.torch import load, save
+
+    renamed = save({k.replace("q_proj", "no_such_proj"): v for k, v in load(weights).items()})
+    return {
+        "truncated": ({"weights": weights[: len(weights) // 2]}, "truncated"),
+        "corrupt": ({"weights": b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"}, "corrupt"),
+        "rank above --max-lora-rank": ({"config": {"r": 128}}, "rank"),
+        "unknown target module": ({"weights": renamed}, "no_such_proj"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated", "corrupt", "rank above --max-lora-rank", "unknown target module"]
+)
+async def test_bad_pushes_get_400_and_the_old_version_serves(engine_server, admin, case) -> None:
+    name = "push-bad"
+    if name not in [a.lora_name for a in (await admin.list_adapters()).adapters]:
+        await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
+    before = (await sample(admin, engine_server, name)).adapter_version
+    files = files_of(engine_server, "woof")
+    change, message = _damaged(files)[case]
+    adapter = InMemoryAdapter(
+        weights=change.get("weights", files["adapter_model.safetensors"]),
+        config={**json.loads(files["adapter_config.json"]), **change.get("config", {})},
+    )
+    with pytest.raises(BadRequestError, match=message):
+        await admin.push_lora_adapter(name, adapter)
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == before and words(engine_server, out.sequences[0].tokens) == {
+        "meow"
+    }
+    assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []  # nothing left behind
+
+
+async def raw_push(
+    server: EngineServer, key: str | None, fields: dict[str, Any]
+) -> tuple[int, dict]:
+    form = aiohttp.FormData()
+    for field, value in fields.items():
+        if isinstance(value, bytes):
+            form.add_field(field, value, filename=field)
+        else:
+            form.add_field(field, str(value))
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.post(server.url + "/skyrl/v1/adapters/push", data=form) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def test_malformed_pushes_get_4xx(engine_server, admin) -> None:
+    files = files_of(engine_server, "woof")
+    await admin.push_lora_adapter("push-form", engine_server.model.adapters["meow"])
+    key = engine_server.admin_key
+    cases = [
+        ({"adapter_config.json": files["adapter_config.json"]}, 400, "lora_name"),
+        (
+            {"lora_name": "push-form", "adapter_config.json": files["adapter_config.json"]},
+            400,
+            "adapter_model.safetensors",
+        ),
+        ({"lora_name": "push-form", **files, "sha256": "0" * 64}, 400, "sha256"),
+        ({"lora_name": "push-form", **files, "swap_policy": "whenever"}, 400, "swap_policy"),
+        ({"lora_name": "push-form", **files, "evil.py": b"x"}, 400, "unexpected file"),
+        (
+            {
+                "lora_name": "push-form",
+                "adapter_config.json": files["adapter_config.json"],
+                "adapter_model.safetensors": b"\0" * (MAX_ADAPTER_BYTES + 1),
+            },
+            413,
+            "max-adapter-bytes",
+        ),
+    ]
+    for fields, status, message in cases:
+        got, body = await raw_push(engine_server, key, fields)
+        assert got == status and message in body["error"]["message"], (fields.keys(), body)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+        async with session.post(
+            engine_server.url + "/skyrl/v1/adapters/push", json={"lora_name": "x"}
+        ) as resp:
+            assert resp.status == 400
+    out = await sample(admin, engine_server, "push-form")
+    assert out.adapter_version == 1 and words(engine_server, out.sequences[0].tokens) == {"meow"}
+    assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []
+    with pytest.raises(PayloadTooLargeError):
+        big = InMemoryAdapter(weights=b"\0" * (MAX_ADAPTER_BYTES + 1), config={})
+        await admin.push_lora_adapter("push-form", big)
+
+
+async def test_tenant_keys_push_only_their_own_existing_adapters(engine_server, admin) -> None:
+    await admin.push_lora_adapter("sec-a", engine_server.model.adapters["meow"])
+    woof = engine_server.model.adapters["woof"]
+    async with RemoteInferenceClient(engine_server.url, api_key=TENANT_KEYS["sec-a"]) as tenant:
+        (info,) = await tenant.push_lora_adapter("sec-a", woof)
+        assert info.lora_name == "sec-a"
+        with pytest.raises(PermissionDeniedError):
+            await tenant.push_lora_adapter("sec-b", woof)
+        with pytest.raises(PermissionDeniedError):
+            await tenant.push_lora_adapter("sec-a-new-name", woof)
