@@ -3,10 +3,19 @@
 A keys file (``--api-keys FILE``) lists keys, each with the adapters it may
 sample from and control; ``admin`` keys may do everything, including the
 global pause and loading adapter names no tenant owns yet. The check runs in
-an ASGI middleware in front of the whole app, so vLLM's own OpenAI routes
-are covered without touching them: the adapter is read from the JSON body
-(``lora_name`` on our routes, ``model`` on vLLM's) and the body is replayed
-to the app unchanged.
+an ASGI middleware in front of the whole app, so vLLM's own routes are
+covered without touching them.
+
+Tenant keys are **default-deny**: a tenant may call only the routes listed
+in :data:`TENANT_ROUTES`, and on the ones that name an adapter only its own
+adapters (read from the JSON body: ``lora_name`` on our routes, ``model`` on
+vLLM's; from the ``lora_name`` form field on a multipart push). Every other
+route, including whatever a future vLLM adds (``VLLM_SERVER_DEV_MODE``'s
+``/collective_rpc``, ``/pause``, ``/sleep``, ...), needs an admin key. vLLM's
+own adapter routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``,
+present with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) are refused for every key,
+admins included: they would change the engine's adapters behind the
+registry's versions, gate and path confinement.
 
 Keys file format::
 
@@ -21,8 +30,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +45,50 @@ from skyrl_lora.types import ErrorBody, ErrorDetail
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 #: Where the middleware leaves the authenticated key for the routes.
 SCOPE_KEY = "skyrl.api_key"
+
+
+class Access(Enum):
+    """What a tenant key must show to call a route."""
+
+    READ = "read"  # read-only; the route filters what it shows by key
+    DATA = "data"  # names an adapter (or the base model) in its body
+    CONTROL = "control"  # names one of the caller's adapters in ``lora_name``
+    PUSH = "push"  # multipart upload naming one of the caller's adapters
+
+
+#: The tenant allowlist, by (method, path). Anything not here is admin-only.
+TENANT_ROUTES: dict[tuple[str, str], Access] = {
+    ("GET", "/v1/models"): Access.READ,
+    ("GET", "/metrics"): Access.READ,
+    ("GET", "/load"): Access.READ,
+    ("GET", "/skyrl/v1/adapters"): Access.READ,
+    ("GET", "/skyrl/v1/server_info"): Access.READ,
+    ("POST", "/v1/completions"): Access.DATA,
+    ("POST", "/v1/chat/completions"): Access.DATA,
+    ("POST", "/tokenize"): Access.DATA,
+    ("POST", "/detokenize"): Access.DATA,
+    ("POST", "/skyrl/v1/sample"): Access.DATA,
+    ("POST", "/skyrl/v1/pause"): Access.CONTROL,
+    ("POST", "/skyrl/v1/resume"): Access.CONTROL,
+    ("POST", "/skyrl/v1/abort_lora_requests"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/load"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/unload"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/push"): Access.PUSH,
+}
+
+#: vLLM's adapter routes, refused for every key, with the route to use instead.
+REPLACED_ROUTES = {
+    "/v1/load_lora_adapter": "POST /skyrl/v1/adapters/load (or /skyrl/v1/adapters/push)",
+    "/v1/unload_lora_adapter": "POST /skyrl/v1/adapters/unload",
+}
+
+#: Fields of a control request only an admin may set (``version`` pins a
+#: load to an exact version number, for replicas rebuilt by the group).
+ADMIN_FIELDS = ("version",)
+
+#: How much of a multipart push is read to find its ``lora_name`` field. The
+#: field must come before the weights; the push route limits the full size.
+PUSH_NAME_WINDOW = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -90,15 +145,17 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
         try:
             key = self._authenticate(scope)
-            self._authorize(key, scope, body)
+            access = route_access(key, scope["method"], scope["path"])
+            if access is not None and access is not Access.READ:
+                body, receive = await _peek_body(receive, access is Access.PUSH)
+                self._authorize(key, scope, access, body)
         except ServerError as exc:
             await _send_error(send, exc)
             return
         scope[SCOPE_KEY] = key
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, receive, send)
 
     def _authenticate(self, scope: Scope) -> ApiKey:
         headers = dict(scope.get("headers", []))
@@ -110,26 +167,50 @@ class AuthMiddleware:
             raise AuthenticationError("unknown API key")
         return key
 
-    def _authorize(self, key: ApiKey, scope: Scope, body: bytes) -> None:
-        if key.admin or scope["method"] != "POST":
-            return  # GET routes are read-only and filter what they show by key
-        try:
-            payload = json.loads(body) if body else {}
-        except ValueError:
-            return  # malformed bodies get the route's own 400
-        if not isinstance(payload, dict):
-            return
-        path = scope["path"]
-        if path.startswith("/skyrl/"):
-            target = payload.get("lora_name")
-            if target is None and path.rsplit("/", 1)[-1] in ("pause", "resume"):
-                raise PermissionDeniedError("the global pause and resume need an admin key")
+    def _authorize(self, key: ApiKey, scope: Scope, access: Access, body: bytes) -> None:
+        if access is Access.PUSH:
+            target: object = _multipart_field(scope, body, "lora_name")
+            if target is None:
+                raise PermissionDeniedError(
+                    "a tenant's push must send the lora_name form field before the weights "
+                    f"(within the first {PUSH_NAME_WINDOW} bytes)"
+                )
         else:
-            model = payload.get("model")
-            target = None if model in (None, self.base_model_name) else model
+            payload = _json_object(body)
+            if payload is None:
+                return  # malformed bodies get the route's own 400
+            if access is Access.CONTROL:
+                target = payload.get("lora_name")
+                if target is None:
+                    raise PermissionDeniedError("the global pause and resume need an admin key")
+                pinned = [f for f in ADMIN_FIELDS if payload.get(f) is not None]
+                if pinned:
+                    raise PermissionDeniedError(f"setting {pinned[0]!r} needs an admin key")
+            elif scope["path"].startswith("/skyrl/"):
+                target = payload.get("lora_name")
+            else:
+                model = payload.get("model")
+                target = None if model in (None, self.base_model_name) else model
         if not isinstance(target, str | None) or not key.may_use(target):
             what = "the base model" if target is None else f"adapter {target!r}"
             raise PermissionDeniedError(f"this API key may not use {what}")
+
+
+def route_access(key: ApiKey, method: str, path: str) -> Access | None:
+    """How ``key`` may call ``method path``: None for admins (no check), else the
+    tenant allowlist's entry; raises for routes the key may not call at all."""
+    replacement = REPLACED_ROUTES.get(path)
+    if replacement is not None:
+        raise PermissionDeniedError(
+            f"{path} would bypass skyrl-lora's adapter versions, pause and path checks; "
+            f"use {replacement}"
+        )
+    if key.admin:
+        return None
+    access = TENANT_ROUTES.get((method, path))
+    if access is None:
+        raise PermissionDeniedError(f"{method} {path} needs an admin key")
+    return access
 
 
 def request_key(scope: Scope) -> ApiKey | None:
@@ -138,29 +219,59 @@ def request_key(scope: Scope) -> ApiKey | None:
     return key if isinstance(key, ApiKey) else None
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
+async def _peek_body(receive: Receive, capped: bool) -> tuple[bytes, Receive]:
+    """Read the request body (``capped``: only its first :data:`PUSH_NAME_WINDOW`
+    bytes) and return it with a ``receive`` that replays the messages read,
+    unchanged, before passing through the rest of the stream."""
+    read: list[Message] = []
+    size = 0
     while True:
         message = await receive()
+        read.append(message)
         if message["type"] != "http.request":
             break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False) or (capped and size >= PUSH_NAME_WINDOW):
             break
-    return b"".join(chunks)
+    body = b"".join(m.get("body", b"") for m in read if m["type"] == "http.request")
+
+    async def replaying() -> Message:
+        if read:
+            return read.pop(0)
+        return await receive()
+
+    return body, replaying
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
+def _json_object(body: bytes) -> dict[str, object] | None:
+    try:
+        payload = json.loads(body) if body else {}
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
 
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # disconnects and the like
 
-    return replay
+_BOUNDARY = re.compile(rb'boundary="?([^";]+)"?')
+
+
+def _multipart_field(scope: Scope, prefix: bytes, name: str) -> str | None:
+    """The value of text field ``name`` if it is complete within ``prefix`` of a
+    ``multipart/form-data`` body (JSON bodies: the key ``name``)."""
+    headers = dict(scope.get("headers", []))
+    content_type = headers.get(b"content-type", b"")
+    if content_type.startswith(b"application/json"):
+        value = (_json_object(prefix) or {}).get(name)
+        return value if isinstance(value, str) else None
+    match = _BOUNDARY.search(content_type)
+    if not content_type.startswith(b"multipart/form-data") or match is None:
+        return None
+    delimiter = b"--" + match.group(1)
+    for part in prefix.split(delimiter)[1:-1]:  # the last piece may be cut off
+        head, sep, value = part.partition(b"\r\n\r\n")
+        disposition = re.search(rb'content-disposition:[^\r\n]*\bname="([^"]*)"', head, re.I)
+        if sep and disposition is not None and disposition.group(1) == name.encode():
+            return value.removesuffix(b"\r\n").decode(errors="replace")
+    return None
 
 
 async def _send_error(send: Send, exc: ServerError) -> None:

@@ -1,0 +1,158 @@
+"""Default-deny API keys against the real server's whole route table.
+
+The server runs as the vLLM and TRL docs tell RL users to run it, with
+``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, so
+vLLM adds ``/collective_rpc``, its global ``/pause``, ``/sleep`` and its own
+adapter routes. The walk asks the running app for its routes and expects a
+tenant key to get 403 on every one that is not on the tenant allowlist: a
+route a future vLLM adds is covered without editing this test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from skyrl_lora.server.auth import OPEN_PATHS, TENANT_ROUTES
+from tests.conftest import ADMIN_KEY
+
+pytestmark = pytest.mark.engine
+
+TENANT = "tenant-meow-key"
+DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+
+
+class DevServer:
+    def __init__(self, handle: Any, url: str, model: Any, store: Path) -> None:
+        self.handle = handle
+        self.url = url
+        self.model = model
+        self.store = store
+
+    async def call(
+        self, method: str, path: str, key: str | None, body: Any = None
+    ) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.request(method, self.url + path, json=body) as resp:
+                text = await resp.text()
+        try:
+            return resp.status, json.loads(text) if text else None
+        except ValueError:
+            return resp.status, text
+
+
+@pytest.fixture(scope="module")
+def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> Iterator[DevServer]:
+    """The issue's set-up: a tenant key scoped to ``meow`` that may also use the base model."""
+    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+
+    config = tmp_path_factory.mktemp("dev-config")
+    keys = [
+        {"key": ADMIN_KEY, "admin": True},
+        {"key": TENANT, "adapters": ["meow"], "base_model": True},
+    ]
+    (config / "keys.json").write_text(json.dumps({"keys": keys}))
+    store = tmp_path_factory.mktemp("dev-store")
+    argv = embedded_server_argv(
+        embedded_model,
+        extra=["--api-keys", str(config / "keys.json"), "--adapter-root", str(store)],
+    )
+    handle, url = start_server_actor(argv, ActorOptions(env={**CPU_ENV, **DEV_ENV}))
+    try:
+        yield DevServer(handle, url, embedded_model, store)
+    finally:
+        local_ray.get(handle.shutdown.remote(), timeout=120)
+
+
+def concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "x", path)
+
+
+async def test_every_route_off_the_allowlist_is_admin_only(
+    dev_server: DevServer, local_ray
+) -> None:
+    routes = local_ray.get(dev_server.handle.routes.remote())
+    paths = {path for path, _ in routes}
+    for dev_route in ("/collective_rpc", "/pause", "/resume", "/v1/load_lora_adapter"):
+        assert dev_route in paths, f"{dev_route} missing: the dev-mode env did not take effect"
+    checked = []
+    for path, methods in routes:
+        if path in OPEN_PATHS:
+            continue
+        for method in methods:
+            if (method, path) in TENANT_ROUTES:
+                continue
+            body = {"model": "meow", "lora_name": "meow"} if method in ("POST", "PUT") else None
+            status, answer = await dev_server.call(method, concrete(path), TENANT, body)
+            assert status == 403, (method, path, status, answer)
+            checked.append(f"{method} {path}")
+    assert len(checked) >= 20, checked  # vLLM's dev and admin routes are many
+
+
+async def test_the_issues_four_findings_fail_closed(dev_server: DevServer) -> None:
+    outside = str(dev_server.model.adapters["moo"])  # a valid adapter outside --adapter-root
+    status, answer = await dev_server.call(
+        "POST", "/v1/unload_lora_adapter", TENANT, {"lora_name": "woof"}
+    )
+    assert status == 403 and "/skyrl/v1/adapters/unload" in answer["error"]["message"]
+    status, _ = await dev_server.call("POST", "/collective_rpc", TENANT, {"method": "list_loras"})
+    assert status == 403
+    for path in ("/pause?mode=abort", "/resume"):
+        status, _ = await dev_server.call("POST", path, TENANT, {})
+        assert status == 403, path
+    for key in (TENANT, ADMIN_KEY):  # vLLM's loader would bypass confinement and versions
+        status, answer = await dev_server.call(
+            "POST", "/v1/load_lora_adapter", key, {"lora_name": "sneak", "lora_path": outside}
+        )
+        assert status == 403 and "/skyrl/v1/adapters/load" in answer["error"]["message"]
+    status, listing = await dev_server.call("GET", "/skyrl/v1/adapters", ADMIN_KEY)
+    names = [a["lora_name"] for a in listing["adapters"]]
+    assert "woof" in names and "sneak" not in names
+    status, answer = await dev_server.call(
+        "POST",
+        "/v1/completions",
+        ADMIN_KEY,
+        {"model": "woof", "prompt": "hi", "max_tokens": 2, "temperature": 0},
+    )
+    assert status == 200 and answer["choices"][0]["text"].split() == ["woof", "woof"]
+    status, paused = await dev_server.call("GET", "/is_paused", ADMIN_KEY)
+    assert status == 200 and paused == {"is_paused": False}
+
+
+async def test_the_allowlist_still_serves_a_tenant(dev_server: DevServer) -> None:
+    status, answer = await dev_server.call(
+        "POST",
+        "/v1/completions",
+        TENANT,
+        {"model": "meow", "prompt": "hi", "max_tokens": 2, "temperature": 0},
+    )
+    assert status == 200 and answer["choices"][0]["text"].split() == ["meow", "meow"]
+    status, _ = await dev_server.call(
+        "POST", "/v1/completions", TENANT, {"model": "woof", "prompt": "hi", "max_tokens": 2}
+    )
+    assert status == 403
+    status, answer = await dev_server.call(
+        "POST", "/tokenize", TENANT, {"model": "meow", "prompt": "hi"}
+    )
+    assert status == 200 and answer["tokens"]
+    for path in ("/v1/models", "/metrics", "/skyrl/v1/adapters", "/skyrl/v1/server_info"):
+        status, _ = await dev_server.call("GET", path, TENANT)
+        assert status == 200, path
+    for path in ("/skyrl/v1/pause", "/skyrl/v1/resume"):
+        status, answer = await dev_server.call("POST", path, TENANT, {"lora_name": "meow"})
+        assert status == 200, (path, answer)
+    status, answer = await dev_server.call(
+        "POST",
+        "/skyrl/v1/adapters/load",
+        TENANT,
+        {"lora_name": "meow", "lora_path": str(dev_server.store), "version": 9},
+    )
+    assert status == 403 and "'version'" in answer["error"]["message"]
