@@ -1,9 +1,12 @@
 """``python -m benchmarks`` (or ``scripts/dev.sh bench``): run every benchmark, print a table.
 
-Every number is a ratio against a baseline measured in the same run, or a
-latency with its target; the machine is noisy, so only side-by-side numbers
-mean anything. Writes ``benchmarks/out/results.json`` and the plot
-``docs/swap_isolation.png``.
+Every figure is the median over at least 3 rounds with min and max beside
+it, each round's ratio taken against a baseline measured in the same round
+(the machine is noisy, so only side-by-side numbers mean anything).
+Latencies report p50, p99 and max. Writes ``benchmarks/out/results.json``
+and the plot ``docs/swap_isolation.png``. If a sanity check fails (see
+``benchmarks.stats``) the raw figures are still written, no table is
+printed, and the exit code is 3.
 """
 
 from __future__ import annotations
@@ -12,21 +15,21 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import (
-    client_overhead,
-    fanout,
-    isolation,
-    pause_latency,
-    plot,
-    retry_overhead,
-    swap_time,
-)
+from benchmarks import client_overhead, fanout, perf, plot, retry_overhead
 from benchmarks.common import embedded_server
+from benchmarks.isolation import IsolationConfig
+from benchmarks.report import Row, spread_row, table
+from benchmarks.retry_overhead import RetryOverhead
+from benchmarks.stats import Spread, UntrustworthyRunError
 
 ROOT = Path(__file__).resolve().parent.parent
+EXIT_UNTRUSTWORTHY = 3
 
 
 def _prompt(model: Any) -> list[int]:
@@ -36,105 +39,114 @@ def _prompt(model: Any) -> list[int]:
     return list(tokenizer.encode("hello there how are you", add_special_tokens=False))
 
 
+def cpu_shape(quick: bool) -> perf.PerfShape:
+    """The CPU machine's shape: 3 tenants x 8 streams; ``quick`` shortens every part."""
+    three = IsolationConfig()
+    if quick:
+        three = replace(three, swaps_per_window=2, settle_s=0.5)
+    return perf.PerfShape(
+        isolation=three,
+        eight_tenants=replace(three, tenants=8, streams=3),
+        pauses=20 if quick else 50,
+        control_repeats=20 if quick else 50,
+        swap_repeats=4 if quick else 6,
+    )
+
+
+def _client_rows(rps: dict[str, list[float]], fo: dict[int, list[float]]) -> list[Row]:
+    ratio = client_overhead.ratios(rps)
+    n = len(rps["raw aiohttp"])
+    med = {k: Spread.of(v).median for k, v in rps.items()}
+    sizes = sorted(fo)
+    fan = Spread.of(b / a for a, b in zip(fo[sizes[0]], fo[sizes[-1]]))
+    return [
+        spread_row(
+            "client rps, 256 concurrent: skyrl / raw aiohttp",
+            ratio["vs_raw"],
+            ".2f",
+            "x",
+            ">= 0.90x",
+            f"{med['skyrl client']:.0f} vs {med['raw aiohttp']:.0f} req/s, {n} rounds",
+        ),
+        spread_row(
+            "client rps: skyrl / OpenAI SDK",
+            ratio["vs_sdk"],
+            ".1f",
+            "x",
+            "> 1x",
+            f"{med['openai sdk']:.0f} req/s for the SDK",
+        ),
+        spread_row(
+            f"pause fan-out, 50 ms servers: {sizes[-1]} / {sizes[0]} server",
+            fan,
+            ".2f",
+            "x",
+            "flat",
+            ", ".join(f"{k}: {Spread.of(fo[k]).median:.0f} ms" for k in sizes),
+        ),
+    ]
+
+
+def _retry_row(r: RetryOverhead) -> Row:
+    return spread_row(
+        f"retry overhead, 3 interrupts, prefix caching {'on' if r.prefix_caching else 'off'}",
+        r.ratio,
+        ".3f",
+        "x",
+        "<= 1.05x" if r.prefix_caching else "",
+        f"{Spread.of(r.interrupted_s).median:.2f} s vs"
+        f" {Spread.of(r.uninterrupted_s).median:.2f} s uninterrupted,"
+        f" {len(r.interrupted_s)} rounds",
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter phases")
+    parser.add_argument("--quick", action="store_true", help="fewer pauses, shorter windows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    rounds = 20 if args.quick else 50
-    seconds = 5.0 if args.quick else 8.0
-    rows: list[tuple[str, str, str, str]] = []
-    results: dict[str, Any] = {}
+    began = time.monotonic()
+    shape = cpu_shape(args.quick)
+    results: dict[str, Any] = {"quick": args.quick}
 
-    results["client_overhead"] = co = asyncio.run(client_overhead.run())
-    rows.append(
-        (
-            "client rps, 256 concurrent: skyrl / raw aiohttp",
-            f"{co['skyrl client'] / co['raw aiohttp']:.2f}x",
-            ">= 0.90x",
-            f"{co['skyrl client']:.0f} vs {co['raw aiohttp']:.0f} req/s",
-        )
-    )
-    rows.append(
-        (
-            "client rps: skyrl / OpenAI SDK",
-            f"{co['skyrl client'] / co['openai sdk']:.1f}x",
-            "> 1x",
-            f"{co['openai sdk']:.0f} req/s for the SDK",
-        )
-    )
-    results["fanout_ms"] = fo = asyncio.run(fanout.run())
-    rows.append(
-        (
-            "pause fan-out, 50 ms servers: 32 / 1 server",
-            f"{fo[32] / fo[1]:.2f}x",
-            "flat",
-            ", ".join(f"{n}: {t:.0f} ms" for n, t in fo.items()),
-        )
-    )
+    rps = asyncio.run(client_overhead.run(rounds=3 if args.quick else 5))
+    fo = asyncio.run(fanout.run())
+    results["client_rps"] = rps
+    results["client_ratio"] = {k: s.to_json() for k, s in client_overhead.ratios(rps).items()}
+    results["fanout_ms"] = fo
+    rows = _client_rows(rps, fo)
 
-    with embedded_server() as (url, model):
+    with embedded_server(extra=["--max-loras", "8"]) as (url, model):
         prompt = _prompt(model)
-        phases, meter = asyncio.run(isolation.run(url, model, prompt, seconds=seconds))
-        base = phases[0].others_rate
-        for phase in phases[1:]:
-            rows.append(
-                (
-                    f"isolation: others' tok/s during swaps, {phase.name} pause",
-                    f"{phase.others_rate / base:.2f}x",
-                    ">= 0.95x" if phase.name == "per_adapter" else "(baseline design)",
-                    f"{phase.others_rate:.0f} vs {base:.0f} tok/s, {phase.swaps} swaps",
-                )
-            )
-        results["isolation"] = {
-            p.name: {"others_tok_s": p.others_rate, "swaps": p.swaps} for p in phases
-        }
-        plot_path = plot.plot(phases, meter, ROOT / "docs" / "swap_isolation.png")
-
-        lat = asyncio.run(pause_latency.run(url, model, prompt, rounds=rounds))
-        s = lat.summary
-        results["pause_latency"] = s
-        rows.append(
-            (
-                f"pause latency, {lat.in_flight} in flight, {lat.rounds} pauses: p50 / p99",
-                f"{s['median_ms']:.1f} / {s['p99_ms']:.1f} ms",
-                "p99 <= 50 ms",
-                f"server-side drain {s['server_median_ms']:.1f} / {s['server_p99_ms']:.1f} ms;"
-                " reference design: 5000 ms sleep",
-            )
-        )
-
+        run = asyncio.run(perf.collect(url, model, prompt, shape))
+        results["perf"] = run.figures()
+        missing = perf.missing_keys(results["perf"])
+        if missing:  # the GPU test writes the same figures: fail here first, not there
+            raise RuntimeError(f"perf figures lack {missing}")
         ro = asyncio.run(retry_overhead.run(url, model, prompt, prefix_caching=True))
-        swaps = asyncio.run(swap_time.run(url, model))
     with embedded_server(extra=["--no-enable-prefix-caching"]) as (url2, _):
         ro_off = asyncio.run(retry_overhead.run(url2, model, prompt, prefix_caching=False))
-    for r in (ro, ro_off):
-        rows.append(
-            (
-                f"retry overhead, 3 interrupts, prefix caching {'on' if r.prefix_caching else 'off'}",  # noqa: E501
-                f"{r.ratio:.3f}x",
-                "<= 1.05x" if r.prefix_caching else "",
-                f"{r.interrupted_s:.2f} s vs {r.uninterrupted_s:.2f} s uninterrupted",
-            )
-        )
-    results["retry_overhead"] = {str(r.prefix_caching): r.__dict__ for r in (ro, ro_off)}
-    results["swap_ms"] = swaps
-    rows.append(
-        (
-            "swap: pause + reload in place + resume, rank 8 / 16 / 64",
-            " / ".join(f"{swaps[r]:.0f}" for r in (8, 16, 64)) + " ms",
-            "",
-            "median of 6",
-        )
-    )
+    results["retry_overhead"] = {str(r.prefix_caching): r.to_json() for r in (ro, ro_off)}
+    rows += [*run.rows(), _retry_row(ro), _retry_row(ro_off)]
+    results["seconds"] = time.monotonic() - began
 
     out = ROOT / "benchmarks" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        run.check()
+    except UntrustworthyRunError as exc:
+        results["untrustworthy"] = {"check": exc.check, "why": exc.why}
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        print(f"benchmark run NOT trustworthy, no table: {exc}", file=sys.stderr)
+        print("raw figures: benchmarks/out/results.json", file=sys.stderr)
+        return EXIT_UNTRUSTWORTHY
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    print("\n| measure | result | target | detail |\n| --- | --- | --- | --- |")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print(f"\nplot: {plot_path.relative_to(ROOT)}   raw: benchmarks/out/results.json")
+    plot_path = plot.plot(run.isolation, ROOT / "docs" / "swap_isolation.png")
+    print("\n" + table(rows))
+    print(
+        f"\n{results['seconds']:.0f} s in all   plot: {plot_path.relative_to(ROOT)}"
+        "   raw: benchmarks/out/results.json"
+    )
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -78,16 +77,6 @@ async def keep_sampling(
             meter.add(tenant, len(out.sequences[0].tokens), started)
 
     await asyncio.gather(*(loop() for _ in range(streams)))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
 
 
 async def wait_engine_requests(

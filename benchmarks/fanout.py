@@ -33,8 +33,11 @@ async def _server(stack: AsyncExitStack) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-async def run(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5) -> dict[int, float]:
-    result: dict[int, float] = {}
+async def run(
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5
+) -> dict[int, list[float]]:
+    """Milliseconds of each pause, by number of servers."""
+    result: dict[int, list[float]] = {}
     async with AsyncExitStack() as stack:
         urls = [await _server(stack) for _ in range(max(sizes))]
         for n in sizes:
@@ -45,5 +48,5 @@ async def run(sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5) -
                     started = time.perf_counter()
                     await client.pause_generation(lora_name="a")
                     times.append((time.perf_counter() - started) * 1000)
-                result[n] = sorted(times)[len(times) // 2]
+                result[n] = times
     return result

@@ -1,97 +1,272 @@
-"""Isolation: other tenants' tokens/s while one tenant swaps weights.
+"""Isolation: the other tenants' tokens/s and token gaps while one tenant swaps weights.
 
-Three phases in one run, same load: no swap (baseline), per-adapter pause +
-reload + resume of tenant A every ``period`` seconds, and the same swap done
-with vLLM's global keep-mode pause. Each swap holds the pause for ``hold``
-seconds, standing in for the trainer's weight transfer. Reported: B and C's
-tokens/s in each swap phase over the baseline.
+One load runs for the whole measurement: tenant A (the swapper) keeps
+``sample_with_retry`` calls in flight, every other tenant keeps streamed
+completions in flight (their chunk arrival times give both their rate and
+their inter-token gaps). Over that load the run alternates short windows,
+``no_swap / per_adapter / global`` per round for several rounds, then one
+closing ``no_swap``, each window after its own settle time. In a swap window
+A is paused, held for ``hold_s`` (standing in for the trainer's weight
+transfer), reloaded and resumed once per ``period_s``, with the per-adapter
+pause or vLLM's global keep-mode pause.
+
+Phases run one after the other would compare different machine states
+(warm-up, caches, neighbours); interleaving makes each round's ratio come
+from windows seconds apart, and the baseline of a round is the mean of the
+no-swap windows on either side of its swap windows. The spread over rounds
+and the checks in :mod:`benchmarks.stats` say whether the run can be
+trusted at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import TokenMeter, keep_sampling
+from benchmarks.stats import (
+    IsolationChecks,
+    Spread,
+    Tail,
+    check_count,
+    check_isolation,
+    split_gaps,
+    tails_spread,
+)
+from benchmarks.streams import StreamLog, keep_streaming, rate
 from skyrl_lora.client import RemoteInferenceClient
 
-TENANTS = {"iso-a": "meow", "iso-b": "woof", "iso-c": "moo"}
-OTHERS = ("iso-b", "iso-c")
+MODES = ("no_swap", "per_adapter", "global")
+SWAP_MODES = ("per_adapter", "global")
+
+
+@dataclass(frozen=True)
+class IsolationConfig:
+    """Shape of the run. ``tenants`` includes the swapper (tenant 0)."""
+
+    tenants: int = 3
+    streams: int = 8
+    max_tokens: int = 32
+    rounds: int = 3
+    period_s: float = 1.0
+    swaps_per_window: int = 3
+    settle_s: float = 1.0
+    #: After every tenant produced its first tokens, before the first window:
+    #: the first completions' prefill and adapter activation are not the
+    #: steady state the windows compare.
+    warmup_s: float = 2.0
+    hold_s: float = 0.3
+    checks: IsolationChecks = field(default_factory=IsolationChecks)
+
+    @property
+    def window_s(self) -> float:
+        return self.period_s * self.swaps_per_window
+
+    @property
+    def names(self) -> list[str]:
+        return [f"iso-{chr(ord('a') + i)}" for i in range(self.tenants)]
 
 
 @dataclass
-class Phase:
-    name: str
+class Window:
+    round: int
+    mode: str
     start: float
     end: float
     others_rate: float
-    swaps: int
-    windows: list[tuple[float, float]]
+    swaps: list[tuple[float, float]]  # (pause call, resume answered) of each swap
 
 
-async def _swapper(
+@dataclass
+class IsolationResult:
+    config: IsolationConfig
+    windows: list[Window]
+    others: list[StreamLog]
+    swapper: TokenMeter
+    #: From the windows: ratio per swap mode over rounds, the others' tok/s in
+    #: the no-swap windows, and gap tails by window kind.
+    ratios: dict[str, Spread]
+    baseline: Spread
+    stall: dict[str, dict[str, Spread]]
+
+    def of(self, mode: str) -> list[Window]:
+        return [w for w in self.windows if w.mode == mode]
+
+    def check(self) -> None:
+        """Raise :class:`~benchmarks.stats.UntrustworthyRunError` if a sanity check fails.
+
+        Separate from the measurement, so a failed run still leaves its raw
+        figures in ``results.json`` for whoever has to find out why.
+        """
+        check_isolation(
+            [w.others_rate for w in self.of("no_swap")],
+            self.per_round("global"),
+            {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
+            self.config.swaps_per_window,
+            self.config.checks,
+        )
+
+    def per_round(self, mode: str) -> list[float]:
+        return _per_round(self.windows, mode)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": {
+                "tenants": self.config.tenants,
+                "streams": self.config.streams,
+                "rounds": self.config.rounds,
+                "window_s": self.config.window_s,
+                "settle_s": self.config.settle_s,
+                "hold_s": self.config.hold_s,
+                "baseline_tolerance": self.config.checks.baseline_tolerance,
+            },
+            "others_ratio": {m: s.to_json() for m, s in self.ratios.items()},
+            "others_tok_s_no_swap": self.baseline.to_json(),
+            "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
+            "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
+            "windows": [
+                {"round": w.round, "mode": w.mode, "others_tok_s": w.others_rate}
+                for w in self.windows
+            ],
+        }
+
+
+async def _swap_window(
     client: RemoteInferenceClient,
-    model: Any,
-    stop: asyncio.Event,
+    swapper: str,
+    paths: Sequence[str],
     mode: str,
-    period: float,
-    hold: float,
-    windows: list[tuple[float, float]],
-) -> int:
-    swaps = 0
-    weights = ["woof", "meow"]
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), period)
-            break
-        except asyncio.TimeoutError:
-            pass
-        lora = "iso-a" if mode == "per_adapter" else None
+    cfg: IsolationConfig,
+) -> list[tuple[float, float]]:
+    """``swaps_per_window`` swaps, one at the start of each period."""
+    lora = swapper if mode == "per_adapter" else None
+    start = time.monotonic()
+    swaps: list[tuple[float, float]] = []
+    for i in range(cfg.swaps_per_window):
+        await asyncio.sleep(max(0.0, start + i * cfg.period_s - time.monotonic()))
         paused_at = time.monotonic()
         await client.pause_generation(lora_name=lora)
-        await asyncio.sleep(hold)
-        await client.reload_lora_adapter("iso-a", str(model.adapters[weights[swaps % 2]]))
-        await client.resume_generation(lora_name=lora)
-        windows.append((paused_at, time.monotonic()))
-        swaps += 1
+        try:
+            await asyncio.sleep(cfg.hold_s)
+            await client.reload_lora_adapter(swapper, paths[i % 2])
+        finally:
+            await client.resume_generation(lora_name=lora)
+        swaps.append((paused_at, time.monotonic()))
+    await asyncio.sleep(max(0.0, start + cfg.window_s - time.monotonic()))
     return swaps
 
 
+async def _first_tokens(
+    others: Sequence[StreamLog], meter: TokenMeter, load: Sequence[asyncio.Task[None]]
+) -> None:
+    """Wait until every tenant has produced tokens (raising a load task's failure)."""
+    while not (meter.spans and all(log.tokens_in(0.0, math.inf) for log in others)):
+        failed = [t for t in load if t.done()]
+        if failed:
+            await failed[0]  # raises its error
+            raise RuntimeError("a load task ended before the windows began")
+        await asyncio.sleep(0.05)
+
+
+async def _windows(
+    client: RemoteInferenceClient,
+    swapper: str,
+    paths: Sequence[str],
+    others: Sequence[StreamLog],
+    cfg: IsolationConfig,
+) -> list[Window]:
+    plan = [(r, m) for r in range(cfg.rounds) for m in MODES] + [(cfg.rounds, "no_swap")]
+    windows: list[Window] = []
+    for rnd, mode in plan:
+        await asyncio.sleep(cfg.settle_s)
+        start = time.monotonic()
+        if mode == "no_swap":
+            await asyncio.sleep(cfg.window_s)
+            swaps: list[tuple[float, float]] = []
+        else:
+            swaps = await _swap_window(client, swapper, paths, mode, cfg)
+        end = time.monotonic()
+        windows.append(Window(rnd, mode, start, end, rate(others, start, end), swaps))
+    return windows
+
+
+def _per_round(windows: list[Window], mode: str) -> list[float]:
+    """The others' rate in each ``mode`` window over its round's baseline.
+
+    A round's baseline is the mean of the no-swap windows just before and
+    just after its swap windows, so a slow drift cancels to first order.
+    """
+    base = [w for w in windows if w.mode == "no_swap"]
+    return [
+        w.others_rate / ((base[w.round].others_rate + base[w.round + 1].others_rate) / 2)
+        for w in windows
+        if w.mode == mode
+    ]
+
+
+def _stall(windows: list[Window], others: list[StreamLog]) -> dict[str, dict[str, Spread]]:
+    """Gap tails of every window kind: no-swap, and during / outside the swaps of each mode."""
+    tails: dict[str, list[Tail]] = {}
+    for w in windows:
+        gaps = [g for log in others for g in log.gaps(w.start, w.end)]
+        during, outside = split_gaps(gaps, w.swaps)
+        kinds = (
+            {"no_swap": outside}
+            if w.mode == "no_swap"
+            else {f"{w.mode}_during_swap": during, f"{w.mode}_outside_swap": outside}
+        )
+        for kind, values in kinds.items():
+            check_count("stall gaps", len(values), 1, f"token gaps in a {kind} window")
+            tails.setdefault(kind, []).append(Tail.of(values))
+    return {k: tails_spread(v) for k, v in tails.items()}
+
+
 async def run(
-    url: str,
-    model: Any,
-    prompt: list[int],
-    seconds: float = 8.0,
-    period: float = 1.0,
-    hold: float = 0.3,
-    streams: int = 8,
-) -> tuple[list[Phase], TokenMeter]:
+    url: str, model: Any, prompt: list[int], cfg: IsolationConfig | None = None
+) -> IsolationResult:
+    """Load the tenants, run the interleaved windows and summarise them (see ``check``)."""
+    cfg = cfg or IsolationConfig()
+    names = cfg.names
+    weights = sorted(model.adapters)
+    swapper, other_names = names[0], names[1:]
+    paths = [str(model.adapters[w]) for w in weights[:2]]
     meter = TokenMeter()
-    phases: list[Phase] = []
+    others = [StreamLog(t) for t in other_names]
+    stop = asyncio.Event()
     async with RemoteInferenceClient(url) as client:
-        for tenant, weights in TENANTS.items():
-            await client.load_lora_adapter(tenant, str(model.adapters[weights]))
-        for mode in ("no_swap", "per_adapter", "global"):
-            stop = asyncio.Event()
-            load = [
-                asyncio.create_task(keep_sampling(client, t, prompt, meter, stop, streams, 32))
-                for t in TENANTS
-            ]
-            await asyncio.sleep(1.0)  # warm up to steady state
-            start = time.monotonic()
-            windows: list[tuple[float, float]] = []
-            swapper = (
-                asyncio.create_task(_swapper(client, model, stop, mode, period, hold, windows))
-                if mode != "no_swap"
-                else None
-            )
-            await asyncio.sleep(seconds)
-            end = time.monotonic()
+        for i, tenant in enumerate(names):
+            await client.load_lora_adapter(tenant, str(model.adapters[weights[i % len(weights)]]))
+        load = [
+            asyncio.create_task(
+                keep_sampling(client, swapper, prompt, meter, stop, cfg.streams, cfg.max_tokens)
+            ),
+            *(
+                asyncio.create_task(
+                    keep_streaming(url, log.tenant, prompt, log, stop, cfg.streams, cfg.max_tokens)
+                )
+                for log in others
+            ),
+        ]
+        try:
+            await _first_tokens(others, meter, load)
+            await asyncio.sleep(cfg.warmup_s)
+            windows = await _windows(client, swapper, paths, others, cfg)
+        finally:
             stop.set()
-            swaps = await swapper if swapper else 0
+            with contextlib.suppress(Exception):
+                await client.resume_generation()
             await asyncio.gather(*load)
-            rate = meter.rate(OTHERS, start, end)
-            phases.append(Phase(mode, start, end, rate, swaps, windows))
-    return phases, meter
+    return IsolationResult(
+        cfg,
+        windows,
+        others,
+        meter,
+        ratios={m: Spread.of(_per_round(windows, m)) for m in SWAP_MODES},
+        baseline=Spread.of(w.others_rate for w in windows if w.mode == "no_swap"),
+        stall=_stall(windows, others),
+    )

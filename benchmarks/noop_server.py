@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -41,7 +41,7 @@ COMPLETION = json.dumps(
 )
 
 
-def _fixed(body: str) -> web.RequestHandler:  # type: ignore[name-defined]
+def _fixed(body: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.Response:
         await request.read()
         return web.Response(text=body, content_type="application/json")
@@ -61,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,9 +1,11 @@
 """Pause latency: pause call to every in-flight request of the adapter returned.
 
-64 ``sample_with_retry`` calls keep tenant A busy (they resubmit after each
-resume); each round waits until vLLM runs all 64, then times the pause call,
-which returns only once every aborted request has come back. The design this
-replaces slept a fixed 5 s before aborting.
+``in_flight`` ``sample_with_retry`` calls keep tenant A busy (they resubmit
+after each resume); each pause waits until vLLM runs all of them, then times
+the pause call, which returns only once every aborted request has come back.
+Repeated in ``rounds`` rounds of ``pauses`` pauses: each round gives p50,
+p99 and max, seen by the client and as the server's own drain time. The
+design this replaces slept a fixed 5 s before aborting.
 """
 
 from __future__ import annotations
@@ -13,54 +15,76 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import median, percentile, wait_engine_requests
+from benchmarks.common import wait_engine_requests
+from benchmarks.stats import Spread, Tail, tails_spread
 from skyrl_lora.client import RemoteInferenceClient
 
 
 @dataclass
 class PauseLatency:
     rounds: int
+    pauses: int
     in_flight: int
-    client_ms: list[float]
-    server_ms: list[float]
+    client: list[Tail]
+    server: list[Tail]
     aborted: list[int]
 
     @property
-    def summary(self) -> dict[str, float]:
-        return {
-            "median_ms": median(self.client_ms),
-            "p99_ms": percentile(self.client_ms, 99),
-            "server_median_ms": median(self.server_ms),
-            "server_p99_ms": percentile(self.server_ms, 99),
-            "aborted_min": min(self.aborted),
-            "aborted_median": median(self.aborted),
+    def client_spread(self) -> dict[str, Spread]:
+        return tails_spread(self.client)
+
+    @property
+    def server_spread(self) -> dict[str, Spread]:
+        return tails_spread(self.server)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Medians over rounds under flat keys (the GPU json's), spreads beside them."""
+        flat: dict[str, Any] = {}
+        for prefix, spread in (("", self.client_spread), ("server_", self.server_spread)):
+            for q, s in spread.items():
+                flat[f"{prefix}{q}_ms"] = s.median
+        flat["spread"] = {
+            "client": {q: s.to_json() for q, s in self.client_spread.items()},
+            "server": {q: s.to_json() for q, s in self.server_spread.items()},
         }
+        flat["aborted_min"] = min(self.aborted)
+        flat["rounds"], flat["pauses_per_round"] = self.rounds, self.pauses
+        return flat
 
 
 async def run(
-    url: str, model: Any, prompt: list[int], rounds: int = 50, in_flight: int = 64
+    url: str, model: Any, prompt: list[int], rounds: int = 3, pauses: int = 50, in_flight: int = 64
 ) -> PauseLatency:
-    client_ms: list[float] = []
-    server_ms: list[float] = []
+    client_tails: list[Tail] = []
+    server_tails: list[Tail] = []
     aborted: list[int] = []
     async with RemoteInferenceClient(url) as client:
         await client.load_lora_adapter("lat-a", str(model.adapters["meow"]))
         params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
         stop = asyncio.Event()
 
-        async def stream() -> None:  # one sample after another, so 64 stay in flight
+        async def stream() -> None:  # one sample after another, so all stay in flight
             while not stop.is_set():
                 await client.sample_with_retry(prompt, sampling_params=params, lora_name="lat-a")
 
         load = [asyncio.create_task(stream()) for _ in range(in_flight)]
-        for _ in range(rounds):
-            await wait_engine_requests(client, "lat-a", in_flight)
-            started = time.perf_counter()
-            (ack,) = await client.pause_generation(lora_name="lat-a")
-            client_ms.append((time.perf_counter() - started) * 1000)
-            server_ms.append(ack.drain_seconds * 1000)
-            aborted.append(ack.aborted)  # a stream between two samples may miss one pause
+        try:
+            for _ in range(rounds):
+                client_ms: list[float] = []
+                server_ms: list[float] = []
+                for _ in range(pauses):
+                    await wait_engine_requests(client, "lat-a", in_flight)
+                    started = time.perf_counter()
+                    (ack,) = await client.pause_generation(lora_name="lat-a")
+                    client_ms.append((time.perf_counter() - started) * 1000)
+                    server_ms.append(ack.drain_seconds * 1000)
+                    aborted.append(ack.aborted)  # a stream between two samples may miss one
+                    await client.resume_generation(lora_name="lat-a")
+                client_tails.append(Tail.of(client_ms))
+                server_tails.append(Tail.of(server_ms))
+        finally:
+            stop.set()
             await client.resume_generation(lora_name="lat-a")
-        stop.set()
-        await asyncio.gather(*load)
-    return PauseLatency(rounds, in_flight, client_ms, server_ms, aborted)
+            await asyncio.gather(*load)
+    return PauseLatency(rounds, pauses, in_flight, client_tails, server_tails, aborted)

@@ -1,46 +1,53 @@
-"""The isolation plot: per-tenant tokens/s over time, per-adapter versus global pause."""
+"""The isolation plot: per-tenant tokens/s over time in the first round's windows."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import TokenMeter
-from benchmarks.isolation import TENANTS, Phase
-
-TENANTS_SWAPPING = "iso-a"
+from benchmarks.isolation import IsolationResult
+from benchmarks.streams import rate
 
 BIN_S = 0.25
-SMOOTH_BINS = 4  # a 1 s moving average: samples complete in waves, raw bins are spiky
+SMOOTH_BINS = 4  # a 1 s moving average: raw bins are spiky
+
+TITLES = {
+    "no_swap": "no swap",
+    "per_adapter": "per-adapter pause (skyrl-lora)",
+    "global": "global keep-mode pause",
+}
 
 
-def plot(phases: list[Phase], meter: TokenMeter, out: Path) -> Path:
+def _smooth(values: list[float]) -> list[float]:
+    return [
+        sum(values[max(0, i - SMOOTH_BINS + 1) : i + 1]) / min(i + 1, SMOOTH_BINS)
+        for i in range(len(values))
+    ]
+
+
+def plot(res: IsolationResult, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [p for p in phases if p.name != "no_swap"]
-    fig, axes = plt.subplots(1, len(shown), figsize=(12, 4), sharey=True)
-    titles = {"per_adapter": "per-adapter pause (skyrl-lora)", "global": "global keep-mode pause"}
-    for ax, phase in zip(axes, shown):
-        bins = int((phase.end - phase.start) / BIN_S)
-        for tenant in TENANTS:
-            counts = [
-                meter.rate([tenant], phase.start + i * BIN_S, phase.start + (i + 1) * BIN_S)
-                for i in range(bins)
-            ]
-            smooth = [
-                sum(counts[max(0, i - SMOOTH_BINS + 1) : i + 1]) / min(i + 1, SMOOTH_BINS)
-                for i in range(bins)
-            ]
-            style = "--" if tenant == TENANTS_SWAPPING else "-"
-            ax.plot([i * BIN_S for i in range(bins)], smooth, style, label=tenant)
-        for a, b in phase.windows:
-            ax.axvspan(a - phase.start, b - phase.start, color="grey", alpha=0.25)
-        ax.set_title(
-            f"{titles[phase.name]}: others at {phase.others_rate / phases[0].others_rate:.2f}x"
-        )
-        ax.set_xlabel("seconds (grey: iso-a swapping)")
+    shown = [w for w in res.windows if w.round == 0]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 4), sharey=True)
+    swapper = res.config.names[0]
+    ratios = {m: res.per_round(m)[0] for m in ("per_adapter", "global")}
+    for ax, w in zip(axes, shown):
+        bins = [w.start + i * BIN_S for i in range(int((w.end - w.start) / BIN_S))]
+        x = [b - w.start for b in bins]
+        a = [res.swapper.rate([swapper], b, b + BIN_S) for b in bins]
+        ax.plot(x, _smooth(a), "--", label=f"{swapper} (swapping)")
+        for log in res.others:
+            ax.plot(x, _smooth([rate([log], b, b + BIN_S) for b in bins]), label=log.tenant)
+        for start, end in w.swaps:
+            ax.axvspan(start - w.start, end - w.start, color="grey", alpha=0.25)
+        title = TITLES[w.mode]
+        if w.mode in ratios:
+            title += f": others {ratios[w.mode]:.2f}x"
+        ax.set_title(title)
+        ax.set_xlabel(f"seconds (grey: {swapper} swapping)")
     axes[0].set_ylabel("tokens/s (1 s average)")
     axes[0].legend()
     fig.tight_layout()

@@ -1,8 +1,11 @@
 """Retry overhead: a sample interrupted 3 times versus the same sample uninterrupted.
 
-Generation time of the interrupted sample excludes the time spent paused.
-Run once against a server with prefix caching (vLLM's default) and once
-against one without, where every resume re-prefills prompt + tokens so far.
+Uninterrupted and interrupted runs alternate, and each round's ratio comes
+from its own pair, so drift of the machine between rounds does not enter a
+ratio. Generation time of the interrupted sample excludes the time spent
+paused. Run once against a server with prefix caching (vLLM's default) and
+once against one without, where every resume re-prefills prompt + tokens so
+far.
 """
 
 from __future__ import annotations
@@ -12,23 +15,36 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import median, wait_engine_requests
+from benchmarks.common import wait_engine_requests
+from benchmarks.stats import Spread, check_count
 from skyrl_lora.client import RemoteInferenceClient
 
 
 @dataclass
 class RetryOverhead:
     prefix_caching: bool
-    uninterrupted_s: float
-    interrupted_s: float
+    uninterrupted_s: list[float]
+    interrupted_s: list[float]
 
     @property
-    def ratio(self) -> float:
-        return self.interrupted_s / self.uninterrupted_s
+    def ratio(self) -> Spread:
+        return Spread.of(i / u for i, u in zip(self.interrupted_s, self.uninterrupted_s))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefix_caching": self.prefix_caching,
+            "ratio": self.ratio.to_json(),
+            "uninterrupted_s": self.uninterrupted_s,
+            "interrupted_s": self.interrupted_s,
+        }
 
 
 async def _interrupted(
-    client: RemoteInferenceClient, prompt: list[int], params: dict, interrupts: int, gap: float
+    client: RemoteInferenceClient,
+    prompt: list[int],
+    params: dict[str, Any],
+    interrupts: int,
+    gap: float,
 ) -> float:
     started = time.perf_counter()
     task = asyncio.create_task(
@@ -43,7 +59,9 @@ async def _interrupted(
         await client.resume_generation(lora_name="retry")
         paused += time.perf_counter() - pause_at
     result = await task
-    assert result.sequences[0].segments == interrupts + 1
+    check_count(
+        "planned interrupts", result.sequences[0].segments - 1, interrupts, "interrupts landed"
+    )
     return time.perf_counter() - started - paused
 
 
@@ -53,16 +71,16 @@ async def run(
     prompt: list[int],
     prefix_caching: bool,
     max_tokens: int = 600,
-    repeats: int = 3,
+    rounds: int = 3,
 ) -> RetryOverhead:
     params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     async with RemoteInferenceClient(url) as client:
         await client.load_lora_adapter("retry", str(model.adapters["babble"]))
-        plain, interrupted = [], []
-        for _ in range(repeats):
+        plain: list[float] = []
+        interrupted: list[float] = []
+        for _ in range(rounds):
             started = time.perf_counter()
             await client.sample(prompt, sampling_params=params, lora_name="retry")
             plain.append(time.perf_counter() - started)
-            gap = plain[-1] / 5
-            interrupted.append(await _interrupted(client, prompt, params, 3, gap))
-    return RetryOverhead(prefix_caching, median(plain), median(interrupted))
+            interrupted.append(await _interrupted(client, prompt, params, 3, plain[-1] / 5))
+    return RetryOverhead(prefix_caching, plain, interrupted)

@@ -1,4 +1,4 @@
-"""Weight swap time: pause + reload in place + resume, by adapter rank."""
+"""Weight swap time: pause + reload in place + resume, by adapter rank (median, min, max)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import median
+from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
 
@@ -31,9 +31,9 @@ async def run(
     ranks: tuple[int, ...] = (8, 16, 64),
     repeats: int = 6,
     adapters: dict[int, list[Path]] | None = None,
-) -> dict[int, float]:
+) -> dict[int, Spread]:
     adapters = adapters or build_rank_adapters(model, ranks)
-    result: dict[int, float] = {}
+    result: dict[int, Spread] = {}
     async with RemoteInferenceClient(url) as client:
         for rank, paths in adapters.items():
             name = f"swap-r{rank}"
@@ -45,5 +45,5 @@ async def run(
                 await client.reload_lora_adapter(name, str(paths[(i + 1) % 2]))
                 await client.resume_generation(lora_name=name)
                 times.append((time.perf_counter() - started) * 1000)
-            result[rank] = median(times)
+            result[rank] = Spread.of(times)
     return result

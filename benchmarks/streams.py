@@ -1,0 +1,103 @@
+"""Streamed load with per-token arrival times, for tokens/s and stall gaps.
+
+The other tenants' load goes through vLLM's own streamed ``/v1/completions``
+(``model=<tenant>``; those routes pass the same per-adapter gate), because
+only a stream shows *when* each token arrived: a non-streamed sample reports
+its tokens at the end, which hides a 0.3 s freeze inside an average. Each
+chunk's arrival is recorded with the number of tokens it carried, so the
+same record gives rates over any window and every inter-token gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from benchmarks.stats import Gap
+
+
+@dataclass
+class StreamLog:
+    """Chunk arrivals of every completion of one tenant: (monotonic time, tokens)."""
+
+    tenant: str
+    streams: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def tokens_in(self, start: float, end: float) -> int:
+        return sum(n for s in self.streams for t, n in s if start <= t < end)
+
+    def gaps(self, start: float, end: float) -> list[Gap]:
+        """Gaps between consecutive chunks of one completion, both inside [start, end)."""
+        out: list[Gap] = []
+        for s in self.streams:
+            inside = [t for t, _ in s if start <= t < end]
+            out.extend(Gap(a, b) for a, b in itertools.pairwise(inside))
+        return out
+
+
+def rate(logs: Sequence[StreamLog], start: float, end: float) -> float:
+    """Tokens/s of these tenants together over [start, end)."""
+    return sum(log.tokens_in(start, end) for log in logs) / (end - start)
+
+
+async def _one_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, object],
+    arrivals: list[tuple[float, int]],
+) -> None:
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"streamed completion failed: {resp.status} {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            now = time.monotonic()
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                ids = choice.get("token_ids")
+                arrivals.append((now, len(ids) if ids is not None else 1))
+
+
+async def keep_streaming(
+    url: str,
+    tenant: str,
+    prompt: list[int],
+    log: StreamLog,
+    stop: asyncio.Event,
+    streams: int,
+    max_tokens: int,
+    api_key: str | None = None,
+) -> None:
+    """``streams`` back-to-back streamed greedy completions until ``stop``.
+
+    Each completion's arrivals are one list, so a gap is always between two
+    tokens of one sequence (the inter-token latency the tenant sees), never
+    the next request's queueing and prefill.
+    """
+    body = {
+        "model": tenant,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+
+        async def loop() -> None:
+            while not stop.is_set():
+                arrivals: list[tuple[float, int]] = []
+                log.streams.append(arrivals)
+                await _one_stream(session, url, body, arrivals)
+
+        await asyncio.gather(*(loop() for _ in range(streams)))

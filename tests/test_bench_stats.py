@@ -1,0 +1,151 @@
+"""Pure tests of the benchmarks' statistics and sanity checks (no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.isolation import IsolationConfig, IsolationResult, Window
+from benchmarks.report import spread_row, table
+from benchmarks.stats import (
+    Gap,
+    IsolationChecks,
+    Spread,
+    Tail,
+    UntrustworthyRunError,
+    check_count,
+    check_isolation,
+    overlaps,
+    percentile,
+    split_gaps,
+    tails_spread,
+)
+from benchmarks.streams import StreamLog, rate
+
+CHECKS = IsolationChecks(baseline_tolerance=0.2)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile(values, 100) == 100
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([3.0, 1.0, 2.0], 0) == 1.0
+
+
+def test_percentile_of_nothing_raises() -> None:
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_spread_and_tail() -> None:
+    s = Spread.of([1.2, 0.9, 1.0])
+    assert (s.median, s.min, s.max, s.rounds) == (1.0, 0.9, 1.2, 3)
+    assert s.width == pytest.approx(0.3)
+    assert s.fmt(".2f", "x") == ("1.00x", "0.90-1.20x")
+    tail = Tail.of([float(v) for v in range(1, 201)])
+    assert (tail.p50, tail.p99, tail.max, tail.count) == (100, 198, 200, 200)
+    summary = tails_spread([Tail.of([1.0, 2.0]), Tail.of([5.0, 9.0]), Tail.of([3.0])])
+    assert summary["max"] == Spread(3.0, 2.0, 9.0, 3)
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_gaps_split_by_overlap_with_swap_windows() -> None:
+    windows = [(1.0, 1.3), (2.0, 2.3)]
+    inside = Gap(0.95, 1.05)  # straddles the start of a swap
+    within = Gap(2.1, 2.2)
+    after = Gap(1.3, 1.4)  # touches the end only: outside
+    before = Gap(0.5, 0.6)
+    assert overlaps(inside, windows) and overlaps(within, windows)
+    assert not overlaps(after, windows) and not overlaps(before, windows)
+    during, outside = split_gaps([inside, within, after, before], windows)
+    assert during == pytest.approx([100.0, 100.0])
+    assert outside == pytest.approx([100.0, 100.0])
+
+
+def test_stream_log_rates_and_gaps() -> None:
+    log = StreamLog("b", streams=[[(0.1, 1), (0.2, 1), (0.6, 2)], [(0.15, 1), (1.5, 1)]])
+    assert log.tokens_in(0.0, 1.0) == 5
+    assert rate([log], 0.0, 1.0) == 5.0
+    gaps = log.gaps(0.0, 1.0)  # the 0.15 -> 1.5 gap leaves the window: not counted
+    assert sorted(round(g.ms) for g in gaps) == [100, 400]
+
+
+def test_isolation_checks_pass_on_a_plausible_run() -> None:
+    check_isolation([100, 104, 98, 101], [0.7, 0.75, 0.72], {"global": [3, 3, 3]}, 3, CHECKS)
+
+
+def test_global_pause_that_does_not_cost_the_others_fails_loudly() -> None:
+    with pytest.raises(UntrustworthyRunError) as err:
+        check_isolation([100, 101, 99, 100], [0.8, 1.05, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
+    assert err.value.check == "global pause costs the others"
+    assert "1.05x" in str(err.value)
+
+
+def test_drifting_baseline_fails_loudly() -> None:
+    with pytest.raises(UntrustworthyRunError) as err:
+        check_isolation([100, 130, 98, 101], [0.7, 0.7, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
+    assert err.value.check == "stable baseline"
+    assert "tolerance 20%" in str(err.value)
+
+
+def test_fewer_swaps_than_planned_fails_loudly() -> None:
+    with pytest.raises(UntrustworthyRunError) as err:
+        check_isolation(
+            [100, 100, 100, 100], [0.7, 0.7, 0.7], {"per_adapter": [3, 2, 3]}, 3, CHECKS
+        )
+    assert err.value.check == "planned swaps"
+
+
+def test_no_load_fails_loudly() -> None:
+    with pytest.raises(UntrustworthyRunError) as err:
+        check_isolation([0, 0, 0, 0], [0.5], {}, 3, CHECKS)
+    assert err.value.check == "load"
+
+
+def test_check_count() -> None:
+    check_count("x", 3, 3, "things")
+    with pytest.raises(UntrustworthyRunError, match="2 of 3 things"):
+        check_count("x", 2, 3, "things")
+
+
+def _window(rnd: int, mode: str, others_rate: float, swaps: int = 0) -> Window:
+    return Window(rnd, mode, 0.0, 1.0, others_rate, [(0.0, 0.1)] * swaps)
+
+
+def test_round_ratio_uses_the_no_swap_windows_around_it() -> None:
+    windows = [
+        _window(0, "no_swap", 100),
+        _window(0, "per_adapter", 99, 3),
+        _window(0, "global", 70, 3),
+        _window(1, "no_swap", 120),  # closes round 0, opens round 1
+        _window(1, "per_adapter", 121, 3),
+        _window(1, "global", 88, 3),
+        _window(2, "no_swap", 122),
+    ]
+    res = IsolationResult(
+        IsolationConfig(rounds=2, checks=IsolationChecks(0.25)),
+        windows,
+        [],
+        None,  # type: ignore[arg-type]
+        ratios={},
+        baseline=Spread.of([100]),
+        stall={},
+    )
+    assert res.per_round("per_adapter") == pytest.approx([0.9, 121 / 121])
+    assert res.per_round("global") == pytest.approx([70 / 110, 88 / 121])
+    res.check()  # 100..122 is within 25% of the median
+    strict = replace(res, config=IsolationConfig(rounds=2, checks=IsolationChecks(0.1)))
+    with pytest.raises(UntrustworthyRunError, match="stable baseline"):
+        strict.check()
+
+
+def test_table_has_the_readme_columns() -> None:
+    row = spread_row("iso", Spread.of([0.9, 1.0, 1.1]), ".2f", "x", ">= 0.95x", "d")
+    assert row == ("iso", "1.00x", "0.90-1.10x", ">= 0.95x", "d")
+    lines = table([row]).splitlines()
+    assert lines[0] == "| measure | result (median) | min-max | target | detail |"
+    assert lines[2] == "| iso | 1.00x | 0.90-1.10x | >= 0.95x | d |"
