@@ -187,16 +187,18 @@ class AdapterGate:
         finishing, not on every release: while 64 requests come back one by
         one, re-aborting the rest each time would flood the engine.
         """
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        # time.monotonic, not loop.time(): uvloop's loop clock (vLLM runs on
+        # uvloop) has 1 ms steps, so a drain read 0 or 1 ms, too coarse for
+        # the few-ms targets and the 5 ms re-abort timer.
+        started = time.monotonic()
         targets = list(state.in_flight.values())
         remaining = targets
         resend_at = started
         while remaining:
-            now = loop.time()
+            now = time.monotonic()
             if now >= resend_at:
                 await abort([a.request_id for a in remaining])
-                resend_at = loop.time() + ABORT_RETRY_INTERVAL_S
+                resend_at = time.monotonic() + ABORT_RETRY_INTERVAL_S
                 remaining = [a for a in remaining if not a.ended]
                 continue
             state.released.clear()
@@ -206,4 +208,4 @@ class AdapterGate:
                 pass
             remaining = [a for a in remaining if not a.ended]
         self.counters.aborted_requests += len(targets)
-        return DrainResult(aborted=len(targets), seconds=loop.time() - started)
+        return DrainResult(aborted=len(targets), seconds=time.monotonic() - started)
