@@ -54,13 +54,29 @@ def _error_from_body(status: int, text: str, url: str) -> ServerError:
 
 
 class Transport:
+    """Per-loop aiohttp sessions that carry the per-request constants.
+
+    The JSON content type, the auth header and the untimed default (the
+    sampling case) are set once on the session, so the hot path passes no
+    per-request headers or timeout for aiohttp to merge and allocate; a
+    timed call reuses one ``ClientTimeout`` per distinct timeout.
+    """
+
     def __init__(self, config: ClientConfig, headers: dict[str, str] | None = None) -> None:
         self._config = config
-        self._headers = headers or {}
+        self._headers = {**_JSON, **(headers or {})}
         self._lock = threading.Lock()
         self._sessions: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, aiohttp.ClientSession
         ] = weakref.WeakKeyDictionary()
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+
+    def _timeout(self, total: float | None) -> aiohttp.ClientTimeout:
+        timeout = self._timeouts.get(total)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=total, sock_connect=self._config.connect_timeout)
+            self._timeouts[total] = timeout
+        return timeout
 
     def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -68,7 +84,9 @@ class Transport:
             session = self._sessions.get(loop)
             if session is None or session.closed:
                 connector = aiohttp.TCPConnector(limit=self._config.max_connections)
-                session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+                session = aiohttp.ClientSession(
+                    connector=connector, headers=self._headers, timeout=self._timeout(None)
+                )
                 self._sessions[loop] = session
             return session
 
