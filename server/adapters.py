@@ -30,6 +30,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -163,7 +164,14 @@ class AdapterRegistry:
         """
         version = self._next_version(lora_name, version)
         target = self._snapshot_dir(lora_name, version)
+        started = time.perf_counter()
         await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots)
+        log_event(
+            "adapter_snapshot",
+            lora_name=lora_name,
+            version=version,
+            ms=round((time.perf_counter() - started) * 1000, 2),
+        )
         return await self._install(lora_name, version, target, source_path)
 
     async def load_owned(

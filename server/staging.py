@@ -31,10 +31,12 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from skyrl_lora.server import compat
+from skyrl_lora.server.observability import log_event
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +60,12 @@ class _WorkerStaging:
         self._lock = threading.Lock()
         self._staged: dict[int, concurrent.futures.Future[Any]] = {}
         self._load_from_files = lora_manager._load_adapter
+        self._install = lora_manager.add_adapter
         lora_manager._load_adapter = self._load_adapter
+        lora_manager.add_adapter = self._timed_install
 
     def stage(self, lora_request: Any) -> None:
-        future = self._pool.submit(self._load_from_files, lora_request)
+        future = self._pool.submit(self._timed_load, lora_request)
         with self._lock:
             self._staged[lora_request.lora_int_id] = future
 
@@ -82,6 +86,28 @@ class _WorkerStaging:
     def discard(self, lora_int_id: int) -> None:
         with self._lock:
             self._staged.pop(lora_int_id, None)
+
+    def _timed_load(self, lora_request: Any) -> Any:
+        started = time.perf_counter()
+        model = self._load_from_files(lora_request)
+        logger.info(
+            "skyrl-lora staged adapter %s off the step loop in %.1f ms",
+            lora_request.lora_name,
+            (time.perf_counter() - started) * 1000,
+        )
+        return model
+
+    def _timed_install(self, lora_request: Any) -> Any:
+        """vLLM's ``add_adapter``, timed: this is what the step loop pays per load."""
+        started = time.perf_counter()
+        try:
+            return self._install(lora_request)
+        finally:
+            logger.info(
+                "skyrl-lora installed adapter %s in the step loop in %.1f ms",
+                lora_request.lora_name,
+                (time.perf_counter() - started) * 1000,
+            )
 
     def _load_adapter(self, lora_request: Any) -> Any:
         """vLLM's loader, short-cut by a finished staging of the same adapter id."""
@@ -161,11 +187,23 @@ class StagedLoRAEngine:
 
     async def add_lora(self, lora_request: Any) -> bool:
         """Build the adapter off the step loop, then install it (short, in the loop)."""
-        if self.available:
-            await self._stage(lora_request)
-        return bool(await self._engine.add_lora(lora_request))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        polls = await self._stage(lora_request) if self.available else 0
+        staged = loop.time()
+        added = bool(await self._engine.add_lora(lora_request))
+        log_event(
+            "adapter_staged",
+            lora_name=lora_request.lora_name,
+            staged=self.available,
+            stage_ms=round((staged - started) * 1000, 2),
+            polls=polls,
+            install_ms=round((loop.time() - staged) * 1000, 2),
+        )
+        return added
 
-    async def _stage(self, lora_request: Any) -> None:
+    async def _stage(self, lora_request: Any) -> int:
+        """Stage on every worker and wait until all are ready; returns the polls it took."""
         lora_id = lora_request.lora_int_id
         fields = {
             "lora_name": lora_request.lora_name,
@@ -176,14 +214,16 @@ class StagedLoRAEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
+        polls = 0
         while True:
+            polls += 1
             statuses = await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id)
             failed = [s for s in statuses if s.startswith(FAILED)]
             if failed:
                 await self.discard(lora_id)
                 raise StagingError(failed[0][len(FAILED) :])
             if all(s == READY for s in statuses):
-                return
+                return polls
             if UNKNOWN in statuses or loop.time() > deadline:
                 await self.discard(lora_id)
                 raise StagingError(f"staging of adapter {lora_id} was lost or timed out")
