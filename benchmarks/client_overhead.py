@@ -37,7 +37,14 @@ def noop_server() -> Iterator[str]:
         proc.wait()
 
 
-async def _drive(call: Callable[[], Awaitable[object]], total: int, concurrency: int) -> float:
+async def _drive(
+    call: Callable[[], Awaitable[object]], total: int, concurrency: int
+) -> tuple[float, float]:
+    """(requests/s, microseconds of this process's CPU per request).
+
+    Requests/s also depends on the no-op server and on whatever else the
+    machine runs; CPU time per request depends only on the client itself.
+    """
     remaining = total
 
     async def worker() -> None:
@@ -46,12 +53,13 @@ async def _drive(call: Callable[[], Awaitable[object]], total: int, concurrency:
             remaining -= 1
             await call()
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return total / (time.perf_counter() - started)
+    cpu_us = (time.process_time() - cpu) / total * 1e6
+    return total / (time.perf_counter() - started), cpu_us
 
 
-async def _ours(url: str, total: int, concurrency: int) -> float:
+async def _ours(url: str, total: int, concurrency: int) -> tuple[float, float]:
     async with RemoteInferenceClient(url) as client:
         await client.sample(PROMPT, sampling_params=PARAMS, lora_name="a")
         return await _drive(
@@ -59,7 +67,7 @@ async def _ours(url: str, total: int, concurrency: int) -> float:
         )
 
 
-async def _raw(url: str, total: int, concurrency: int) -> float:
+async def _raw(url: str, total: int, concurrency: int) -> tuple[float, float]:
     body = {"prompt_token_ids": PROMPT, "lora_name": "a", "sampling_params": PARAMS}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -72,7 +80,7 @@ async def _raw(url: str, total: int, concurrency: int) -> float:
         return await _drive(call, total, concurrency)
 
 
-async def _openai(url: str, total: int, concurrency: int) -> float:
+async def _openai(url: str, total: int, concurrency: int) -> tuple[float, float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -90,24 +98,33 @@ async def _openai(url: str, total: int, concurrency: int) -> float:
 async def run(
     total: int = 6000, concurrency: int = 256, rounds: int = 5, sdk_total: int = 1000
 ) -> dict[str, list[float]]:
-    """Requests/s of each client in every round; the three run back to back per round.
+    """Requests/s (and CPU us per request) of each client in every round, back to back.
 
     Ratios are taken within a round (see :func:`ratios`), never best-of-N
     across rounds: a best-of picks each side's luckiest moment. The SDK is
     ~10x slower, so it gets fewer requests per round.
     """
-    rps: dict[str, list[float]] = {"skyrl client": [], "raw aiohttp": [], "openai sdk": []}
+    out: dict[str, list[float]] = {}
     with noop_server() as url:
         for _ in range(rounds):
-            rps["raw aiohttp"].append(await _raw(url, total, concurrency))
-            rps["skyrl client"].append(await _ours(url, total, concurrency))
-            rps["openai sdk"].append(await _openai(url, sdk_total, concurrency))
-    return rps
+            for name, fn, n in (
+                ("raw aiohttp", _raw, total),
+                ("skyrl client", _ours, total),
+                ("openai sdk", _openai, sdk_total),
+            ):
+                rps, cpu_us = await fn(url, n, concurrency)
+                out.setdefault(name, []).append(rps)
+                out.setdefault(f"{name} cpu_us", []).append(cpu_us)
+    return out
 
 
 def ratios(rps: dict[str, list[float]]) -> dict[str, Spread]:
+    """Per-round ratios: requests/s against raw aiohttp and the SDK, CPU per request."""
     ours = rps["skyrl client"]
     return {
         "vs_raw": Spread.of(o / r for o, r in zip(ours, rps["raw aiohttp"])),
         "vs_sdk": Spread.of(o / s for o, s in zip(ours, rps["openai sdk"])),
+        "cpu_vs_raw": Spread.of(
+            o / r for o, r in zip(rps["skyrl client cpu_us"], rps["raw aiohttp cpu_us"])
+        ),
     }

@@ -6,6 +6,11 @@ the pause call, which returns only once every aborted request has come back.
 Repeated in ``rounds`` rounds of ``pauses`` pauses: each round gives p50,
 p99 and max, seen by the client and as the server's own drain time. The
 design this replaces slept a fixed 5 s before aborting.
+
+A drain cannot end before the engine finishes the step it is in (aborts
+are applied between steps), so one streamed probe on another adapter runs
+alongside: its inter-token gap is the engine's step time at that moment,
+and the drain's tail is read against the step's tail.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import wait_engine_requests
-from benchmarks.stats import Spread, Tail, tails_spread
+from benchmarks.stats import Spread, Tail, check_count, tails_spread
+from benchmarks.streams import StreamLog, keep_streaming
 from skyrl_lora.client import RemoteInferenceClient
 
 
@@ -27,6 +33,7 @@ class PauseLatency:
     in_flight: int
     client: list[Tail]
     server: list[Tail]
+    step: list[Tail]  # the probe's inter-token gaps: the engine step
     aborted: list[int]
 
     @property
@@ -38,15 +45,24 @@ class PauseLatency:
         return tails_spread(self.server)
 
     @property
+    def step_spread(self) -> dict[str, Spread]:
+        return tails_spread(self.step)
+
+    @property
     def summary(self) -> dict[str, Any]:
         """Medians over rounds under flat keys (the GPU json's), spreads beside them."""
         flat: dict[str, Any] = {}
-        for prefix, spread in (("", self.client_spread), ("server_", self.server_spread)):
+        for prefix, spread in (
+            ("", self.client_spread),
+            ("server_", self.server_spread),
+            ("engine_step_", self.step_spread),
+        ):
             for q, s in spread.items():
                 flat[f"{prefix}{q}_ms"] = s.median
         flat["spread"] = {
             "client": {q: s.to_json() for q, s in self.client_spread.items()},
             "server": {q: s.to_json() for q, s in self.server_spread.items()},
+            "engine_step": {q: s.to_json() for q, s in self.step_spread.items()},
         }
         flat["aborted_min"] = min(self.aborted)
         flat["rounds"], flat["pauses_per_round"] = self.rounds, self.pauses
@@ -58,9 +74,12 @@ async def run(
 ) -> PauseLatency:
     client_tails: list[Tail] = []
     server_tails: list[Tail] = []
+    step_tails: list[Tail] = []
     aborted: list[int] = []
+    probe = StreamLog("lat-probe")
     async with RemoteInferenceClient(url) as client:
         await client.load_lora_adapter("lat-a", str(model.adapters["meow"]))
+        await client.load_lora_adapter(probe.tenant, str(model.adapters["woof"]))
         params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
         stop = asyncio.Event()
 
@@ -69,8 +88,12 @@ async def run(
                 await client.sample_with_retry(prompt, sampling_params=params, lora_name="lat-a")
 
         load = [asyncio.create_task(stream()) for _ in range(in_flight)]
+        load.append(
+            asyncio.create_task(keep_streaming(url, probe.tenant, prompt, probe, stop, 1, 400))
+        )
         try:
             for _ in range(rounds):
+                began = time.monotonic()
                 client_ms: list[float] = []
                 server_ms: list[float] = []
                 for _ in range(pauses):
@@ -83,8 +106,11 @@ async def run(
                     await client.resume_generation(lora_name="lat-a")
                 client_tails.append(Tail.of(client_ms))
                 server_tails.append(Tail.of(server_ms))
+                gaps = [g.ms for g in probe.gaps(began, time.monotonic())]
+                check_count("engine step probe", len(gaps), 1, "probe token gaps in a round")
+                step_tails.append(Tail.of(gaps))
         finally:
             stop.set()
             await client.resume_generation(lora_name="lat-a")
             await asyncio.gather(*load)
-    return PauseLatency(rounds, pauses, in_flight, client_tails, server_tails, aborted)
+    return PauseLatency(rounds, pauses, in_flight, client_tails, server_tails, step_tails, aborted)
