@@ -105,11 +105,14 @@ class Transport:
         what separates this client from a bare aiohttp loop.
         """
         headers = _JSON
-        data: bytes | aiohttp.FormData | None
+        data: bytes | aiohttp.payload.Payload | None
         if isinstance(body, BaseModel):
             data = body.model_dump_json().encode()
         elif isinstance(body, aiohttp.FormData):
-            data, headers = body, {}  # multipart: aiohttp sets the type and boundary
+            # The session's default JSON type would win over the form's own:
+            # name the multipart type (with its boundary) on the request.
+            data = body()
+            headers = {"Content-Type": data.content_type}
         else:
             data = None if body is None else json.dumps(body).encode()
         client_timeout = aiohttp.ClientTimeout(
