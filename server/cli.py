@@ -121,10 +121,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.parse_args(argv[:1])
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _log_to_stderr()
     return COMMANDS[argv[0]](argv[1:])
+
+
+def _log_to_stderr() -> None:
+    """Our own handler on the ``skyrl_lora`` logger, not only the root's.
+
+    vLLM reconfigures logging while it builds the engine, after which records
+    that propagate to the root logger stopped reaching stderr: the pause,
+    load and staging event lines went missing. A handler of our own does not
+    depend on what happens to the root logger.
+    """
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=formatter._fmt)
+    ours = logging.getLogger("skyrl_lora")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(formatter)
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ from typing import Any
 from skyrl_lora.server import compat
 from skyrl_lora.server.observability import log_event
 
-logger = logging.getLogger(__name__)
+#: The staging thread runs in vLLM's engine process, where only vLLM's own
+#: logger tree has a handler: a child of it puts our timings in vLLM's log.
+logger = logging.getLogger("vllm.skyrl_lora.staging")
 
 EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
 
