@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.errors import PermissionDeniedError
 from skyrl_lora.server.auth import OPEN_PATHS, TENANT_ROUTES
 from tests.conftest import ADMIN_KEY
 
@@ -156,3 +158,19 @@ async def test_the_allowlist_still_serves_a_tenant(dev_server: DevServer) -> Non
         {"lora_name": "meow", "lora_path": str(dev_server.store), "version": 9},
     )
     assert status == 403 and "'version'" in answer["error"]["message"]
+
+
+async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServer) -> None:
+    """The push body is multipart: the middleware finds ``lora_name`` in its first bytes."""
+    folder = str(dev_server.model.adapters["woof"])
+    async with RemoteInferenceClient(dev_server.url, api_key=TENANT) as tenant:
+        (info,) = await tenant.push_lora_adapter("meow", folder)
+        assert info.lora_name == "meow" and info.version == 2
+        with pytest.raises(PermissionDeniedError, match="'woof'"):
+            await tenant.push_lora_adapter("woof", folder)
+        with pytest.raises(PermissionDeniedError):
+            await tenant.push_lora_adapter("brand-new", folder)
+        out = await tenant.sample(
+            [1, 2], sampling_params={"max_tokens": 2, "temperature": 0}, lora_name="meow"
+        )
+    assert out.adapter_version == 2
