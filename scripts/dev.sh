@@ -27,7 +27,7 @@ setup() {
     python3 -m venv "$venv"
     "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
     "$py" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-    "$py" -m pip install -q -e "$root[server-cpu,test,dev]" 2>&1 | grep -v "is ignored" || true
+    "$py" -m pip install -q -e "$root[server-cpu,test,dev,rl]" 2>&1 | grep -v "is ignored" || true
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$py" -c "import vllm, ray, transformers, skyrl_lora.client" >/dev/null
     rm -f "$venv"/.skyrl-setup-*
@@ -47,5 +47,6 @@ case "$cmd" in
         exec "$py" -m pytest -p no:cacheprovider "$@"
         ;;
     bench) setup; cd "$root"; exec "$py" -m benchmarks "$@" ;;
+    rl) setup; cd "$root"; exec "$py" -m examples.multi_tenant_rl "$@" ;;
     *) sed -n '2,9p' "$0" >&2; exit 2 ;;
 esac

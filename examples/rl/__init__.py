@@ -1,0 +1,1 @@
+"""Pieces of the multi-tenant RL example: PEFT learner, async tenant loop, report."""

@@ -1,0 +1,95 @@
+"""The engine's generated-token counter over time, read from ``/metrics``.
+
+``sample_with_retry`` hands back whole samples, so the client cannot tell
+when inside a swap of a fraction of a second a token was made. vLLM's
+``vllm:generation_tokens_total`` counter can: polled every ``interval``
+seconds, it gives the engine's token rate inside any time window. During a
+per-adapter swap the swapping tenant is paused, so what the engine makes
+then belongs to the other tenants; during a global pause nobody generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import Sequence
+
+import aiohttp
+
+COUNTER = "vllm:generation_tokens_total"
+
+
+def parse_counter(text: str, name: str = COUNTER) -> float:
+    """Sum of a Prometheus counter over its label sets (one per engine)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class EngineTokenCounter:
+    """Polls one server's counter; :meth:`tokens_between` interpolates it."""
+
+    def __init__(self, url: str, interval: float = 0.05) -> None:
+        self.url = url.rstrip("/") + "/metrics"
+        self.interval = interval
+        self.times: list[float] = []
+        self.counts: list[float] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll until ``stop`` is set (one last reading after it)."""
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(self.url) as response:
+                    text = await response.text()
+                self.times.append(time.monotonic())
+                self.counts.append(parse_counter(text))
+                if stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(stop.wait(), self.interval)
+                except asyncio.TimeoutError:
+                    pass
+
+    def count_at(self, at: float) -> float:
+        """The counter at ``at``, linear between readings, clamped at the ends."""
+        i = bisect.bisect_left(self.times, at)
+        if i == 0:
+            return self.counts[0]
+        if i == len(self.times):
+            return self.counts[-1]
+        t0, t1, c0, c1 = self.times[i - 1], self.times[i], self.counts[i - 1], self.counts[i]
+        return c0 + (c1 - c0) * (at - t0) / max(t1 - t0, 1e-9)
+
+    def tokens_between(self, start: float, end: float) -> float:
+        return self.count_at(end) - self.count_at(start)
+
+
+def exclusive_windows(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the time line covered by exactly one window.
+
+    Tenants that share an engine fall into lock-step and often swap at the
+    same moment; only while exactly one tenant swaps do the two others'
+    tokens measure how a swap affects its neighbours.
+    """
+    edges = sorted({t for window in windows for t in window})
+    pieces = []
+    for start, end in itertools.pairwise(edges):
+        covering = sum(a <= start and end <= b for a, b in windows)
+        if covering == 1:
+            pieces.append((start, end))
+    return pieces
+
+
+def covered(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time line covered by at least one window, as disjoint windows."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(windows):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
