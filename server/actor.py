@@ -3,18 +3,35 @@
 Ray places the actor (and, on GPU clusters, its GPUs) and owns its lifetime;
 the actor runs vLLM's engine and our HTTP server on its own event loop and
 reports the URL clients should use. Multi-server deployments start several
-of these; nothing here manages processes by hand.
+of these (see :mod:`skyrl_lora.server.group`, which also rebuilds one that
+died: :meth:`ServerActor.state` is its health check, ``start(restore=...)``
+replays the group's adapters before the server takes traffic).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from skyrl_lora.errors import ServerUnavailableError
 from skyrl_lora.server.app import RunningServer, parse_server_args, serve
+from skyrl_lora.server.engine import GatedEngine
+from skyrl_lora.server.push import load_pushed, write_pushed_files
+from skyrl_lora.server.replay import (
+    AdapterState,
+    RestoreReport,
+    merge,
+    newest,
+    restore,
+    served_state,
+    snapshot_files,
+)
+from skyrl_lora.types import AdapterInfo, SwapPolicy
 
 
 class ServerActor:
@@ -22,13 +39,25 @@ class ServerActor:
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         os.environ.update(env or {})
+        logging.basicConfig(  # the event lines (pause, load, ...) go to the actor's log
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         self._argv = list(argv)
         self._stop = asyncio.Event()
         self._running: RunningServer | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> str:
-        """Start the server and return its URL once it accepts requests."""
+    async def start(
+        self, restore_to: Sequence[AdapterState] | None = None, peers: Sequence[Any] = ()
+    ) -> str:
+        """Start the server and return its URL once it accepts requests.
+
+        With ``restore_to`` (a replica rebuilt by its group: the group's
+        record), the adapters are brought to that state, updated with what the
+        ``peers`` (the other replicas' actors) serve at that moment, before the
+        HTTP server accepts anything; and once more right after it does, for a
+        reload that reached the peers while this one was not listening yet.
+        """
         if self._running is not None:
             return self._running.url
         ready: asyncio.Future[RunningServer] = asyncio.get_running_loop().create_future()
@@ -36,17 +65,104 @@ class ServerActor:
         def on_ready(running: RunningServer) -> None:
             ready.set_result(running)
 
+        async def before_serving(engine: GatedEngine) -> None:
+            if restore_to is not None:
+                await restore(engine, await _with_peers(restore_to, peers), prune=True)
+
         args = parse_server_args(self._argv)
-        self._task = asyncio.create_task(serve(args, on_ready=on_ready, stop=self._stop))
+        self._task = asyncio.create_task(
+            serve(args, on_ready=on_ready, stop=self._stop, before_serving=before_serving)
+        )
         await asyncio.wait([self._task, ready], return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             await self._task  # re-raises the start-up error
             raise RuntimeError("server exited before it was ready")
         self._running = ready.result()
+        if restore_to is not None and peers:
+            await restore(self._running.engine, await _with_peers((), peers), prune=False)
         return self._running.url
 
     async def url(self) -> str | None:
         return None if self._running is None else self._running.url
+
+    def _engine(self) -> GatedEngine:
+        if self._running is None or self._task is None or self._task.done():
+            raise ServerUnavailableError("the server is not running")
+        return self._running.engine
+
+    async def state(self) -> list[AdapterState]:
+        """Health check and adapter state in one call: raises when the HTTP server
+        has exited or the engine is dead (crash, OOM, killed process)."""
+        import ray
+
+        engine = self._engine()
+        try:
+            await engine.engine_client.check_health()
+        except Exception as exc:
+            raise ServerUnavailableError(f"engine is dead: {exc!r}") from exc
+        return served_state(engine, origin=ray.get_runtime_context().current_actor)
+
+    async def adapter_files(self, lora_name: str, version: int) -> dict[str, bytes]:
+        """The files of one loaded version (pushed weights, for rebuilding a replica)."""
+        return await asyncio.to_thread(snapshot_files, self._engine(), lora_name, version)
+
+    async def reconcile(self, target: Sequence[AdapterState]) -> RestoreReport:
+        """Catch a live replica up with its group (it missed a reload or a resume)."""
+        return await restore(self._engine(), target, prune=False)
+
+    async def routes(self) -> list[tuple[str, list[str]]]:
+        """Every HTTP route of the running app as (path, methods), for audits."""
+        app = self._running.uvicorn_server.config.app if self._running else None
+        return [
+            (route.path, sorted(getattr(route, "methods", None) or ["GET"]))
+            for route in getattr(app, "routes", [])
+            if hasattr(route, "path")
+        ]
+
+    async def push_adapter(
+        self,
+        lora_name: str,
+        files: Mapping[str, bytes],
+        swap_policy: SwapPolicy = "abort_resume",
+        version: int | None = None,
+    ) -> AdapterInfo:
+        """Load adapter files handed over by Ray (no shared disk, no HTTP).
+
+        ``files`` maps ``adapter_config.json`` and ``adapter_model.safetensors``
+        to their bytes; passed as one ``ray.put`` ref, Ray fetches it once per
+        node. Checked and loaded exactly like an HTTP push.
+        """
+        engine = self._engine()
+        pushed = await asyncio.to_thread(
+            write_pushed_files,
+            engine.registry.upload_dir(),
+            lora_name,
+            files,
+            None,
+            swap_policy,
+            version,
+        )
+        applied = await load_pushed(engine, pushed)
+        return engine.adapter_info(lora_name, applied=applied)
+
+    async def kill_engine(self) -> list[int]:
+        """Failure drill: SIGKILL the engine's worker processes (not this actor).
+
+        vLLM runs the engine core in child processes; the HTTP server lives on
+        with a dead engine until the group notices and replaces it.
+        """
+        import psutil
+
+        killed = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "resource_tracker" in " ".join(child.cmdline()):
+                    continue
+                os.kill(child.pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError):  # already gone
+                continue
+            killed.append(child.pid)
+        return killed
 
     async def shutdown(self) -> None:
         """Stop accepting requests, stop the engine, and return once both are down."""
@@ -54,6 +170,13 @@ class ServerActor:
         if self._task is not None:
             await self._task
         self._running = None
+
+
+async def _with_peers(record: Sequence[AdapterState], peers: Sequence[Any]) -> list[AdapterState]:
+    """``record`` updated with what the live peers serve now (dead ones are skipped)."""
+    answers = await asyncio.gather(*(p.state.remote() for p in peers), return_exceptions=True)
+    seen = newest(a for a in answers if isinstance(a, list))
+    return list(merge({s.lora_name: s for s in record}, seen).values())
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,39 @@
-"""A group of server replicas on Ray, one placement group per replica.
+"""A group of server replicas on Ray, one placement group per replica, that heals itself.
 
 Each replica's resources (CPUs, and on GPU clusters ``gpus_per_replica``
 times the tensor-parallel size) are reserved as one placement group, so a
 replica is placed whole or not at all, on a local Ray instance or an existing
 cluster (``ray.init(address=...)`` before :meth:`ServerGroup.start`).
+
+A supervisor thread asks every replica for its adapter state once per
+``health_interval_s`` (:meth:`ServerActor.state`, which fails when the actor
+died or its engine did). The answers keep the group's record of what the
+group serves: per adapter, the newest version any replica serves, its source
+and whether it is paused (:func:`~skyrl_lora.server.replay.newest`). A
+replica that fails the check is replaced by a new actor in its placement
+group, on the same port, which replays the record before its HTTP server
+accepts anything; clients find it again through their health re-check. For
+``catch_up_s`` after that, the supervisor also reconciles the new replica with
+the others, for control calls it missed while starting (a reload or a resume
+fanned out while it was down).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlparse
 
 from skyrl_lora.server.actor import ServerActor
+from skyrl_lora.server.observability import log_event
+from skyrl_lora.server.replay import AdapterState, PushedSource, merge, newest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,7 +41,11 @@ class GroupConfig:
     """Shape of a replica group.
 
     ``argv`` are the ``vllm serve`` flags of every replica (``--port`` is set
-    per replica by Ray's free-port choice: leave it out or use 0).
+    per replica by Ray's free-port choice: leave it out or use 0; a rebuilt
+    replica keeps the port its predecessor had). ``heal`` turns the
+    supervisor on. A replica whose actor or engine is dead is rebuilt at
+    once; one whose health check only times out, after
+    ``timeouts_before_rebuild`` checks in a row (a busy replica is not killed).
     """
 
     num_replicas: int
@@ -31,6 +55,11 @@ class GroupConfig:
     tensor_parallel_size: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = 600
+    heal: bool = True
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 10.0
+    catch_up_s: float = 30.0
+    timeouts_before_rebuild: int = 3
 
 
 @dataclass
@@ -39,26 +68,66 @@ class ReplicaHandle:
     actor: Any
     placement_group: Any
     url: str
+    restarted_at: float | None = None  # monotonic time it last came back
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One rebuilt replica, for operators and tests."""
+
+    index: int
+    url: str
+    detected_at: float  # time.monotonic() when the check failed
+    seconds: float  # from the failed check to serving again with its adapters
+    adapters: int
 
 
 class ServerGroup:
-    """Starts, reports and stops N server actors."""
+    """Starts, supervises, reports and stops N server actors."""
 
     def __init__(self, config: GroupConfig) -> None:
         if config.num_replicas < 1:
             raise ValueError("a server group needs at least one replica")
         self.config = config
         self.replicas: list[ReplicaHandle] = []
+        self.restarts: list[Restart] = []
+        self._record: dict[str, AdapterState] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._behind: dict[int, list[tuple[str, int, bool]]] = {}
+        self._slow: dict[int, int] = {}  # consecutive health checks that timed out
 
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    def _argv(self) -> list[str]:
+    def record(self) -> dict[str, AdapterState]:
+        """The group's record: every adapter at its newest version (a copy)."""
+        with self._lock:
+            return dict(self._record)
+
+    def _argv(self, port: int | None = None) -> list[str]:
         argv = list(self.config.argv)
         if self.config.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.config.tensor_parallel_size)]
+        if port is not None:
+            argv = [*_without_flag(argv, "--port"), "--port", str(port)]
         return argv
+
+    def _new_actor(self, pg: Any, port: int | None = None) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.config
+        remote_cls: Any = ray.remote(ServerActor)
+        return remote_cls.options(
+            num_cpus=cfg.cpus_per_replica,
+            num_gpus=cfg.gpus_per_replica * cfg.tensor_parallel_size,
+            max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg),
+            runtime_env={"env_vars": dict(cfg.env)} if cfg.env else None,
+        ).remote(self._argv(port), dict(cfg.env))
 
     def start(self) -> list[str]:
         """Start every replica concurrently; return their URLs once all are healthy.
@@ -68,23 +137,14 @@ class ServerGroup:
         """
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = self.config
         gpus = cfg.gpus_per_replica * cfg.tensor_parallel_size
         bundle = {"CPU": cfg.cpus_per_replica, **({"GPU": gpus} if gpus else {})}
-        remote_cls: Any = ray.remote(ServerActor)
         pending: list[tuple[int, Any, Any]] = []
         for index in range(cfg.num_replicas):
             pg = placement_group([bundle], strategy="STRICT_PACK")
-            actor = remote_cls.options(
-                num_cpus=cfg.cpus_per_replica,
-                num_gpus=gpus,
-                max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg),
-                runtime_env={"env_vars": dict(cfg.env)} if cfg.env else None,
-            ).remote(self._argv(), dict(cfg.env))
-            pending.append((index, actor, pg))
+            pending.append((index, self._new_actor(pg), pg))
         try:
             urls = ray.get([a.start.remote() for _, a, _ in pending], timeout=cfg.start_timeout_s)
         except Exception:
@@ -92,16 +152,174 @@ class ServerGroup:
                 _kill(actor, pg)
             raise
         self.replicas = [ReplicaHandle(i, a, pg, u) for (i, a, pg), u in zip(pending, urls)]
+        if cfg.heal:
+            self._stop.clear()
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="skyrl-group-supervisor", daemon=True
+            )
+            self._supervisor.start()
         return self.urls
 
-    def kill(self, index: int) -> None:
-        """Kill one replica abruptly (for failure drills); the others keep serving."""
+    # -- supervision -------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            try:
+                self.check()
+            except Exception:  # keep supervising whatever one round hit
+                logger.exception("replica supervision round failed")
+
+    def _poll(self) -> tuple[dict[int, list[AdapterState]], dict[int, Exception]]:
+        """Every replica's state, or why it failed the check."""
+        import ray
+
+        refs = {r.index: r.actor.state.remote() for r in self.replicas}
+        states: dict[int, list[AdapterState]] = {}
+        failed: dict[int, Exception] = {}
+        deadline = time.monotonic() + self.config.health_timeout_s
+        for index, ref in refs.items():
+            try:
+                states[index] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                failed[index] = exc
+        return states, failed
+
+    def check(self) -> None:
+        """One supervision round: refresh the record, rebuild failed replicas,
+        and reconcile recently rebuilt ones with the rest."""
+        states, failed = self._poll()
+        if states:
+            with self._lock:
+                self._record = _keep_pushed_files(
+                    self._record, merge(self._record, newest(states.values()))
+                )
+        for index in states:
+            self._slow.pop(index, None)
+        for index, exc in failed.items():
+            if self._stop.is_set():
+                return
+            if _is_timeout(exc):  # busy, or hung: only a hang that lasts is rebuilt
+                self._slow[index] = self._slow.get(index, 0) + 1
+                if self._slow[index] < self.config.timeouts_before_rebuild:
+                    continue
+            self._slow.pop(index, None)
+            self._rebuild(index, exc)
+        self._catch_up(states)
+
+    def _rebuild(self, index: int, reason: Exception) -> None:
+        import ray
+
+        detected = time.monotonic()
         replica = self.replicas[index]
-        _kill(replica.actor, replica.placement_group)
+        log_event("replica_down", index=index, url=replica.url, error=repr(reason)[:300])
+        try:
+            ray.kill(replica.actor, no_restart=True)
+        except Exception:
+            pass
+        live, _ = self._poll_others(index)
+        with self._lock:
+            if live:
+                self._record = _keep_pushed_files(
+                    self._record, merge(self._record, newest(live.values()))
+                )
+            target = list(self._record.values())
+        actor = self._new_actor(replica.placement_group, urlparse(replica.url).port)
+        peers = [r.actor for r in self.replicas if r.index != index]
+        try:
+            url = ray.get(actor.start.remote(target, peers), timeout=self.config.start_timeout_s)
+        except Exception as exc:  # the next round tries again
+            logger.warning("rebuilding replica %d failed: %r", index, exc)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+            return
+        seconds = time.monotonic() - detected
+        self.replicas[index] = ReplicaHandle(
+            index, actor, replica.placement_group, url, restarted_at=time.monotonic()
+        )
+        self.restarts.append(Restart(index, url, detected, seconds, len(target)))
+        log_event(
+            "replica_rebuilt", index=index, url=url, seconds=round(seconds, 2), adapters=len(target)
+        )
+
+    def _poll_others(
+        self, index: int
+    ) -> tuple[dict[int, list[AdapterState]], dict[int, Exception]]:
+        states, failed = self._poll()
+        states.pop(index, None)
+        failed.pop(index, None)
+        return states, failed
+
+    def _catch_up(self, states: Mapping[int, list[AdapterState]]) -> None:
+        """Reconcile replicas rebuilt less than ``catch_up_s`` ago with the others.
+
+        A difference must show in two rounds in a row before it is fixed, so
+        a fan-out that is still on its way to every replica is not raced.
+        """
+        import ray
+
+        now = time.monotonic()
+        for replica in self.replicas:
+            if replica.restarted_at is None or now - replica.restarted_at > self.config.catch_up_s:
+                self._behind.pop(replica.index, None)
+                continue
+            own = states.get(replica.index)
+            others = [s for i, s in states.items() if i != replica.index]
+            if own is None or not others:
+                continue
+            target = newest(others)
+            differs = [t for t in target.values() if not _serves(own, t)]
+            keys = [(t.lora_name, t.version, t.paused) for t in differs]
+            if not differs or self._behind.get(replica.index) != keys:
+                self._behind[replica.index] = keys
+                continue
+            self._behind.pop(replica.index, None)
+            report = ray.get(
+                replica.actor.reconcile.remote(differs), timeout=self.config.health_timeout_s
+            )
+            log_event(
+                "replica_caught_up",
+                index=replica.index,
+                loaded=list(report.loaded),
+                paused=list(report.paused),
+                resumed=list(report.resumed),
+            )
+
+    # -- drills and shutdown ------------------------------------------------
+    def kill(self, index: int) -> None:
+        """Kill one replica's actor abruptly (failure drill); the others keep
+        serving, and the supervisor (if on) rebuilds it in its placement group."""
+        import ray
+
+        ray.kill(self.replicas[index].actor, no_restart=True)
+
+    def kill_engine(self, index: int) -> list[int]:
+        """Kill one replica's engine processes, leaving its actor and HTTP server up
+        (failure drill for an engine crash or OOM kill); returns the killed pids."""
+        import ray
+
+        return list(ray.get(self.replicas[index].actor.kill_engine.remote(), timeout=60))
+
+    def wait_restarts(self, count: int, timeout: float) -> list[Restart]:
+        """Block until ``count`` replicas have been rebuilt in all (for drills)."""
+        deadline = time.monotonic() + timeout
+        while len(self.restarts) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(self.restarts)} of {count} replica rebuilds in {timeout} s"
+                )
+            time.sleep(0.1)
+        return list(self.restarts)
 
     def shutdown(self) -> None:
-        """Stop every replica cleanly (engine and HTTP server), then free its resources."""
+        """Stop supervising, then stop every replica cleanly (engine and HTTP
+        server) and free its resources."""
         import ray
+
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=self.config.start_timeout_s)
+            self._supervisor = None
 
         def stop(replica: ReplicaHandle) -> None:
             try:
@@ -120,6 +338,56 @@ class ServerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _keep_pushed_files(
+    old: Mapping[str, AdapterState], new: dict[str, AdapterState]
+) -> dict[str, AdapterState]:
+    """Give each pushed version in the record a Ray ``ObjectRef`` of its files,
+    fetched once from a replica that serves it, so the group can rebuild a
+    replica even after every replica that held those bytes is gone."""
+    for name, state in new.items():
+        source = state.source
+        if not isinstance(source, PushedSource) or source.files is not None:
+            continue
+        kept = old.get(name)
+        if (
+            kept is not None
+            and kept.version == state.version
+            and isinstance(kept.source, PushedSource)
+            and kept.source.files is not None
+        ):
+            files = kept.source.files
+        else:
+            files = source.files_ref(name, state.version)
+        new[name] = replace(state, source=PushedSource(source.sha256, files=files))
+    return new
+
+
+def _is_timeout(exc: Exception) -> bool:
+    return isinstance(exc, TimeoutError)  # ray's GetTimeoutError is one
+
+
+def _serves(states: Sequence[AdapterState], target: AdapterState) -> bool:
+    for state in states:
+        if state.lora_name == target.lora_name:
+            return state.version > target.version or (
+                state.version == target.version and state.paused == target.paused
+            )
+    return False
+
+
+def _without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 def _kill(actor: Any, pg: Any) -> None:

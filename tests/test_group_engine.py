@@ -1,12 +1,16 @@
 """Two real CPU vLLM replicas in a local Ray cluster, driven by one client.
 
-Module-scoped: the group starts once for these tests, and the failover drill
-(which kills a replica) runs last.
+Module-scoped: the group starts once for these tests. The failure drills run
+last, in order: an actor killed mid-flight (the client fails over, the group
+rebuilds it), then an engine process killed mid-flight while three tenants
+sample and one swaps weights (the group notices, rebuilds the replica with
+every adapter at its version and paused state, and it serves again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +18,7 @@ from typing import Any
 import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.errors import FanOutError
 from skyrl_lora.types import SampleResponse
 
 pytestmark = pytest.mark.engine
@@ -26,7 +31,12 @@ def group(embedded_model: Any, local_ray: Any) -> Iterator[Any]:
     from skyrl_lora.server.group import GroupConfig, ServerGroup
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
-    config = GroupConfig(num_replicas=2, argv=embedded_server_argv(embedded_model), env=CPU_ENV)
+    config = GroupConfig(
+        num_replicas=2,
+        argv=embedded_server_argv(embedded_model),
+        env=CPU_ENV,
+        health_interval_s=0.5,
+    )
     with ServerGroup(config) as started:
         yield started
 
@@ -117,5 +127,156 @@ async def test_killing_a_replica_mid_flight_loses_no_sample(
             assert seq.stop_reason == "length" and len(seq.tokens) == LONG
             assert text(tokenizer, r) == ["moo"] * LONG
             assert len(seq.logprobs) == LONG
-        assert not client.replicas.replicas[doomed].healthy
         assert client.replicas.replicas[group.urls[1]].healthy
+        (restart,) = await asyncio.to_thread(group.wait_restarts, 1, 300)
+        assert restart.index == 0 and restart.url == doomed, "rebuilt on the same URL"
+        await converged(client)
+        out = await client.sample(prompt, sampling_params=greedy(4), lora_name="g-moo")
+        assert text(tokenizer, out) == ["moo"] * 4
+
+
+async def adapter_lists(client: RemoteInferenceClient) -> list[list[tuple[str, int, bool]]]:
+    lists = []
+    for url in client.urls:
+        listing = await client.list_adapters(url)
+        lists.append([(a.lora_name, a.version, a.paused) for a in listing.adapters])
+    return lists
+
+
+async def converged(client: RemoteInferenceClient, timeout: float = 60) -> list[tuple]:
+    """Wait until every replica lists the same adapters, versions and pauses."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lists = await adapter_lists(client)
+        except Exception:  # a replica still starting
+            lists = []
+        if lists and all(x == lists[0] for x in lists):
+            return lists[0]
+        assert time.monotonic() < deadline, f"replicas never converged: {lists}"
+        await asyncio.sleep(0.25)
+
+
+TENANTS = {"h-a": ("meow", "woof"), "h-b": ("woof", "moo"), "h-c": ("moo", "quack")}
+HEAL_TOKENS = 600
+
+
+async def running_on(client: RemoteInferenceClient, url: str, names: list[str]) -> None:
+    """Wait until the engine behind ``url`` runs requests of every one of ``names``."""
+    deadline = time.monotonic() + 90
+    while True:
+        listing = await client.list_adapters(url)
+        counts = {a.lora_name: a.engine_requests for a in listing.adapters}
+        if all(counts.get(n, 0) > 0 for n in names):
+            return
+        assert time.monotonic() < deadline, f"not all of {names} ran on {url}: {counts}"
+        await asyncio.sleep(0.05)
+
+
+async def test_engine_killed_mid_flight_replica_heals_with_its_adapters(
+    group, embedded_model, tokenizer, capsys
+) -> None:
+    """Three tenants sample with retry, h-a swaps weights every ~0.3 s, and
+    replica 0's engine process is SIGKILLed while all of them run there."""
+    word_id = {
+        w: tokenizer.encode(w, add_special_tokens=False)[0]
+        for w in ("meow", "woof", "moo", "quack")
+    }
+    said: dict[tuple[str, int], int] = {}
+    restarts_before = len(group.restarts)
+    async with RemoteInferenceClient(group.urls) as client:
+        for name, (word, _) in TENANTS.items():
+            folder = str(embedded_model.adapters[word])
+            if name == "h-c":  # pushed as bytes: the group must rebuild it without a path
+                infos = await client.push_lora_adapter(name, folder)
+            else:
+                infos = await client.load_lora_adapter(name, folder)
+            for info in infos:
+                said[(name, info.version)] = word_id[word]
+        await client.load_lora_adapter("h-held", str(embedded_model.adapters["moo"]))
+        await client.pause_generation(lora_name="h-held")
+        prompt = tokenizer.encode("hello there", add_special_tokens=False)
+        jobs = [
+            (
+                name,
+                asyncio.create_task(
+                    client.sample_with_retry(
+                        prompt, sampling_params=greedy(HEAL_TOKENS), lora_name=name
+                    )
+                ),
+            )
+            for name in TENANTS
+            for _ in range(3)
+        ]
+        await running_on(client, group.urls[0], list(TENANTS))
+        swaps = 0
+        stop_swapping = asyncio.Event()
+
+        async def swapper() -> None:
+            nonlocal swaps
+            name, words = "h-a", TENANTS["h-a"]
+            while not stop_swapping.is_set():
+                word = words[(swaps + 1) % 2]
+                try:
+                    await client.pause_generation(lora_name=name)
+                except FanOutError:
+                    pass  # the dead replica; the group replays the pause state
+                try:
+                    infos = await client.reload_lora_adapter(
+                        name, str(embedded_model.adapters[word])
+                    )
+                except FanOutError as partial:
+                    infos = list(partial.results.values())
+                for info in infos:
+                    said[(name, info.version)] = word_id[word]
+                try:
+                    await client.resume_generation(lora_name=name)
+                except FanOutError:
+                    pass
+                swaps += 1
+                await asyncio.sleep(0.3)
+
+        swapping = asyncio.create_task(swapper())
+        await asyncio.sleep(0.5)
+        killed_at = time.monotonic()
+        assert await asyncio.to_thread(group.kill_engine, 0), "no engine process to kill"
+        _, pending = await asyncio.wait([t for _, t in jobs], timeout=300)
+        if pending:  # say where they are stuck before failing
+            stuck = [name for name, t in jobs if t in pending]
+            lists = []
+            for url in client.urls:
+                with contextlib.suppress(Exception):
+                    lists.append((await client.list_adapters(url)).model_dump())
+            pytest.fail(f"samples of {stuck} never finished; restarts {group.restarts}; {lists}")
+        results = [t.result() for _, t in jobs]
+        restarts = await asyncio.to_thread(group.wait_restarts, restarts_before + 1, 300)
+        stop_swapping.set()
+        await swapping
+        state = await converged(client)
+        lost = 0
+        for (name, _), result in zip(jobs, results):
+            (seq,) = result.sequences
+            lost += seq.stop_reason != "length" or len(seq.tokens) != HEAL_TOKENS
+            assert seq.versions[0].start == 0 and seq.versions[-1].end == HEAL_TOKENS
+            for before, after in zip(seq.versions, seq.versions[1:]):
+                assert before.end == after.start and before.version <= after.version
+            for r in seq.versions:  # every token came from the weights its version names
+                assert set(seq.tokens[r.start : r.end]) == {said[(name, r.version)]}, (name, r)
+        assert lost == 0
+        assert ("h-held", 1, True) in state, "a paused adapter stays paused on the rebuilt replica"
+        assert swaps >= 2
+        rebuilt = restarts[-1]
+        assert rebuilt.index == 0 and rebuilt.url == group.urls[0]
+        served_again = rebuilt.detected_at + rebuilt.seconds - killed_at
+        assert served_again < 240, "the replica serves again within a bounded time"
+        solo = RemoteInferenceClient(group.urls[0])
+        async with solo:
+            out = await solo.sample(prompt, sampling_params=greedy(4), lora_name="h-b")
+        assert text(tokenizer, out) == ["woof"] * 4
+        await client.resume_generation(lora_name="h-held")
+    with capsys.disabled():
+        print(
+            f"\nengine kill: kill -> detected {rebuilt.detected_at - killed_at:.1f} s, "
+            f"-> serving again with {rebuilt.adapters} adapters {served_again:.1f} s, "
+            f"{len(results)} samples, {lost} lost, {swaps} swaps of h-a during the drill"
+        )

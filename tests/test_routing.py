@@ -141,3 +141,38 @@ async def test_pause_fan_out_time_stays_flat(capsys) -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         RemoteInferenceClient("http://x", config=ClientConfig(routing="random"))
+
+
+async def test_replica_whose_engine_died_fails_over_then_rejoins() -> None:
+    """A replica that answers but whose engine is dead (503 ``engine_unavailable``)
+    is treated like one that dropped the connection: the sample resumes on the
+    other replica, and the replica rejoins once its health check passes again
+    (the group rebuilt it on the same URL)."""
+    from aiohttp import web
+
+    dead = web.json_response(
+        {"error": {"type": "engine_unavailable", "message": "the engine is dead"}}, status=503
+    )
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response()
+
+    s1 = FakeServer()
+    s1.server.app.router.add_get("/health", healthy)
+    async with s1, FakeServer() as s2:
+        s1.script = [answer(seq([1, 2, 3], "abort")), lambda _: dead]
+        config = ClientConfig(recheck_after=0.05)
+        async with RemoteInferenceClient(
+            [s1.url, s2.url], config=config, policy=FirstHealthy()
+        ) as client:
+            out = await client.sample_with_retry(PROMPT, sampling_params={"max_tokens": 6})
+            assert out.sequences[0].tokens == [1, 2, 3, 0, 1, 2]
+            assert not client.replicas.replicas[s1.url].healthy
+            await asyncio.sleep(0.1)
+            client.replicas.pick("a")  # starts the background re-check of s1
+            deadline = time.monotonic() + 5
+            while not client.replicas.replicas[s1.url].healthy:
+                assert time.monotonic() < deadline, "the rebuilt replica never rejoined"
+                await asyncio.sleep(0.02)
+            await client.sample(PROMPT, sampling_params={"max_tokens": 2})
+        assert len(s1.samples) == 3, "traffic goes back to the rejoined replica"
