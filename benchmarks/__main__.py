@@ -47,7 +47,7 @@ def cpu_shape(quick: bool) -> perf.PerfShape:
     return perf.PerfShape(
         isolation=three,
         eight_tenants=replace(three, tenants=8, streams=3),
-        pauses=20 if quick else 50,
+        pauses=20 if quick else 30,
         control_repeats=20 if quick else 50,
         swap_repeats=4 if quick else 6,
     )

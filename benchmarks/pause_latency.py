@@ -9,8 +9,8 @@ design this replaces slept a fixed 5 s before aborting.
 
 A drain cannot end before the engine finishes the step it is in (aborts
 are applied between steps), so one streamed probe on another adapter runs
-alongside: its inter-token gap is the engine's step time at that moment,
-and the drain's tail is read against the step's tail.
+alongside: its inter-token gaps that overlap a pause are the engine steps
+the drain had to wait for, and the drain's tail is read against theirs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import wait_engine_requests
-from benchmarks.stats import Spread, Tail, check_count, tails_spread
+from benchmarks.stats import Spread, Tail, check_count, split_gaps, tails_spread
 from benchmarks.streams import StreamLog, keep_streaming
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -33,7 +33,7 @@ class PauseLatency:
     in_flight: int
     client: list[Tail]
     server: list[Tail]
-    step: list[Tail]  # the probe's inter-token gaps: the engine step
+    step: list[Tail]  # the probe's inter-token gaps overlapping a pause: engine steps
     aborted: list[int]
 
     @property
@@ -94,20 +94,22 @@ async def run(
         try:
             for _ in range(rounds):
                 began = time.monotonic()
+                pause_windows: list[tuple[float, float]] = []
                 client_ms: list[float] = []
                 server_ms: list[float] = []
                 for _ in range(pauses):
                     await wait_engine_requests(client, "lat-a", in_flight)
-                    started = time.perf_counter()
+                    started = time.monotonic()
                     (ack,) = await client.pause_generation(lora_name="lat-a")
-                    client_ms.append((time.perf_counter() - started) * 1000)
+                    pause_windows.append((started, time.monotonic()))
+                    client_ms.append((pause_windows[-1][1] - started) * 1000)
                     server_ms.append(ack.drain_seconds * 1000)
                     aborted.append(ack.aborted)  # a stream between two samples may miss one
                     await client.resume_generation(lora_name="lat-a")
                 client_tails.append(Tail.of(client_ms))
                 server_tails.append(Tail.of(server_ms))
-                gaps = [g.ms for g in probe.gaps(began, time.monotonic())]
-                check_count("engine step probe", len(gaps), 1, "probe token gaps in a round")
+                gaps, _ = split_gaps(probe.gaps(began, time.monotonic()), pause_windows)
+                check_count("engine step probe", len(gaps), 1, "probe token gaps over pauses")
                 step_tails.append(Tail.of(gaps))
         finally:
             stop.set()

@@ -126,7 +126,8 @@ class PerfRun:
                 f"p50 {cs['p50'].median:.1f}, max {cs['max'].median:.1f} ms; server-side drain"
                 f" p50 / p99 / max {ss['p50'].median:.1f} / {ss['p99'].median:.1f} /"
                 f" {ss['max'].median:.1f} ms (p99 {ss['p99'].min:.1f}-{ss['p99'].max:.1f});"
-                f" engine step (probe's token gap) p50 / p99 / max {st['p50'].median:.1f} /"
+                " engine steps under the pauses (probe's token gaps) p50 / p99 / max"
+                f" {st['p50'].median:.1f} /"
                 f" {st['p99'].median:.1f} / {st['max'].median:.1f} ms",
             )
         )
