@@ -128,6 +128,10 @@ def main() -> int:
         print(f"benchmark run NOT trustworthy, no table: {exc}", file=sys.stderr)
         print("raw figures so far: benchmarks/out/results.json", file=sys.stderr)
         return EXIT_UNTRUSTWORTHY
+    except BaseException:
+        results["crashed"] = True  # keep what was measured before the crash
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        raise
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot_path = plot.plot(run.isolation, ROOT / "docs" / "swap_isolation.png")
     print("\n" + table(rows))

@@ -53,7 +53,12 @@ async def _interrupted(
     )
     paused = 0.0
     for _ in range(interrupts):
-        await wait_engine_requests(client, "retry", 1)
+        running = asyncio.create_task(wait_engine_requests(client, "retry", 1))
+        await asyncio.wait({running, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # finished before this pause: the round will be measured again
+            running.cancel()
+            break
+        await running
         await asyncio.sleep(gap)
         pause_at = time.perf_counter()
         await client.pause_generation(lora_name="retry")
