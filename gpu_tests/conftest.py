@@ -22,7 +22,13 @@ import pytest
 os.environ.setdefault("SKYRL_TEST_LONG", "900")
 os.environ.setdefault("SKYRL_TEST_SETTLE_S", "0.05")
 
-from tests.conftest import EngineServer, embedded_model, http, tokenizer  # noqa: F401
+from tests.conftest import (  # noqa: F401
+    MAX_ADAPTER_BYTES,
+    EngineServer,
+    embedded_model,
+    http,
+    tokenizer,
+)
 
 
 def _missing() -> str | None:
@@ -84,15 +90,22 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def engine_server(embedded_model: Any, tokenizer: Any) -> Iterator[EngineServer]:  # noqa: F811
+def engine_server(
+    embedded_model: Any,  # noqa: F811
+    tokenizer: Any,  # noqa: F811
+    tmp_path_factory: Any,
+) -> Iterator[EngineServer]:
     from skyrl_lora.server.presets import embedded_server_argv
 
     dtype = os.environ.get("SKYRL_GPU_DTYPE", "bfloat16")  # CUDA LoRA kernels: fp16/bf16 only
-    argv = embedded_server_argv(embedded_model, extra=[*GPU_FLAGS, "--dtype", dtype])
+    snapshots = tmp_path_factory.mktemp("snapshots")
+    extra = [*GPU_FLAGS, "--dtype", dtype, "--adapter-snapshot-dir", str(snapshots)]
+    extra += ["--max-adapter-bytes", str(MAX_ADAPTER_BYTES)]
+    argv = embedded_server_argv(embedded_model, extra=extra)
     started = time.monotonic()
     proc, url = start_server(argv, "gpu_scenario_server")
     print(f"\nCUDA scenario server ready in {time.monotonic() - started:.0f} s at {url}")
     try:
-        yield EngineServer(url, embedded_model, tokenizer)
+        yield EngineServer(url, embedded_model, tokenizer, snapshot_dir=snapshots)
     finally:
         stop_server(proc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer
 
 pytestmark = pytest.mark.engine
 
-LONG = 360  # tokens: several seconds on CPU, so a push lands mid-sample
+#: Tokens: several seconds on CPU, so a push lands mid-sample (GPU runs set more).
+LONG = int(os.environ.get("SKYRL_TEST_LONG", "360"))
 
 
 def files_of(server: EngineServer, word: str) -> dict[str, bytes]:
