@@ -43,9 +43,11 @@ class EngineTokenCounter:
         """Poll until ``stop`` is set (one last reading after it)."""
         async with aiohttp.ClientSession() as session:
             while True:
+                asked = time.monotonic()
                 async with session.get(self.url) as response:
                     text = await response.text()
-                self.times.append(time.monotonic())
+                # The reading was taken somewhere between question and answer.
+                self.times.append((asked + time.monotonic()) / 2)
                 self.counts.append(parse_counter(text))
                 if stop.is_set():
                     return

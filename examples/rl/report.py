@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,25 @@ def time_to_target(log: TenantLog, target: float) -> float | None:
 
 def tenant_staleness(log: TenantLog) -> Counter[int]:
     return staleness_counts(t for step in log.steps for t in step.tokens)
+
+
+def fresh_log_ratio(log: TenantLog) -> float:
+    """Largest |log ratio| over tokens the trainer's own weights produced.
+
+    It should be ~0: the server computed those logprobs with the very weights
+    the trainer holds. Anything else means a token was charged to the wrong
+    version, or trainer and server disagree on the model.
+    """
+    return max(
+        (
+            abs(math.log(r))
+            for step in log.steps
+            for t in step.tokens
+            for s, r in zip(t.staleness, t.ratios)
+            if s == 0
+        ),
+        default=0.0,
+    )
 
 
 def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
@@ -93,6 +113,7 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
                 "staleness_share": {
                     str(k): counts[k] / total for k in sorted(counts) if k <= max_staleness
                 },
+                "fresh_max_abs_log_ratio": fresh_log_ratio(log),
                 "dropped_share": sum(v for k, v in counts.items() if k > max_staleness) / total,
                 "swap_ms_median": swap_ms[len(swap_ms) // 2] if swap_ms else None,
                 "drain_ms_median": drain_ms[len(drain_ms) // 2] if drain_ms else None,
@@ -135,6 +156,9 @@ def table(summary: Mapping[str, Any]) -> str:
             )
     lines.append("")
     modes = summary["modes"]
+    for mode, data in modes.items():
+        worst = max(t["fresh_max_abs_log_ratio"] for t in data["tenants"].values())
+        lines.append(f"{mode}: largest |log ratio| of a staleness-0 token: {worst:.2g}")
     for mode, data in modes.items():
         lines.append(
             f"{mode}: whole run {data['wall_s']:.1f} s ({data['seconds_per_step']:.2f} s/step); "
