@@ -223,7 +223,12 @@ def report(
 
 
 def main() -> int:
+    import ray
+
     cfg = PushSwapConfig()
+    # One logical CPU per server actor: declare enough for every replica
+    # (the replicas mostly idle; the 2 real cores are shared either way).
+    ray.init(num_cpus=cfg.replicas + 1, include_dashboard=False, log_to_driver=False)
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(embedded_server()) for _ in range(cfg.replicas)]
         (url, model), urls = servers[0], [u for u, _ in servers]
