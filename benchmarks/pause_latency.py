@@ -7,10 +7,11 @@ Repeated in ``rounds`` rounds of ``pauses`` pauses: each round gives p50,
 p99 and max, seen by the client and as the server's own drain time. The
 design this replaces slept a fixed 5 s before aborting.
 
-A drain cannot end before the engine finishes the step it is in (aborts
-are applied between steps), so one streamed probe on another adapter runs
-alongside: its inter-token gaps that overlap a pause are the engine steps
-the drain had to wait for, and the drain's tail is read against theirs.
+One streamed probe on another adapter runs alongside: its inter-token gaps
+that overlap a pause show what the pause (and the engine steps around it)
+cost a tenant that is not paused. They are not a clean engine-step time:
+each pause comes right after the 64 resubmitted requests were admitted, so
+their re-prefill shares those steps.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PauseLatency:
     in_flight: int
     client: list[Tail]
     server: list[Tail]
-    step: list[Tail]  # the probe's inter-token gaps overlapping a pause: engine steps
+    probe: list[Tail]  # the probe tenant's inter-token gaps that overlap a pause
     aborted: list[int]
 
     @property
@@ -45,8 +46,8 @@ class PauseLatency:
         return tails_spread(self.server)
 
     @property
-    def step_spread(self) -> dict[str, Spread]:
-        return tails_spread(self.step)
+    def probe_spread(self) -> dict[str, Spread]:
+        return tails_spread(self.probe)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -55,14 +56,14 @@ class PauseLatency:
         for prefix, spread in (
             ("", self.client_spread),
             ("server_", self.server_spread),
-            ("engine_step_", self.step_spread),
+            ("probe_gap_", self.probe_spread),
         ):
             for q, s in spread.items():
                 flat[f"{prefix}{q}_ms"] = s.median
         flat["spread"] = {
             "client": {q: s.to_json() for q, s in self.client_spread.items()},
             "server": {q: s.to_json() for q, s in self.server_spread.items()},
-            "engine_step": {q: s.to_json() for q, s in self.step_spread.items()},
+            "probe_gap": {q: s.to_json() for q, s in self.probe_spread.items()},
         }
         flat["aborted_min"] = min(self.aborted)
         flat["rounds"], flat["pauses_per_round"] = self.rounds, self.pauses
@@ -74,7 +75,7 @@ async def run(
 ) -> PauseLatency:
     client_tails: list[Tail] = []
     server_tails: list[Tail] = []
-    step_tails: list[Tail] = []
+    probe_tails: list[Tail] = []
     aborted: list[int] = []
     probe = StreamLog("lat-probe")
     async with RemoteInferenceClient(url) as client:
@@ -109,10 +110,10 @@ async def run(
                 client_tails.append(Tail.of(client_ms))
                 server_tails.append(Tail.of(server_ms))
                 gaps, _ = split_gaps(probe.gaps(began, time.monotonic()), pause_windows)
-                check_count("engine step probe", len(gaps), 1, "probe token gaps over pauses")
-                step_tails.append(Tail.of(gaps))
+                check_count("probe gaps", len(gaps), 1, "probe token gaps over pauses")
+                probe_tails.append(Tail.of(gaps))
         finally:
             stop.set()
             await client.resume_generation(lora_name="lat-a")
             await asyncio.gather(*load)
-    return PauseLatency(rounds, pauses, in_flight, client_tails, server_tails, step_tails, aborted)
+    return PauseLatency(rounds, pauses, in_flight, client_tails, server_tails, probe_tails, aborted)

@@ -115,7 +115,7 @@ class PerfRun:
         if self.eight_tenants is not None:
             rows += _isolation_rows(self.eight_tenants, "8 tenants, ")
         p = self.pause
-        cs, ss, st = p.client_spread, p.server_spread, p.step_spread
+        cs, ss, st = p.client_spread, p.server_spread, p.probe_spread
         rows.append(
             spread_row(
                 f"pause latency p99, {p.in_flight} in flight, {p.pauses} pauses x {p.rounds}",
@@ -126,7 +126,7 @@ class PerfRun:
                 f"p50 {cs['p50'].median:.1f}, max {cs['max'].median:.1f} ms; server-side drain"
                 f" p50 / p99 / max {ss['p50'].median:.1f} / {ss['p99'].median:.1f} /"
                 f" {ss['max'].median:.1f} ms (p99 {ss['p99'].min:.1f}-{ss['p99'].max:.1f});"
-                " engine steps under the pauses (probe's token gaps) p50 / p99 / max"
+                " another tenant's token gap across a pause p50 / p99 / max"
                 f" {st['p50'].median:.1f} /"
                 f" {st['p99'].median:.1f} / {st['max'].median:.1f} ms",
             )
