@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import tempfile
 import time
@@ -29,7 +30,7 @@ from typing import Any
 
 from benchmarks.common import embedded_server
 from examples.rl.engine_rate import EngineTokenCounter
-from examples.rl.learner import Learner, LearnerConfig
+from examples.rl.learner import LearnerConfig, LearnerProcess
 from examples.rl.report import ModeRun, plot, reward_rows, summarize, table, write_json
 from examples.rl.tenant import LoopConfig, PauseMode, TenantLog, random_prompts, run_tenant
 from skyrl_lora.client import RemoteInferenceClient
@@ -62,22 +63,40 @@ async def run_mode(
     trainer_root: Path,
 ) -> ModeRun:
     """All tenants at once, fresh LoRAs from the same seeds, one pause mode."""
-    from skyrl_lora.server.embedded.builder import _word_ids, vocabulary
+    from skyrl_lora.server.embedded.builder import vocabulary
 
     words = vocabulary()
     counter = EngineTokenCounter(url)
     stop = asyncio.Event()
     polling = asyncio.create_task(counter.run(stop))
-    async with RemoteInferenceClient(url) as client:
+    with contextlib.ExitStack() as stack:
         learners = {
-            name: await asyncio.to_thread(
-                Learner,
-                model.model_dir,
-                frozenset({words.index(word)}),
-                dataclasses.replace(learner_cfg, seed=learner_cfg.seed + i),
+            name: stack.enter_context(
+                LearnerProcess(
+                    model.model_dir,
+                    frozenset({words.index(word)}),
+                    dataclasses.replace(learner_cfg, seed=learner_cfg.seed + i),
+                )
             )
             for i, (name, word) in enumerate(TENANTS.items())
         }
+        await asyncio.gather(*(learner.ready() for learner in learners.values()))
+        logs, start, end = await _train_all(url, mode, learners, loop_cfg, trainer_root)
+    stop.set()
+    await polling
+    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end)
+
+
+async def _train_all(
+    url: str,
+    mode: PauseMode,
+    learners: dict[str, LearnerProcess],
+    loop_cfg: LoopConfig,
+    trainer_root: Path,
+) -> tuple[list[TenantLog], float, float]:
+    from skyrl_lora.server.embedded.builder import _word_ids
+
+    async with RemoteInferenceClient(url) as client:
         start = time.monotonic()
 
         def show(log: TenantLog) -> None:
@@ -99,10 +118,7 @@ async def run_mode(
                 for i, (name, learner) in enumerate(learners.items())
             )
         )
-        end = time.monotonic()
-    stop.set()
-    await polling
-    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end)
+        return list(logs), start, time.monotonic()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,9 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
 
-    import torch
-
-    torch.set_num_threads(1)  # three trainers and the server share two cores
     off_policy = OffPolicyConfig(args.max_staleness, args.ratio_clip)
     learner_cfg = LearnerConfig(lr=args.lr, off_policy=off_policy)
     loop_cfg = LoopConfig(steps=args.steps, transfer=args.transfer)

@@ -25,7 +25,7 @@ TRANSFER = "load"
 
 
 async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -> None:
-    from examples.rl.learner import Learner, LearnerConfig
+    from examples.rl.learner import LearnerConfig, LearnerProcess
     from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
     from skyrl_lora.client import RemoteInferenceClient
     from skyrl_lora.rl_accounting import OffPolicyConfig
@@ -36,22 +36,26 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     # and the rise does not hang on the luck of a first rare word.
     targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
     config = LearnerConfig(lr=2e-2, off_policy=OffPolicyConfig(max_staleness=2))
-    learner = Learner(engine_server.model.model_dir, targets, config)
     loop = LoopConfig(steps=STEPS, groups_per_step=4, group_size=16, transfer=TRANSFER)
     folder = engine_server.adapter_root / "rl-ci"
-    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
-        started = time.monotonic()
-        log = await run_tenant(
-            client,
-            "rl-ci",
-            learner,
-            folder,
-            random_prompts(_word_ids(), loop.prompt_words, seed=0),
-            loop,
-            "per_adapter",
-            started,
-        )
-        (served,) = [a for a in (await client.list_adapters()).adapters if a.lora_name == "rl-ci"]
+    with LearnerProcess(engine_server.model.model_dir, targets, config) as learner:
+        async with RemoteInferenceClient(
+            engine_server.url, api_key=engine_server.admin_key
+        ) as client:
+            await learner.ready()
+            started = time.monotonic()
+            log = await run_tenant(
+                client,
+                "rl-ci",
+                learner,
+                folder,
+                random_prompts(_word_ids(), loop.prompt_words, seed=0),
+                loop,
+                "per_adapter",
+                started,
+            )
+            adapters = (await client.list_adapters()).adapters
+    (served,) = [a for a in adapters if a.lora_name == "rl-ci"]
     elapsed = time.monotonic() - started
     rewards = [round(s.mean_reward, 3) for s in log.steps]
 

@@ -8,7 +8,10 @@ the base model, which almost never says an animal word.
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from skyrl_lora.types import SampledSequence
 class LearnerConfig:
     rank: int = 8
     alpha: int = 16
-    lr: float = 1e-2
+    lr: float = 7e-3
     seed: int = 0
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
@@ -127,3 +130,69 @@ class Learner:
         """PEFT's ``save_pretrained``: adapter_config.json + adapter_model.safetensors."""
         self.model.save_pretrained(str(folder))
         return folder
+
+
+# -- the learner in its own process -------------------------------------------
+# A step is mostly small torch calls from Python: run in a thread of the
+# sampling process it holds the GIL, and the samplers' event loop (which
+# sends requests and reads answers) stalls for the whole step. In a process
+# of its own it shares nothing with the samplers but the CPU.
+
+_LEARNER: Learner | None = None
+
+
+def _start(model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> None:
+    global _LEARNER
+    torch.set_num_threads(1)  # several trainers and the server share a few cores
+    _LEARNER = Learner(model_dir, targets, config)
+
+
+def _learner() -> Learner:
+    if _LEARNER is None:
+        raise RuntimeError("the learner process was not started")
+    return _LEARNER
+
+
+def _ready() -> None:
+    _learner()
+
+
+def _step(groups: Sequence[Group], trainer_version: int) -> StepResult:
+    return _learner().step(groups, trainer_version)
+
+
+def _save(folder: Path) -> Path:
+    return _learner().save(folder)
+
+
+class LearnerProcess:
+    """A :class:`Learner` in a worker process of its own, driven with ``await``."""
+
+    def __init__(self, model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> None:
+        self._pool = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start,
+            initargs=(model_dir, targets, config),
+        )
+
+    async def ready(self) -> None:
+        """Wait until the process has started and built its model (seconds:
+        it imports torch and PEFT), so that a run's clock does not count it."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, _ready)
+
+    async def step(self, groups: Sequence[Group], trainer_version: int) -> StepResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _step, groups, trainer_version)
+
+    async def save(self, folder: Path) -> Path:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _save, folder)
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> LearnerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -2,8 +2,8 @@
 
 Sampling workers keep ``sample_with_retry`` calls in flight for the whole
 run and hand finished groups to the trainer through a small queue; the
-trainer takes a batch, updates (in a worker thread, so the event loop keeps
-serving the samplers), saves its adapter with PEFT and pushes (or has the
+trainer takes a batch, updates (in a process of its own, so the event loop
+keeps serving the samplers), saves its adapter with PEFT and pushes (or has the
 server load) it under a pause. With ``mode="per_adapter"`` only this tenant's requests are paused
 (and aborted, then resumed by the client on the new version); with
 ``mode="global"`` it is vLLM's keep-mode pause of the whole engine, which
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from examples.rl.learner import Group, Learner, StepResult
+from examples.rl.learner import Group, LearnerProcess, StepResult
 from skyrl_lora.client import RemoteInferenceClient
 
 PauseMode = Literal["per_adapter", "global"]
@@ -36,7 +36,7 @@ class LoopConfig:
     """Shape of one tenant's run. ``in_flight``: concurrent sample calls, each
     one group of ``group_size`` samples of one prompt."""
 
-    steps: int = 16
+    steps: int = 20
     groups_per_step: int = 4
     group_size: int = 16
     max_tokens: int = 12
@@ -122,7 +122,7 @@ def _one_version(name: str, versions: set[int]) -> int:
 async def run_tenant(
     client: RemoteInferenceClient,
     name: str,
-    learner: Learner,
+    learner: LearnerProcess,
     folder: Path,
     prompts: Callable[[], list[int]],
     cfg: LoopConfig,
@@ -137,7 +137,7 @@ async def run_tenant(
     server's answer is the trainer's first version, every sync's the next.
     """
     log = TenantLog(name)
-    await asyncio.to_thread(learner.save, folder)
+    await learner.save(folder)
     # A first load may not be wrapped in a pause: pausing a name the server
     # does not know yet is a 404. (A reload of a known name pauses it itself.)
     version = await send_adapter(client, name, folder, cfg.transfer)
@@ -167,11 +167,11 @@ async def run_tenant(
     try:
         for _ in range(cfg.steps):
             batch = [await _next_group(queue, failed) for _ in range(cfg.groups_per_step)]
-            result = await asyncio.to_thread(learner.step, batch, version)
+            result = await learner.step(batch, version)
             log.steps.append(result)
             log.versions.append(version)
             log.step_times.append(time.monotonic() - clock_start)
-            await asyncio.to_thread(learner.save, folder)
+            await learner.save(folder)
             swap = await sync_adapter(client, name, folder, mode, cfg.transfer)
             log.swaps.append(swap)
             version = swap.version
