@@ -79,8 +79,26 @@ class ServerActor:
             raise RuntimeError("server exited before it was ready")
         self._running = ready.result()
         if restore_to is not None and peers:
-            await restore(self._running.engine, await _with_peers((), peers), prune=False)
+            await self._settle(peers)
         return self._running.url
+
+    async def _settle(self, peers: Sequence[Any], limit_s: float = 5.0) -> None:
+        """Follow the peers right after the server starts listening until their
+        versions hold still: a reload that reached them while this replica
+        was not listening yet is taken over here, before this replica's own
+        version count can fall one behind theirs (the group catches up any
+        later stragglers)."""
+        assert self._running is not None
+        deadline = asyncio.get_running_loop().time() + limit_s
+        seen: list[tuple[str, int]] | None = None
+        while asyncio.get_running_loop().time() < deadline:
+            target = await _with_peers((), peers)
+            await restore(self._running.engine, target, prune=False, pause=False)
+            now = sorted((s.lora_name, s.version) for s in target)
+            if now == seen:
+                return
+            seen = now
+            await asyncio.sleep(0.5)
 
     async def url(self) -> str | None:
         return None if self._running is None else self._running.url
@@ -107,8 +125,9 @@ class ServerActor:
         return await asyncio.to_thread(snapshot_files, self._engine(), lora_name, version)
 
     async def reconcile(self, target: Sequence[AdapterState]) -> RestoreReport:
-        """Catch a live replica up with its group (it missed a reload or a resume)."""
-        return await restore(self._engine(), target, prune=False)
+        """Catch a live replica up with its group (it missed a reload or a resume;
+        a missed pause is left alone, see :func:`restore`)."""
+        return await restore(self._engine(), target, prune=False, pause=False)
 
     async def routes(self) -> list[tuple[str, list[str]]]:
         """Every HTTP route of the running app as (path, methods), for audits."""

@@ -12,10 +12,14 @@ group serves: per adapter, the newest version any replica serves, its source
 and whether it is paused (:func:`~skyrl_lora.server.replay.newest`). A
 replica that fails the check is replaced by a new actor in its placement
 group, on the same port, which replays the record before its HTTP server
-accepts anything; clients find it again through their health re-check. For
-``catch_up_s`` after that, the supervisor also reconciles the new replica with
-the others, for control calls it missed while starting (a reload or a resume
-fanned out while it was down).
+accepts anything; clients find it again through their health re-check.
+
+The supervisor also catches up any replica that stays behind the others for
+two rounds in a row: a reload or a resume it missed (a fan-out that reached
+it while it was starting). Versions are counted per replica, so one missed
+reload would otherwise leave a replica's version numbers one behind for
+good. A missed pause is left alone (see
+:func:`~skyrl_lora.server.replay.restore`).
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ class GroupConfig:
     heal: bool = True
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
-    catch_up_s: float = 30.0
     timeouts_before_rebuild: int = 3
 
 
@@ -95,7 +98,7 @@ class ServerGroup:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self._behind: dict[int, list[tuple[str, int, bool]]] = {}
+        self._behind: dict[int, set[str]] = {}  # names behind in the last round
         self._slow: dict[int, int] = {}  # consecutive health checks that timed out
 
     @property
@@ -203,6 +206,7 @@ class ServerGroup:
                     continue
             self._slow.pop(index, None)
             self._rebuild(index, exc)
+            return  # the states of this round are old by now
         self._catch_up(states)
 
     def _rebuild(self, index: int, reason: Exception) -> None:
@@ -251,37 +255,30 @@ class ServerGroup:
         return states, failed
 
     def _catch_up(self, states: Mapping[int, list[AdapterState]]) -> None:
-        """Reconcile replicas rebuilt less than ``catch_up_s`` ago with the others.
-
-        A difference must show in two rounds in a row before it is fixed, so
-        a fan-out that is still on its way to every replica is not raced.
-        """
+        """Reconcile each replica that is behind the others on the same adapter
+        in two rounds in a row (a fan-out on its way to every replica shows
+        as behind for one round only), to what the others serve now."""
         import ray
 
-        now = time.monotonic()
         for replica in self.replicas:
-            if replica.restarted_at is None or now - replica.restarted_at > self.config.catch_up_s:
-                self._behind.pop(replica.index, None)
-                continue
             own = states.get(replica.index)
             others = [s for i, s in states.items() if i != replica.index]
             if own is None or not others:
                 continue
             target = newest(others)
-            differs = [t for t in target.values() if not _serves(own, t)]
-            keys = [(t.lora_name, t.version, t.paused) for t in differs]
-            if not differs or self._behind.get(replica.index) != keys:
-                self._behind[replica.index] = keys
+            behind = {t.lora_name for t in target.values() if not _serves(own, t)}
+            again = behind & self._behind.get(replica.index, set())
+            self._behind[replica.index] = behind - again
+            if not again:
                 continue
-            self._behind.pop(replica.index, None)
             report = ray.get(
-                replica.actor.reconcile.remote(differs), timeout=self.config.health_timeout_s
+                replica.actor.reconcile.remote([target[n] for n in sorted(again)]),
+                timeout=self.config.health_timeout_s,
             )
             log_event(
                 "replica_caught_up",
                 index=replica.index,
                 loaded=list(report.loaded),
-                paused=list(report.paused),
                 resumed=list(report.resumed),
             )
 
@@ -371,8 +368,9 @@ def _is_timeout(exc: Exception) -> bool:
 def _serves(states: Sequence[AdapterState], target: AdapterState) -> bool:
     for state in states:
         if state.lora_name == target.lora_name:
+            # a missed pause is not caught up (see replay.restore); a missed resume is
             return state.version > target.version or (
-                state.version == target.version and state.paused == target.paused
+                state.version == target.version and (target.paused or not state.paused)
             )
     return False
 

@@ -152,13 +152,19 @@ def merge(
 
 
 async def restore(
-    engine: GatedEngine, target: Sequence[AdapterState], *, prune: bool
+    engine: GatedEngine, target: Sequence[AdapterState], *, prune: bool, pause: bool = True
 ) -> RestoreReport:
     """Bring ``engine`` to ``target``: load each name it lacks or serves at an
     older version as exactly the target version, then pause or resume it to
     match. ``prune`` also unloads names the target does not have (a fresh
     replica's start-up adapters that were unloaded since); a live replica is
     not pruned, since a name may be on its way to the others.
+
+    ``pause=False`` (catching up a replica that already serves) only resumes:
+    a pause read from the others may be stale by the time it lands, and a
+    stale pause would hold that adapter's requests until the next resume,
+    which may never come; a missed pause costs nothing of correctness, since
+    every reload pauses the adapter itself.
 
     A version ahead of the target is left alone: versions never go back.
     """
@@ -180,7 +186,7 @@ async def restore(
             loaded.append(name)
         elif have > state.version:
             continue
-        if state.paused and not engine.gate.is_paused(name):
+        if pause and state.paused and not engine.gate.is_paused(name):
             await engine.pause(name)
             paused.append(name)
         elif not state.paused and engine.gate.is_paused(name):

@@ -36,6 +36,7 @@ def test_a_replica_serves_a_target_at_its_version_and_pause_or_newer() -> None:
     own = [state("a", 3, paused=True), state("b", 7)]
     assert _serves(own, state("a", 3, paused=True))
     assert not _serves(own, state("a", 3, paused=False)), "a missed resume is a difference"
+    assert _serves([state("a", 3)], state("a", 3, paused=True)), "a missed pause is left alone"
     assert not _serves(own, state("a", 4)), "a missed reload is a difference"
     assert _serves(own, state("b", 6)), "ahead is fine: versions never go back"
     assert not _serves(own, state("c", 1))
