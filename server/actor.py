@@ -11,7 +11,6 @@ replays the group's adapters before the server takes traffic).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 
 from skyrl_lora.errors import ServerUnavailableError
 from skyrl_lora.server.app import RunningServer, parse_server_args, serve
+from skyrl_lora.server.cli import log_to_stderr
 from skyrl_lora.server.engine import GatedEngine
 from skyrl_lora.server.push import load_pushed, write_pushed_files
 from skyrl_lora.server.replay import (
@@ -39,9 +39,7 @@ class ServerActor:
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         os.environ.update(env or {})
-        logging.basicConfig(  # the event lines (pause, load, ...) go to the actor's log
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        log_to_stderr()  # the event lines (pause, load, ...) go to the actor's log
         self._argv = list(argv)
         self._stop = asyncio.Event()
         self._running: RunningServer | None = None

@@ -121,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.parse_args(argv[:1])
         return 2
-    _log_to_stderr()
+    log_to_stderr()
     return COMMANDS[argv[0]](argv[1:])
 
 
-def _log_to_stderr() -> None:
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_to_stderr() -> None:
     """Our own handler on the ``skyrl_lora`` logger, not only the root's.
 
     vLLM reconfigures logging while it builds the engine, after which records
@@ -133,8 +136,8 @@ def _log_to_stderr() -> None:
     load and staging event lines went missing. A handler of our own does not
     depend on what happens to the root logger.
     """
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.basicConfig(level=logging.INFO, format=formatter._fmt)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    formatter = logging.Formatter(LOG_FORMAT)
     ours = logging.getLogger("skyrl_lora")
     if not ours.handlers:
         handler = logging.StreamHandler()
