@@ -35,7 +35,14 @@ from urllib.parse import urlparse
 
 from skyrl_lora.server.actor import ServerActor
 from skyrl_lora.server.observability import log_event
-from skyrl_lora.server.replay import AdapterState, PushedSource, merge, newest
+from skyrl_lora.server.replay import (
+    PUSHED_PREFIX,
+    AdapterState,
+    PushedSource,
+    merge,
+    newest,
+)
+from skyrl_lora.types import AdapterInfo, SwapPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +288,39 @@ class ServerGroup:
                 loaded=list(report.loaded),
                 resumed=list(report.resumed),
             )
+
+    # -- weights -------------------------------------------------------------
+    def push_lora_adapter(
+        self,
+        lora_name: str,
+        files: Mapping[str, bytes] | Any,
+        swap_policy: SwapPolicy = "abort_resume",
+    ) -> list[AdapterInfo]:
+        """Load adapter files on every replica through Ray's object store.
+
+        ``files`` maps ``adapter_config.json`` and ``adapter_model.safetensors``
+        to their bytes, or is an ``ObjectRef`` of such a mapping (a trainer
+        actor's ``ray.put``: the bytes then never pass through this process).
+        It is put once; each replica's node fetches it once. No shared disk,
+        no HTTP. The group keeps the ref as the version's source, so a
+        replica rebuilt later replays these exact bytes.
+        """
+        import ray
+
+        ref = files if isinstance(files, ray.ObjectRef) else ray.put(dict(files))
+        infos: list[AdapterInfo] = ray.get(
+            [r.actor.push_adapter.remote(lora_name, ref, swap_policy) for r in self.replicas],
+            timeout=self.config.start_timeout_s,
+        )
+        versions = {info.version for info in infos}
+        if len(versions) == 1:
+            info = infos[0]
+            sha256 = info.lora_path.removeprefix(PUSHED_PREFIX)
+            with self._lock:
+                self._record[lora_name] = AdapterState(
+                    lora_name, info.version, PushedSource(sha256, files=ref), info.paused
+                )
+        return infos
 
     # -- drills and shutdown ------------------------------------------------
     def kill(self, index: int) -> None:

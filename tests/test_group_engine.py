@@ -73,6 +73,52 @@ async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -
         assert [i.version for i in infos] == [1, 1]
 
 
+async def test_push_fans_out_to_every_replica(group, embedded_model, tokenizer) -> None:
+    async with RemoteInferenceClient(group.urls) as client:
+        infos = await client.push_lora_adapter("g-pushed", embedded_model.adapters["woof"])
+        assert [i.version for i in infos] == [1, 1]
+        for url in group.urls:
+            listing = await client.list_adapters(url)
+            (state,) = [a for a in listing.adapters if a.lora_name == "g-pushed"]
+            assert state.version == 1 and state.lora_path.startswith("push:sha256=")
+        out = await client.sample_with_retry(
+            tokenizer.encode("hello", add_special_tokens=False),
+            sampling_params=greedy(8),
+            lora_name="g-pushed",
+        )
+        assert set(text(tokenizer, out)) == {"woof"}
+
+
+async def test_push_from_a_trainer_actor_through_the_object_store(
+    group, embedded_model, tokenizer, local_ray
+) -> None:
+    """A trainer actor ``ray.put``s its adapter; the group loads it everywhere
+    from that ref: no shared disk, no HTTP body, no copy through the driver."""
+    folder = embedded_model.adapters["moo"]
+
+    @local_ray.remote(num_cpus=0)
+    class Trainer:
+        def export(self) -> list[Any]:
+            files = {f.name: f.read_bytes() for f in folder.iterdir()}
+            return [local_ray.put(files)]  # wrapped: the caller gets the ref itself
+
+    trainer = Trainer.remote()
+    (ref,) = await asyncio.to_thread(local_ray.get, trainer.export.remote())
+    infos = await asyncio.to_thread(group.push_lora_adapter, "g-ray", ref)
+    assert [i.version for i in infos] == [1, 1]
+    infos = await asyncio.to_thread(group.push_lora_adapter, "g-ray", ref, "finish_old")
+    assert [(i.version, i.applied_swap_policy) for i in infos] == [(2, "finish_old")] * 2
+    assert group.record()["g-ray"].version == 2
+    for url in group.urls:  # each replica serves the pushed weights
+        async with RemoteInferenceClient(url) as client:
+            out = await client.sample(
+                tokenizer.encode("hello", add_special_tokens=False),
+                sampling_params=greedy(8),
+                lora_name="g-ray",
+            )
+            assert set(text(tokenizer, out)) == {"moo"} and out.adapter_version == 2
+
+
 async def test_pause_on_both_replicas_leaves_other_adapters_running(
     group, embedded_model, tokenizer
 ) -> None:
