@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -76,9 +77,18 @@ def start_server(
                 raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
             continue
         if "server ready at" in line:
+            # Keep draining stdout (vLLM logs there) into the log: a full pipe
+            # would block the server's next write and hang every request.
+            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
             return proc, line.rsplit(" ", 1)[-1].strip()
     proc.kill()
     raise TimeoutError(f"server not ready after {timeout} s; see {log.name}")
+
+
+def _drain(stream: Any, log: Any) -> None:
+    for line in stream:
+        log.write(line)
+    log.flush()
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:

@@ -100,7 +100,13 @@ class _WorkerStaging:
         return model
 
     def _timed_install(self, lora_request: Any) -> Any:
-        """vLLM's ``add_adapter``, timed: this is what the step loop pays per load."""
+        """vLLM's ``add_adapter``, timed: this is what the step loop pays per load.
+
+        vLLM calls it for every active adapter on every step (a no-op touch
+        for one it has); only a real install is logged.
+        """
+        if lora_request.lora_int_id in self._manager.list_adapters():
+            return self._install(lora_request)
         started = time.perf_counter()
         try:
             return self._install(lora_request)

@@ -36,6 +36,9 @@ class _Manager:
     def add_adapter(self, model: Any) -> bool:  # vLLM's install, wrapped for timing
         return True
 
+    def list_adapters(self) -> set[int]:
+        return set()
+
     def _load_adapter(self, request: Any) -> Any:
         self.gate.wait(5)
         if request.lora_path == "corrupt":
