@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,22 @@ def engine_server(
         yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
     finally:
         local_ray.get(handle.shutdown.remote(), timeout=120)
+
+
+@contextmanager
+def replica_group(embedded_model: Any) -> Iterator[Any]:
+    """Two healing CPU replicas of the embedded model (for a module's group fixture)."""
+    from skyrl_lora.server.group import GroupConfig, ServerGroup
+    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+
+    config = GroupConfig(
+        num_replicas=2,
+        argv=embedded_server_argv(embedded_model),
+        env=CPU_ENV,
+        health_interval_s=0.5,
+    )
+    with ServerGroup(config) as group:
+        yield group
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import FanOutError
 from skyrl_lora.types import SampleResponse
-from tests.conftest import EngineServer
+from tests.conftest import EngineServer, replica_group
 
 pytestmark = pytest.mark.engine
 
@@ -106,16 +106,7 @@ async def test_chaos_soak(engine_server: EngineServer, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def soak_group(embedded_model: Any, local_ray: Any) -> Iterator[Any]:
-    from skyrl_lora.server.group import GroupConfig, ServerGroup
-    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
-
-    config = GroupConfig(
-        num_replicas=2,
-        argv=embedded_server_argv(embedded_model),
-        env=CPU_ENV,
-        health_interval_s=0.5,
-    )
-    with ServerGroup(config) as group:
+    with replica_group(embedded_model) as group:
         yield group
 
 

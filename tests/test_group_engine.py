@@ -20,6 +20,7 @@ import pytest
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import FanOutError
 from skyrl_lora.types import SampleResponse
+from tests.conftest import replica_group
 
 pytestmark = pytest.mark.engine
 
@@ -28,16 +29,7 @@ LONG = 300
 
 @pytest.fixture(scope="module")
 def group(embedded_model: Any, local_ray: Any) -> Iterator[Any]:
-    from skyrl_lora.server.group import GroupConfig, ServerGroup
-    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
-
-    config = GroupConfig(
-        num_replicas=2,
-        argv=embedded_server_argv(embedded_model),
-        env=CPU_ENV,
-        health_interval_s=0.5,
-    )
-    with ServerGroup(config) as started:
+    with replica_group(embedded_model) as started:
         yield started
 
 
