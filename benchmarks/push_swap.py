@@ -1,6 +1,6 @@
 """Weight sync without a shared disk, and swaps that abort nothing.
 
-``python -m benchmarks.push_swap`` (``scripts/dev.sh bench-push``): three
+``scripts/dev.sh bench-push`` (``python -m benchmarks.push_swap``): three
 figures, each from interleaved rounds in one run (median, min-max):
 
 * push of a rank-16 adapter to one server over a path load of the same files;

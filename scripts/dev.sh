@@ -5,6 +5,8 @@
 #   scripts/dev.sh test    lint, type-check and the whole test suite (real CPU vLLM)
 #   scripts/dev.sh setup   only build the virtualenv
 #   scripts/dev.sh bench   the benchmarks
+#   scripts/dev.sh bench-push   the weight-sync benchmark (push, swap policies)
+#   scripts/dev.sh rl      the multi-tenant async RL run
 #
 # The virtualenv lives in .venv (override with SKYRL_LORA_VENV). It installs
 # the CPU build of vLLM: torch 2.13.0 first (pip takes this machine's local
@@ -47,6 +49,7 @@ case "$cmd" in
         exec "$py" -m pytest -p no:cacheprovider "$@"
         ;;
     bench) setup; cd "$root"; exec "$py" -m benchmarks "$@" ;;
+    bench-push) setup; cd "$root"; exec "$py" -m benchmarks.push_swap "$@" ;;
     rl) setup; cd "$root"; exec "$py" -m examples.multi_tenant_rl "$@" ;;
-    *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,11p' "$0" >&2; exit 2 ;;
 esac
