@@ -51,6 +51,22 @@ async def _sample_tenant(
     await asyncio.gather(*(one() for _ in range(samples)))
 
 
+async def _swap_period(client: RemoteInferenceClient, prompt: list[int], max_tokens: int) -> float:
+    """Seconds between the swaps, so both land while the samples run.
+
+    A lone 50-token sample, after one that warms the server up, sets the pace; the
+    demo's 12 concurrent samples decode no faster than one alone, so swaps at
+    a third and two thirds of a lone sample's time land mid-sample on a fast
+    machine and a slow one alike.
+    """
+    pace_tokens = 50
+    params = {"max_tokens": pace_tokens, "temperature": 0.0, "ignore_eos": True}
+    await client.sample(prompt, sampling_params=params, lora_name="tenant-a")  # warm-up
+    started = time.monotonic()
+    await client.sample(prompt, sampling_params=params, lora_name="tenant-a")
+    return (time.monotonic() - started) / pace_tokens * max_tokens / 3
+
+
 async def _generating(client: RemoteInferenceClient, tenant: str) -> bool:
     listing = await client.list_adapters()
     return any(a.engine_requests for a in listing.adapters if a.lora_name == tenant)
@@ -120,12 +136,13 @@ async def run(url: str, model: Any, tokenizer: Any, samples: int, max_tokens: in
     async with RemoteInferenceClient(url) as client:
         for tenant, weights in TENANTS.items():
             await client.load_lora_adapter(tenant, str(model.adapters[weights]))
+        every = await _swap_period(client, prompt, max_tokens)
         stop = asyncio.Event()
         shower = asyncio.create_task(_show_progress(client, progress, samples, stop))
         started = time.monotonic()
         await asyncio.gather(
             *(_sample_tenant(client, t, prompt, samples, max_tokens, progress[t]) for t in TENANTS),
-            _swap_twice(client, model.adapters, swap_log, every=max_tokens / 150),
+            _swap_twice(client, model.adapters, swap_log, every=every),
         )
         elapsed = time.monotonic() - started
         stop.set()
