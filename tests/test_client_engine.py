@@ -151,7 +151,9 @@ async def test_global_pause_through_the_client(engine_server, client) -> None:
 async def test_greedy_resumed_three_times_equals_uninterrupted(engine_server, client) -> None:
     await load(client, engine_server, "greedy", "babble")
     prompt = engine_server.encode("hello there how are you")
-    params = greedy(LONG)
+    # Three pauses must each land mid-sample: on a quiet CPU 300 tokens took
+    # about 1 s, less than three settle times, so use most of the context.
+    params = greedy(min(3 * LONG, 1000))
     reference = (await client.sample(prompt, sampling_params=params, lora_name="greedy")).sequences[
         0
     ]
