@@ -241,8 +241,6 @@ class AdapterRegistry:
         if record.lora_request.lora_int_id in self._retired:
             return
         self._retired.add(record.lora_request.lora_int_id)
-        self._draining.get(record.lora_name, {}).pop(record.version, None)
-        self._public_names.pop(record.lora_request.lora_name, None)
         try:
             await self._engine.remove_lora(record.lora_request.lora_int_id)
         except Exception:  # the slot is reclaimed by LRU eviction anyway
@@ -250,6 +248,9 @@ class AdapterRegistry:
         snapshot = Path(record.lora_request.lora_path)
         if snapshot.is_relative_to(self._snapshot_root):
             await asyncio.to_thread(shutil.rmtree, snapshot, True)
+        # Listed as draining until its slot and snapshot are really gone.
+        self._draining.get(record.lora_name, {}).pop(record.version, None)
+        self._public_names.pop(record.lora_request.lora_name, None)
         log_event("adapter_retired", lora_name=record.lora_name, version=record.version)
 
     def _next_version(self, lora_name: str, version: int | None) -> int:
