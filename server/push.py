@@ -73,8 +73,9 @@ async def receive_push(
 ) -> PushedAdapter:
     """Stream a multipart push into ``folder``; removes the folder on any failure."""
     try:
-        fields = await _FormWriter(folder, max_bytes).write(headers, body)
-        return _checked_push(fields, folder)
+        writer = _FormWriter(folder, max_bytes)
+        fields = await writer.write(headers, body)
+        return _checked_push(fields, folder, writer.weights_digest.hexdigest())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -100,7 +101,8 @@ def write_pushed_files(
             fields["sha256"] = sha256
         if version is not None:
             fields["version"] = str(version)
-        return _checked_push(fields, folder)
+        digest = hashlib.sha256(files.get(WEIGHTS_FILE, b"")).hexdigest()
+        return _checked_push(fields, folder, digest)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -121,7 +123,8 @@ async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy:
         shutil.rmtree(pushed.folder, ignore_errors=True)
 
 
-def _checked_push(fields: Mapping[str, str], folder: Path) -> PushedAdapter:
+def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> PushedAdapter:
+    """Check a written push; ``digest`` is the weights' sha256, taken as they were written."""
     name = fields.get("lora_name", "")
     if not name:
         raise BadRequestError("push needs the form field 'lora_name'")
@@ -138,7 +141,6 @@ def _checked_push(fields: Mapping[str, str], folder: Path) -> PushedAdapter:
         json.loads((folder / CONFIG_FILE).read_bytes())
     except ValueError as exc:
         raise BadRequestError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
-    digest = _sha256(folder / WEIGHTS_FILE)
     expected = fields.get("sha256")
     if expected and expected.lower() != digest:
         raise BadRequestError(
@@ -180,14 +182,6 @@ def check_safetensors(path: Path) -> None:
             raise BadRequestError(f"{path.name} is truncated: tensor {name!r} lies past its end")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class _FormWriter:
     """python-multipart callbacks that write file parts to disk as they arrive."""
 
@@ -201,6 +195,8 @@ class _FormWriter:
         self._part_headers: dict[bytes, bytes] = {}
         self._part_name = ""
         self._file: BinaryIO | None = None
+        #: sha256 of the weights file, updated as its bytes arrive (no second read).
+        self.weights_digest = hashlib.sha256()
         self._text = bytearray()
 
     async def write(self, headers: Mapping[str, str], body: AsyncIterator[bytes]) -> dict[str, str]:
@@ -261,6 +257,8 @@ class _FormWriter:
                 raise BadRequestError(
                     f"unexpected file field {self._part_name!r}; push takes {', '.join(FILES)}"
                 )
+            if (self._folder / self._part_name).exists():
+                raise BadRequestError(f"file field {self._part_name!r} sent twice")
             self._file = (self._folder / self._part_name).open("wb")
         elif self._part_name not in TEXT_FIELDS:
             raise BadRequestError(
@@ -270,6 +268,8 @@ class _FormWriter:
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._file is not None:
             self._file.write(data[start:end])
+            if self._part_name == WEIGHTS_FILE:
+                self.weights_digest.update(data[start:end])
             return
         self._text += data[start:end]
         if len(self._text) > MAX_TEXT_FIELD_BYTES:
