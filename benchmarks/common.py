@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +35,26 @@ def embedded_server(extra: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
         ray.get(handle.shutdown.remote(), timeout=120)
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage collection in this (the measuring) process while measuring.
+
+    Arrival times are taken by this process's event loop, so one of its own
+    full collections (tens of ms once the logs hold many thousand lists)
+    would be recorded as a stall of the server. Like ``timeit``, measure
+    with the collector off; the heap built so far is frozen so the
+    collection afterwards does not walk it either.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 @dataclass
 class TokenMeter:
     """Tokens per tenant over time, for rates and timelines.
@@ -58,6 +80,21 @@ class TokenMeter:
         return self.tokens_in(tenants, start, end) / (end - start)
 
 
+def completion_lengths(mean: int, spread: float, seed: str) -> Iterator[int]:
+    """Endless ``max_tokens`` draws, uniform in ``mean * (1 +- spread)``, seeded.
+
+    Streams that all ask for the same length start and finish together
+    forever, so every step's mix of prefills and decodes depends on the
+    phase the previous window left them in (a pause resumes them in step).
+    Varied lengths spread the streams out within a few completions, which
+    makes the load the same in every window. ``spread=0`` gives ``mean``.
+    """
+    rng = random.Random(seed)
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    while True:
+        yield rng.randint(low, high)
+
+
 async def keep_sampling(
     client: RemoteInferenceClient,
     tenant: str,
@@ -66,17 +103,20 @@ async def keep_sampling(
     stop: asyncio.Event,
     streams: int,
     max_tokens: int,
+    length_spread: float = 0.0,
 ) -> None:
     """``streams`` concurrent loops of short greedy samples until ``stop``."""
-    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
 
-    async def loop() -> None:
-        while not stop.is_set():
+    async def loop(stream: int) -> None:
+        for length in completion_lengths(max_tokens, length_spread, seed=f"{tenant}:{stream}"):
+            if stop.is_set():
+                return
+            params = {"max_tokens": length, "temperature": 0.0, "ignore_eos": True}
             started = time.monotonic()
             out = await client.sample_with_retry(prompt, sampling_params=params, lora_name=tenant)
             meter.add(tenant, len(out.sequences[0].tokens), started)
 
-    await asyncio.gather(*(loop() for _ in range(streams)))
+    await asyncio.gather(*(loop(i) for i in range(streams)))
 
 
 async def wait_engine_requests(

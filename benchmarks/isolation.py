@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.common import TokenMeter, keep_sampling
+from benchmarks.common import TokenMeter, collector_paused, keep_sampling
 from benchmarks.stats import (
     IsolationChecks,
     Spread,
@@ -52,6 +52,10 @@ class IsolationConfig:
     tenants: int = 3
     streams: int = 8
     max_tokens: int = 32
+    #: Completion lengths vary by this fraction around ``max_tokens`` (see
+    #: :func:`benchmarks.common.completion_lengths`): streams in lockstep
+    #: carry one window's phase into the next and drift the baseline.
+    length_spread: float = 0.5
     rounds: int = 3
     period_s: float = 1.0
     swaps_per_window: int = 3
@@ -124,6 +128,7 @@ class IsolationResult:
                 "settle_s": self.config.settle_s,
                 "hold_s": self.config.hold_s,
                 "baseline_tolerance": self.config.checks.baseline_tolerance,
+                "length_spread": self.config.length_spread,
             },
             "others_ratio": {m: s.to_json() for m, s in self.ratios.items()},
             "others_tok_s_no_swap": self.baseline.to_json(),
@@ -243,11 +248,29 @@ async def run(
             await client.load_lora_adapter(tenant, str(model.adapters[weights[i % len(weights)]]))
         load = [
             asyncio.create_task(
-                keep_sampling(client, swapper, prompt, meter, stop, cfg.streams, cfg.max_tokens)
+                keep_sampling(
+                    client,
+                    swapper,
+                    prompt,
+                    meter,
+                    stop,
+                    cfg.streams,
+                    cfg.max_tokens,
+                    length_spread=cfg.length_spread,
+                )
             ),
             *(
                 asyncio.create_task(
-                    keep_streaming(url, log.tenant, prompt, log, stop, cfg.streams, cfg.max_tokens)
+                    keep_streaming(
+                        url,
+                        log.tenant,
+                        prompt,
+                        log,
+                        stop,
+                        cfg.streams,
+                        cfg.max_tokens,
+                        length_spread=cfg.length_spread,
+                    )
                 )
                 for log in others
             ),
@@ -255,7 +278,8 @@ async def run(
         try:
             await _first_tokens(others, meter, load)
             await asyncio.sleep(cfg.warmup_s)
-            windows = await _windows(client, swapper, paths, others, cfg)
+            with collector_paused():
+                windows = await _windows(client, swapper, paths, others, cfg)
         finally:
             stop.set()
             with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import control_roundtrip, isolation, pause_latency, swap_time
+from benchmarks.common import collector_paused
 from benchmarks.isolation import IsolationConfig, IsolationResult
 from benchmarks.pause_latency import PauseLatency
 from benchmarks.report import Row, spread_row
@@ -237,18 +238,21 @@ async def collect(
         if shape.eight_tenants is not None
         else None
     )
-    pause = await pause_latency.run(
-        url,
-        model,
-        prompt,
-        rounds=shape.pause_rounds,
-        pauses=shape.pauses,
-        in_flight=shape.in_flight,
-    )
-    control = await control_roundtrip.run(
-        url, model, rounds=shape.control_rounds, repeats=shape.control_repeats
-    )
-    swaps = await swap_time.run(
-        url, model, ranks=shape.ranks, repeats=shape.swap_repeats, adapters=adapters_by_rank
-    )
+    with collector_paused():  # isolation.run pauses it for its windows itself
+        pause = await pause_latency.run(
+            url,
+            model,
+            prompt,
+            rounds=shape.pause_rounds,
+            pauses=shape.pauses,
+            in_flight=shape.in_flight,
+        )
+    with collector_paused():
+        control = await control_roundtrip.run(
+            url, model, rounds=shape.control_rounds, repeats=shape.control_repeats
+        )
+    with collector_paused():
+        swaps = await swap_time.run(
+            url, model, ranks=shape.ranks, repeats=shape.swap_repeats, adapters=adapters_by_rank
+        )
     return PerfRun(shape, iso, eight, pause, control, swaps)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from benchmarks.common import completion_lengths
 from benchmarks.stats import Gap
 
 
@@ -74,6 +75,7 @@ async def keep_streaming(
     streams: int,
     max_tokens: int,
     api_key: str | None = None,
+    length_spread: float = 0.0,
 ) -> None:
     """``streams`` back-to-back streamed greedy completions until ``stop``.
 
@@ -94,10 +96,13 @@ async def keep_streaming(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
-        async def loop() -> None:
-            while not stop.is_set():
+        async def loop(stream: int) -> None:
+            lengths = completion_lengths(max_tokens, length_spread, seed=f"{tenant}:{stream}")
+            for length in lengths:
+                if stop.is_set():
+                    return
                 arrivals: list[tuple[float, int]] = []
                 log.streams.append(arrivals)
-                await _one_stream(session, url, body, arrivals)
+                await _one_stream(session, url, {**body, "max_tokens": length}, arrivals)
 
-        await asyncio.gather(*(loop() for _ in range(streams)))
+        await asyncio.gather(*(loop(i) for i in range(streams)))

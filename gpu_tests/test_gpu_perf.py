@@ -28,9 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: A dedicated GPU drifts less than the shared CPU box: a tighter baseline check.
 GPU_CHECKS = IsolationChecks(baseline_tolerance=0.15)
+#: Longer than the CPU's warm-up: the first seconds on a fresh GPU server
+#: still capture CUDA graphs for new batch sizes.
+GPU_WARMUP_S = 5.0
 GPU_SHAPE = perf.PerfShape(
-    isolation=IsolationConfig(tenants=3, streams=16, checks=GPU_CHECKS),
-    eight_tenants=IsolationConfig(tenants=8, streams=16, checks=GPU_CHECKS),
+    isolation=IsolationConfig(tenants=3, streams=16, checks=GPU_CHECKS, warmup_s=GPU_WARMUP_S),
+    eight_tenants=IsolationConfig(tenants=8, streams=16, checks=GPU_CHECKS, warmup_s=GPU_WARMUP_S),
     pause_rounds=3,
     pauses=50,
     in_flight=64,

@@ -56,6 +56,18 @@ def add_worker_extension(args: Any, qualname: str) -> bool:
     return True
 
 
+def lora_model_manager(worker_lora_manager: Any) -> Any | None:
+    """The worker's ``LoRAModelManager`` (adapter cache and GPU slots), if exposed."""
+    return getattr(worker_lora_manager, "_adapter_manager", None)
+
+
+#: The model manager's method that readies a loaded ``LoRAModel`` for its
+#: layers: it fuses the q/k/v and gate/up sub-adapters into packed ones,
+#: folds each scaling into B and pins the host copies (0.26 and 0.32).
+#: ``add_adapter`` calls it in the engine's step loop.
+LORA_PACKING_METHOD = "_create_merged_loras_inplace"
+
+
 async def collective_rpc(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """Call a worker method on every worker; one result per worker."""
     return list(await engine_client.collective_rpc(method, args=args))

@@ -132,8 +132,10 @@ class GatedEngine:
         """Install a new version of ``lora_name`` under ``policy``; returns the policy applied.
 
         ``abort_resume``: pause the adapter (unless the caller did), install,
-        retire every older version, resume. In-flight requests are aborted
-        and resumed by the client on the new version.
+        resume, then retire every older version in the background (listed
+        as draining with nothing in flight until its slot and snapshot are
+        gone). In-flight requests are aborted and resumed by the client on
+        the new version.
 
         ``finish_old``: no pause. Requests admitted from now on run on the new
         version; those in flight finish on the old one, which is retired when
@@ -160,11 +162,13 @@ class GatedEngine:
                 await self.pause(lora_name)
             try:
                 await install()
-                for old in self.registry.draining(lora_name):  # nothing of it runs: paused
-                    await self.registry.retire(old)
             finally:
                 if paused_here:
                     self.resume(lora_name)
+            # Nothing of an older version runs (the adapter was paused): free
+            # their slots and snapshots after answering, off the swap's path.
+            for old in self.registry.draining(lora_name):
+                self._retire_if_drained(lora_name, old.version)
             return policy
 
     def engine_requests(self) -> dict[str, int]:

@@ -185,6 +185,9 @@ class AdapterInfo(_Wire):
     in_flight: int
     held: int
     engine_requests: int
+    #: Older versions that still hold an engine slot or a snapshot: under
+    #: ``finish_old`` until their last request ends; with ``in_flight`` 0
+    #: while being freed (``abort_resume`` frees them just after answering).
     draining: list[DrainingVersion] = Field(default_factory=list)
     #: On a load's answer: the swap policy that was applied (``finish_old``
     #: falls back to ``abort_resume`` when no engine LoRA slot is free).

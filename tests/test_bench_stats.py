@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from dataclasses import replace
 
 import pytest
 
+from benchmarks.common import completion_lengths
 from benchmarks.isolation import IsolationConfig, IsolationResult, Window
 from benchmarks.report import spread_row, table
 from benchmarks.stats import (
@@ -149,3 +152,14 @@ def test_table_has_the_readme_columns() -> None:
     lines = table([row]).splitlines()
     assert lines[0] == "| measure | result (median) | min-max | target | detail |"
     assert lines[2] == "| iso | 1.00x | 0.90-1.10x | >= 0.95x | d |"
+
+
+def test_completion_lengths_vary_around_the_mean_and_repeat_per_seed() -> None:
+    draws = list(itertools.islice(completion_lengths(32, 0.5, seed="iso-b:3"), 400))
+    assert min(draws) >= 16 and max(draws) <= 48
+    assert len(set(draws)) > 10  # streams drift apart instead of marching in step
+    assert abs(statistics.mean(draws) - 32) < 2
+    again = list(itertools.islice(completion_lengths(32, 0.5, seed="iso-b:3"), 400))
+    other = list(itertools.islice(completion_lengths(32, 0.5, seed="iso-c:3"), 400))
+    assert draws == again and draws != other
+    assert set(itertools.islice(completion_lengths(32, 0.0, seed="x"), 50)) == {32}

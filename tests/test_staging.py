@@ -8,6 +8,7 @@ is live in a real server is checked in ``test_server_engine.py``.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -15,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.staging import FAILED, PENDING, READY, UNKNOWN, _WorkerStaging
+from skyrl_lora.server.staging import (
+    FAILED,
+    PENDING,
+    READY,
+    STAGING_SWITCH_INTERVAL_S,
+    UNKNOWN,
+    _WorkerStaging,
+)
 
 
 @dataclass(frozen=True)
@@ -95,3 +103,57 @@ def test_discarded_staging_is_not_installed() -> None:
     staging.discard(9)
     manager._load_adapter(_Request(9))
     assert manager.loads == [9, 9]  # read again: the discarded model was dropped
+
+
+class _Model:
+    """A loaded adapter as the packing sees it (weak-referenceable, like vLLM's)."""
+
+    def __init__(self, lora_id: int) -> None:
+        self.id = lora_id
+
+
+class _ModelManager:
+    """vLLM's ``LoRAModelManager`` packing: records which thread packed what."""
+
+    def __init__(self) -> None:
+        self.packed_on: list[tuple[int, str]] = []
+        self.switch_interval_seen: list[float] = []
+
+    def _create_merged_loras_inplace(self, model: _Model) -> None:
+        self.packed_on.append((model.id, threading.current_thread().name))
+
+
+class _PackingManager(_Manager):
+    def __init__(self) -> None:
+        super().__init__()
+        self._adapter_manager = _ModelManager()
+
+    def _load_adapter(self, request: Any) -> Any:
+        self._adapter_manager.switch_interval_seen.append(sys.getswitchinterval())
+        self.loads.append(request.lora_int_id)
+        return _Model(request.lora_int_id)
+
+
+def test_staged_model_is_packed_off_the_loop_and_not_again_in_it() -> None:
+    manager = _PackingManager()
+    models = manager._adapter_manager
+    staging = _WorkerStaging(manager)
+    staging.stage(_Request(4))
+    assert _wait(staging, 4) == READY
+    staged = manager._load_adapter(_Request(4))
+    models._create_merged_loras_inplace(staged)  # what add_adapter does in the loop
+    assert [(i, t.startswith("skyrl-lora-stage")) for i, t in models.packed_on] == [(4, True)]
+
+    unstaged = manager._load_adapter(_Request(6))  # read in the loop: packed there
+    models._create_merged_loras_inplace(unstaged)
+    assert models.packed_on[1] == (6, threading.current_thread().name)
+
+
+def test_staging_shortens_the_switch_interval_only_while_it_runs() -> None:
+    manager = _PackingManager()
+    staging = _WorkerStaging(manager)
+    before = sys.getswitchinterval()
+    staging.stage(_Request(8))
+    assert _wait(staging, 8) == READY
+    assert manager._adapter_manager.switch_interval_seen == [STAGING_SWITCH_INTERVAL_S]
+    assert sys.getswitchinterval() == before
