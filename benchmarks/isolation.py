@@ -2,10 +2,12 @@
 
 One load runs for the whole measurement: tenant A (the swapper) keeps
 ``sample_with_retry`` calls in flight, every other tenant keeps streamed
-completions in flight (their chunk arrival times give both their rate and
-their inter-token gaps). Over that load the run alternates short windows,
-``no_swap / per_adapter / global`` per round for several rounds, then one
-closing ``no_swap``, each window after its own settle time. In a swap window
+completions in flight from a process of its own (their chunk arrival times
+give both their rate and their inter-token gaps; see
+:mod:`benchmarks.stream_process` for why not from this process). Over that
+load the run alternates short windows, ``no_swap / per_adapter / global``
+per round for several rounds, then one closing ``no_swap``, each window
+after its own settle time. In a swap window
 A is paused, held for ``hold_s`` (standing in for the trainer's weight
 transfer), reloaded and resumed once per ``period_s``, with the per-adapter
 pause or vLLM's global keep-mode pause.
@@ -38,7 +40,8 @@ from benchmarks.stats import (
     split_gaps,
     tails_spread,
 )
-from benchmarks.streams import StreamLog, keep_streaming, rate
+from benchmarks.stream_process import StreamProcess, StreamSpec
+from benchmarks.streams import StreamLog, rate
 from skyrl_lora.client import RemoteInferenceClient
 
 MODES = ("no_swap", "per_adapter", "global")
@@ -135,7 +138,15 @@ class IsolationResult:
             "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
             "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
             "windows": [
-                {"round": w.round, "mode": w.mode, "others_tok_s": w.others_rate}
+                {
+                    "round": w.round,
+                    "mode": w.mode,
+                    "others_tok_s": w.others_rate,
+                    # time.monotonic(), to line windows up with the server's log
+                    "start": w.start,
+                    "end": w.end,
+                    "swaps": w.swaps,
+                }
                 for w in self.windows
             ],
         }
@@ -167,14 +178,13 @@ async def _swap_window(
 
 
 async def _first_tokens(
-    others: Sequence[StreamLog], meter: TokenMeter, load: Sequence[asyncio.Task[None]]
+    others: Sequence[StreamProcess], meter: TokenMeter, swapper: asyncio.Task[None]
 ) -> None:
-    """Wait until every tenant has produced tokens (raising a load task's failure)."""
-    while not (meter.spans and all(log.tokens_in(0.0, math.inf) for log in others)):
-        failed = [t for t in load if t.done()]
-        if failed:
-            await failed[0]  # raises its error
-            raise RuntimeError("a load task ended before the windows began")
+    """Wait until every tenant has produced tokens (raising a load's failure)."""
+    while not (meter.spans and all(p.streaming for p in others)):
+        if swapper.done():
+            await swapper  # raises its error
+            raise RuntimeError("the swapper's load ended before the windows began")
         await asyncio.sleep(0.05)
 
 
@@ -182,9 +192,9 @@ async def _windows(
     client: RemoteInferenceClient,
     swapper: str,
     paths: Sequence[str],
-    others: Sequence[StreamLog],
     cfg: IsolationConfig,
 ) -> list[Window]:
+    """Run the planned windows; their ``others_rate`` is filled in from the logs later."""
     plan = [(r, m) for r in range(cfg.rounds) for m in MODES] + [(cfg.rounds, "no_swap")]
     windows: list[Window] = []
     for rnd, mode in plan:
@@ -196,7 +206,7 @@ async def _windows(
         else:
             swaps = await _swap_window(client, swapper, paths, mode, cfg)
         end = time.monotonic()
-        windows.append(Window(rnd, mode, start, end, rate(others, start, end), swaps))
+        windows.append(Window(rnd, mode, start, end, math.nan, swaps))
     return windows
 
 
@@ -241,50 +251,46 @@ async def run(
     swapper, other_names = names[0], names[1:]
     paths = [str(model.adapters[w]) for w in weights[:2]]
     meter = TokenMeter()
-    others = [StreamLog(t) for t in other_names]
     stop = asyncio.Event()
+    streamers = [
+        StreamProcess(StreamSpec(url, t, prompt, cfg.streams, cfg.max_tokens, cfg.length_spread))
+        for t in other_names
+    ]
     async with RemoteInferenceClient(url) as client:
         for i, tenant in enumerate(names):
             await client.load_lora_adapter(tenant, str(model.adapters[weights[i % len(weights)]]))
-        load = [
-            asyncio.create_task(
-                keep_sampling(
-                    client,
-                    swapper,
-                    prompt,
-                    meter,
-                    stop,
-                    cfg.streams,
-                    cfg.max_tokens,
-                    length_spread=cfg.length_spread,
-                )
-            ),
-            *(
-                asyncio.create_task(
-                    keep_streaming(
-                        url,
-                        log.tenant,
-                        prompt,
-                        log,
-                        stop,
-                        cfg.streams,
-                        cfg.max_tokens,
-                        length_spread=cfg.length_spread,
-                    )
-                )
-                for log in others
-            ),
-        ]
+        for streamer in streamers:
+            streamer.start()
+        sampling = asyncio.create_task(
+            keep_sampling(
+                client,
+                swapper,
+                prompt,
+                meter,
+                stop,
+                cfg.streams,
+                cfg.max_tokens,
+                length_spread=cfg.length_spread,
+            )
+        )
         try:
-            await _first_tokens(others, meter, load)
+            await _first_tokens(streamers, meter, sampling)
             await asyncio.sleep(cfg.warmup_s)
             with collector_paused():
-                windows = await _windows(client, swapper, paths, others, cfg)
+                windows = await _windows(client, swapper, paths, cfg)
+        except BaseException:
+            for streamer in streamers:
+                streamer.kill()
+            raise
         finally:
             stop.set()
             with contextlib.suppress(Exception):
                 await client.resume_generation()
-            await asyncio.gather(*load)
+            await sampling
+        # Blocking, but nothing else runs any more: every window is over.
+        others = [streamer.stop() for streamer in streamers]
+    for w in windows:
+        w.others_rate = rate(others, w.start, w.end)
     return IsolationResult(
         cfg,
         windows,

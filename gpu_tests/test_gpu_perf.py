@@ -93,6 +93,8 @@ def test_gpu_swap_isolation_and_latency(tmp_path_factory) -> None:
         "torch": torch.__version__,
         "server_start_s": server_s,
         "measure_s": time.monotonic() - started - server_s,
+        # Window times are time.monotonic(); the server log is wall-clock time.
+        "wall_minus_monotonic_s": time.time() - time.monotonic(),
         **run.figures(),
     }
     text = json.dumps(figures, indent=2)

@@ -22,7 +22,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skyrl_lora.errors import EngineUnavailableError, ServerError
-from skyrl_lora.server import compat, observability, staging
+from skyrl_lora.server import compat, loop_monitor, observability, staging
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.auth import AuthMiddleware, KeyStore
 from skyrl_lora.server.engine import GatedEngine, admitted_versions
@@ -215,7 +215,8 @@ async def serve(
             if maybe is not None:
                 await maybe
         waiters = [serve_task] + ([asyncio.create_task(stop.wait())] if stop else [])
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        async with loop_monitor.monitoring():
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
         await serve_task
     sock.close()

@@ -1,0 +1,62 @@
+"""Watch the API server's event loop for stalls.
+
+Every tenant's stream is written by this one event loop, so anything that
+holds it (a burst of requests being parsed and admitted, a large response
+being serialised, a slow synchronous call) delays every other tenant's
+tokens by as much, even with the engine idle. The engine's step loop has
+its own log; this makes the API side just as visible: a sleeper task
+measures how late each of its wake-ups comes, feeds the lateness into a
+histogram on ``/metrics`` and logs an ``event_loop_stall`` event line for
+any stall over a threshold, timestamped like the pause, load and resume
+events beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
+
+from skyrl_lora.server.observability import log_event
+
+EVENT_LOOP_LAG = Histogram(
+    "skyrl_event_loop_lag_seconds",
+    "How late the API server's event loop ran a task that was due (sampled).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+
+
+@dataclass(frozen=True)
+class LoopMonitorConfig:
+    """``interval_s``: time between samples (each costs one wake-up of the
+    loop); ``report_over_s``: a stall longer than this is logged as an event."""
+
+    interval_s: float = 0.005
+    report_over_s: float = 0.01
+
+
+async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
+    """Sample the loop's lateness until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + config.interval_s
+        await asyncio.sleep(config.interval_s)
+        lag = max(0.0, loop.time() - due)
+        EVENT_LOOP_LAG.observe(lag)
+        if lag > config.report_over_s:
+            log_event("event_loop_stall", ms=round(lag * 1000, 1))
+
+
+@contextlib.asynccontextmanager
+async def monitoring(config: LoopMonitorConfig = LoopMonitorConfig()) -> AsyncIterator[None]:
+    """Run :func:`watch` for the duration of the block."""
+    task = asyncio.create_task(watch(config), name="skyrl-lora-loop-monitor")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

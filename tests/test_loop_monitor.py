@@ -1,0 +1,38 @@
+"""The API server's event-loop stall monitor (``skyrl_lora.server.loop_monitor``), alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from skyrl_lora.server.loop_monitor import EVENT_LOOP_LAG, LoopMonitorConfig, monitoring
+
+
+def _lag_samples() -> float:
+    return next(s.value for s in EVENT_LOOP_LAG.collect()[0].samples if s.name.endswith("_count"))
+
+
+async def test_a_blocked_loop_is_logged_as_a_stall(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="skyrl_lora.events")
+    before = _lag_samples()
+    async with monitoring(LoopMonitorConfig(interval_s=0.002, report_over_s=0.03)):
+        await asyncio.sleep(0.02)
+        time.sleep(0.08)  # noqa: ASYNC251 (the point: a synchronous call holding the loop)
+        await asyncio.sleep(0.01)
+    stalls = [
+        float(r.getMessage().split('"ms": ')[1].rstrip("}"))
+        for r in caplog.records
+        if "event_loop_stall" in r.getMessage()
+    ]
+    assert len([ms for ms in stalls if ms >= 60]) == 1  # the blocking call, once
+    assert _lag_samples() > before + 3  # every wake-up is sampled
+
+
+async def test_the_monitor_stops_with_its_block() -> None:
+    async with monitoring():
+        pass
+    await asyncio.sleep(0.01)
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "skyrl-lora-loop-monitor"]
