@@ -108,7 +108,7 @@ async def keep_sampling(
     """``streams`` concurrent loops of short greedy samples until ``stop``."""
 
     async def loop(stream: int) -> None:
-        for length in completion_lengths(max_tokens, length_spread, seed=f"{tenant}:{stream}"):
+        for length in completion_lengths(max_tokens, length_spread, seed=f"{tenant}:bulk:{stream}"):
             if stop.is_set():
                 return
             params = {"max_tokens": length, "temperature": 0.0, "ignore_eos": True}

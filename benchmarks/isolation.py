@@ -1,10 +1,11 @@
 """Isolation: the other tenants' tokens/s and token gaps while one tenant swaps weights.
 
 One load runs for the whole measurement: tenant A (the swapper) keeps
-``sample_with_retry`` calls in flight, every other tenant keeps streamed
-completions in flight from a process of its own (their chunk arrival times
-give both their rate and their inter-token gaps; see
-:mod:`benchmarks.stream_process` for why not from this process). Over that
+``sample_with_retry`` calls in flight, every other tenant keeps requests in
+flight from a process of its own: a few streamed completions, whose chunk
+arrival times give the inter-token gaps, and token-in samples for the rest
+(see :mod:`benchmarks.stream_process` for why both, and why not from this
+process); their tokens together give the rate. Over that
 load the run alternates short windows, ``no_swap / per_adapter / global``
 per round for several rounds, then one closing ``no_swap``, each window
 after its own settle time. In a swap window
@@ -27,7 +28,7 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.common import TokenMeter, collector_paused, keep_sampling
@@ -40,8 +41,7 @@ from benchmarks.stats import (
     split_gaps,
     tails_spread,
 )
-from benchmarks.stream_process import StreamProcess, StreamSpec
-from benchmarks.streams import StreamLog, rate
+from benchmarks.stream_process import StreamProcess, StreamSpec, TenantRecord
 from skyrl_lora.client import RemoteInferenceClient
 
 MODES = ("no_swap", "per_adapter", "global")
@@ -53,7 +53,10 @@ class IsolationConfig:
     """Shape of the run. ``tenants`` includes the swapper (tenant 0)."""
 
     tenants: int = 3
+    #: Request loops per tenant; of the others' loops, ``streamed`` stream
+    #: (the gaps), the rest sample without streaming.
     streams: int = 8
+    streamed: int = 4
     max_tokens: int = 32
     #: Completion lengths vary by this fraction around ``max_tokens`` (see
     #: :func:`benchmarks.common.completion_lengths`): streams in lockstep
@@ -63,9 +66,10 @@ class IsolationConfig:
     period_s: float = 1.0
     swaps_per_window: int = 3
     settle_s: float = 1.0
-    #: After every tenant produced its first tokens, before the first window:
-    #: the first completions' prefill and adapter activation are not the
-    #: steady state the windows compare.
+    #: After every tenant produced its first tokens, and one warm-up swap,
+    #: before the first window: the first completions' prefill and adapter
+    #: activation, and a server's first swap (the staging thread starting,
+    #: first pinned allocations), are not the steady state the windows compare.
     warmup_s: float = 2.0
     hold_s: float = 0.3
     checks: IsolationChecks = field(default_factory=IsolationChecks)
@@ -93,7 +97,7 @@ class Window:
 class IsolationResult:
     config: IsolationConfig
     windows: list[Window]
-    others: list[StreamLog]
+    others: list[TenantRecord]
     swapper: TokenMeter
     #: From the windows: ratio per swap mode over rounds, the others' tok/s in
     #: the no-swap windows, and gap tails by window kind.
@@ -126,6 +130,7 @@ class IsolationResult:
             "config": {
                 "tenants": self.config.tenants,
                 "streams": self.config.streams,
+                "streamed": self.config.streamed,
                 "rounds": self.config.rounds,
                 "window_s": self.config.window_s,
                 "settle_s": self.config.settle_s,
@@ -224,11 +229,11 @@ def _per_round(windows: list[Window], mode: str) -> list[float]:
     ]
 
 
-def _stall(windows: list[Window], others: list[StreamLog]) -> dict[str, dict[str, Spread]]:
+def _stall(windows: list[Window], others: list[TenantRecord]) -> dict[str, dict[str, Spread]]:
     """Gap tails of every window kind: no-swap, and during / outside the swaps of each mode."""
     tails: dict[str, list[Tail]] = {}
     for w in windows:
-        gaps = [g for log in others for g in log.gaps(w.start, w.end)]
+        gaps = [g for tenant in others for g in tenant.streams.gaps(w.start, w.end)]
         during, outside = split_gaps(gaps, w.swaps)
         kinds = (
             {"no_swap": outside}
@@ -253,7 +258,17 @@ async def run(
     meter = TokenMeter()
     stop = asyncio.Event()
     streamers = [
-        StreamProcess(StreamSpec(url, t, prompt, cfg.streams, cfg.max_tokens, cfg.length_spread))
+        StreamProcess(
+            StreamSpec(
+                url,
+                t,
+                prompt,
+                streams=min(cfg.streamed, cfg.streams),
+                max_tokens=cfg.max_tokens,
+                length_spread=cfg.length_spread,
+                bulk=max(0, cfg.streams - cfg.streamed),
+            )
+        )
         for t in other_names
     ]
     async with RemoteInferenceClient(url) as client:
@@ -275,6 +290,8 @@ async def run(
         )
         try:
             await _first_tokens(streamers, meter, sampling)
+            warmup_swap = replace(cfg, swaps_per_window=1)
+            await _swap_window(client, swapper, paths, "per_adapter", warmup_swap)
             await asyncio.sleep(cfg.warmup_s)
             with collector_paused():
                 windows = await _windows(client, swapper, paths, cfg)
@@ -290,7 +307,7 @@ async def run(
         # Blocking, but nothing else runs any more: every window is over.
         others = [streamer.stop() for streamer in streamers]
     for w in windows:
-        w.others_rate = rate(others, w.start, w.end)
+        w.others_rate = sum(tenant.rate(w.start, w.end) for tenant in others)
     return IsolationResult(
         cfg,
         windows,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.isolation import IsolationResult
-from benchmarks.streams import rate
 
 BIN_S = 0.25
 SMOOTH_BINS = 4  # a 1 s moving average: raw bins are spiky
@@ -39,8 +38,9 @@ def plot(res: IsolationResult, out: Path) -> Path:
         x = [b - w.start for b in bins]
         a = [res.swapper.rate([swapper], b, b + BIN_S) for b in bins]
         ax.plot(x, _smooth(a), "--", label=f"{swapper} (swapping)")
-        for log in res.others:
-            ax.plot(x, _smooth([rate([log], b, b + BIN_S) for b in bins]), label=log.tenant)
+        for tenant in res.others:
+            rates = [tenant.rate(b, b + BIN_S) for b in bins]
+            ax.plot(x, _smooth(rates), label=tenant.streams.tenant)
         for start, end in w.swaps:
             ax.axvspan(start - w.start, end - w.start, color="grey", alpha=0.25)
         title = TITLES[w.mode]

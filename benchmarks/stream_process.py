@@ -1,13 +1,21 @@
-"""A tenant's streamed load in a process of its own.
+"""A tenant's load in a process of its own.
 
 The benchmark's swapper retries its aborted samples in bursts (all of its
 streams at once after every swap), and that work runs on the event loop of
 the process that drives it. Arrival times taken on the same loop would
 count that client-side burst as a stall of the server. Each other tenant
-therefore streams from its own process, as separate tenants would, and
-sends its :class:`~benchmarks.streams.StreamLog` back when stopped.
-``time.monotonic`` is one clock for every process of the machine, so the
-arrivals line up with the windows of the driving process.
+therefore runs from its own process, as separate tenants would, and sends
+its record back when stopped. ``time.monotonic`` is one clock for every
+process of the machine, so the record lines up with the driving process's
+windows.
+
+A tenant's load is ``streams`` streamed completions (per-token arrival
+times: the gaps) plus ``bulk`` token-in samples without streaming (tokens
+counted over each sample's lifetime). Streaming every token costs the API
+server one JSON chunk per token per stream; on a GPU that serialisation,
+not the engine, becomes the bottleneck long before the engine is busy, so
+a load of streams only would measure the API server's event loop. RL
+tenants sample without streaming anyway.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import multiprocessing.connection
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
 
-from benchmarks.common import collector_paused
+from benchmarks.common import TokenMeter, collector_paused, keep_sampling
 from benchmarks.streams import StreamLog, keep_streaming
+from skyrl_lora.client import RemoteInferenceClient
 
 #: ``spawn``: a fork of a process that runs an event loop (and maybe Ray)
 #: copies its threads' locks in whatever state they were.
@@ -28,7 +37,7 @@ _CONTEXT = multiprocessing.get_context("spawn")
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """What one tenant streams (see :func:`benchmarks.streams.keep_streaming`)."""
+    """One tenant's load: ``streams`` streamed and ``bulk`` non-streamed request loops."""
 
     url: str
     tenant: str
@@ -36,6 +45,20 @@ class StreamSpec:
     streams: int
     max_tokens: int
     length_spread: float = 0.0
+    bulk: int = 0
+
+
+@dataclass
+class TenantRecord:
+    """What a tenant's process saw: stream arrivals, and its bulk samples' tokens."""
+
+    streams: StreamLog
+    bulk: TokenMeter
+
+    def rate(self, start: float, end: float) -> float:
+        """The tenant's tokens/s over [start, end), streamed and bulk together."""
+        streamed = self.streams.tokens_in(start, end)
+        return (streamed + self.bulk.tokens_in([self.streams.tenant], start, end)) / (end - start)
 
 
 class StreamProcess:
@@ -63,8 +86,8 @@ class StreamProcess:
             self._raise_failure()
         return self._streaming.is_set()
 
-    def stop(self, timeout: float = 120.0) -> StreamLog:
-        """Stop streaming (completions in flight finish) and return every arrival."""
+    def stop(self, timeout: float = 120.0) -> TenantRecord:
+        """Stop (requests in flight finish) and return what the tenant saw."""
         self._stop.set()
         if not self._results.poll(timeout):
             self._process.kill()
@@ -73,7 +96,8 @@ class StreamProcess:
         self._process.join(10)
         if status != "ok":
             raise RuntimeError(f"{self.spec.tenant}: stream process failed: {payload}")
-        return StreamLog(self.spec.tenant, payload)
+        streams, spans = payload
+        return TenantRecord(StreamLog(self.spec.tenant, streams), TokenMeter(spans))
 
     def kill(self) -> None:
         if self._process.is_alive():
@@ -95,31 +119,46 @@ def _run(
     spec: StreamSpec, streaming: Event, stop: Event, results: multiprocessing.connection.Connection
 ) -> None:
     log = StreamLog(spec.tenant)
+    meter = TokenMeter()
     try:
         with collector_paused():  # its own collections would read as server stalls
-            asyncio.run(_stream_until(spec, log, streaming, stop))
-        results.send(("ok", log.streams))
+            asyncio.run(_stream_until(spec, log, meter, streaming, stop))
+        results.send(("ok", (log.streams, meter.spans)))
     except BaseException as exc:  # reported to the driving process, which raises it
         results.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-async def _stream_until(spec: StreamSpec, log: StreamLog, streaming: Event, stop: Event) -> None:
+async def _stream_until(
+    spec: StreamSpec, log: StreamLog, meter: TokenMeter, streaming: Event, stop: Event
+) -> None:
     stopped = asyncio.Event()
-    load = asyncio.create_task(
-        keep_streaming(
-            spec.url,
-            spec.tenant,
-            spec.prompt,
-            log,
-            stopped,
-            spec.streams,
-            spec.max_tokens,
-            length_spread=spec.length_spread,
+    async with RemoteInferenceClient(spec.url) as client:
+        load = asyncio.gather(
+            keep_streaming(
+                spec.url,
+                spec.tenant,
+                spec.prompt,
+                log,
+                stopped,
+                spec.streams,
+                spec.max_tokens,
+                length_spread=spec.length_spread,
+            ),
+            keep_sampling(
+                client,
+                spec.tenant,
+                spec.prompt,
+                meter,
+                stopped,
+                spec.bulk,
+                spec.max_tokens,
+                length_spread=spec.length_spread,
+            ),
         )
-    )
-    while not stop.is_set() and not load.done():
-        if not streaming.is_set() and any(arrivals for arrivals in log.streams):
-            streaming.set()
-        await asyncio.sleep(0.02)
-    stopped.set()
-    await load  # raises the load's failure, if any
+        while not stop.is_set() and not load.done():
+            started = any(arrivals for arrivals in log.streams) and (meter.spans or not spec.bulk)
+            if not streaming.is_set() and started:
+                streaming.set()
+            await asyncio.sleep(0.02)
+        stopped.set()
+        await load  # raises the load's failure, if any

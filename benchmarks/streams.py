@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,11 +39,6 @@ class StreamLog:
             inside = [t for t, _ in s if start <= t < end]
             out.extend(Gap(a, b) for a, b in itertools.pairwise(inside))
         return out
-
-
-def rate(logs: Sequence[StreamLog], start: float, end: float) -> float:
-    """Tokens/s of these tenants together over [start, end)."""
-    return sum(log.tokens_in(start, end) for log in logs) / (end - start)
 
 
 async def _one_stream(

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.common import completion_lengths
+from benchmarks.common import TokenMeter, completion_lengths
 from benchmarks.isolation import IsolationConfig, IsolationResult, Window
 from benchmarks.report import spread_row, table
 from benchmarks.stats import (
@@ -24,7 +24,8 @@ from benchmarks.stats import (
     split_gaps,
     tails_spread,
 )
-from benchmarks.streams import StreamLog, rate
+from benchmarks.stream_process import TenantRecord
+from benchmarks.streams import StreamLog
 
 CHECKS = IsolationChecks(baseline_tolerance=0.2)
 
@@ -72,7 +73,8 @@ def test_gaps_split_by_overlap_with_swap_windows() -> None:
 def test_stream_log_rates_and_gaps() -> None:
     log = StreamLog("b", streams=[[(0.1, 1), (0.2, 1), (0.6, 2)], [(0.15, 1), (1.5, 1)]])
     assert log.tokens_in(0.0, 1.0) == 5
-    assert rate([log], 0.0, 1.0) == 5.0
+    bulk = TokenMeter([(0.0, 2.0, "b", 8), (0.0, 1.0, "c", 50)])  # half of b's 8 tokens in [0, 1)
+    assert TenantRecord(log, bulk).rate(0.0, 1.0) == 9.0
     gaps = log.gaps(0.0, 1.0)  # the 0.15 -> 1.5 gap leaves the window: not counted
     assert sorted(round(g.ms) for g in gaps) == [100, 400]
 
