@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import statistics
 from dataclasses import replace
 
 import pytest
 
+from benchmarks import timeline
 from benchmarks.common import TokenMeter, completion_lengths
 from benchmarks.isolation import IsolationConfig, IsolationResult, Window
 from benchmarks.report import spread_row, table
@@ -165,3 +167,30 @@ def test_completion_lengths_vary_around_the_mean_and_repeat_per_seed() -> None:
     other = list(itertools.islice(completion_lengths(32, 0.5, seed="iso-c:3"), 400))
     assert draws == again and draws != other
     assert set(itertools.islice(completion_lengths(32, 0.0, seed="x"), 50)) == {32}
+
+
+def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
+    # Wall clock 2026-01-01 00:00:10.000 UTC is monotonic 10.0 on this made-up machine.
+    offset = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+    event = "2026-01-01 00:00:{} INFO skyrl_lora.events: skyrl_event {}"
+    log = [
+        event.format("10,100", '{"event": "pause"}'),
+        event.format("10,150", '{"event": "event_loop_stall", "ms": 12.5}'),
+        "2026-01-01 00:00:10,160 INFO vllm: not an event line",
+        event.format("11,500", '{"event": "event_loop_stall", "ms": 30.0}'),
+        event.format("12,100", '{"event": "event_loop_stall", "ms": 11.0}'),
+    ]
+    run = {
+        "spread": {
+            "windows": [
+                {"mode": "per_adapter", "start": 10.0, "end": 11.0, "swaps": [[10.1, 10.4]]},
+                {"mode": "global", "start": 12.0, "end": 13.0, "swaps": [[12.05, 12.3]]},
+            ]
+        }
+    }
+    events = timeline.read_events(log, offset)
+    assert [e.name for e in events] == ["pause"] + ["event_loop_stall"] * 3
+    assert events[0].at == pytest.approx(10.1)
+    summary = timeline.stall_summary(run, events)
+    assert summary == {"per_adapter": [12.5], "global": [11.0], "outside": [30.0]}
+    assert "event_loop_stall" in "\n".join(timeline.swap_timeline(run, events))

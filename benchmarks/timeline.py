@@ -1,0 +1,121 @@
+"""Line a perf run's windows up with the server's event log.
+
+``python -m benchmarks.timeline gpu_perf.json server.log`` prints, for each
+isolation run in the json, how many API event-loop stalls
+(``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`)
+fell inside the per-adapter swaps, inside the global pauses and outside
+both, and the event timeline of one swap (pause, snapshot, staging and
+install, resume). That tells a stall of the API server's loop from one of
+the engine: the windows' token gaps show *that* the others waited, the
+timeline shows *where*.
+
+The windows are ``time.monotonic()`` of the benchmark process and the log
+is wall-clock time (UTC) of the same machine; the json's
+``wall_minus_monotonic_s`` converts one into the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_EVENT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*skyrl_event (\{.*\})")
+
+Span = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # time.monotonic() of the benchmark process
+    fields: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.fields.get("event"))
+
+
+def read_events(lines: Iterable[str], wall_minus_monotonic_s: float) -> list[Event]:
+    """The ``skyrl_event`` lines of a server log, on the benchmark's clock."""
+    events = []
+    for line in lines:
+        match = _EVENT_LINE.match(line)
+        if match is None:
+            continue
+        wall = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        at = wall.replace(tzinfo=datetime.UTC).timestamp() - wall_minus_monotonic_s
+        events.append(Event(at, json.loads(match.group(2))))
+    return events
+
+
+def _inside(at: float, spans: Sequence[Span], slack_s: float = 0.002) -> bool:
+    return any(start - slack_s <= at <= end + slack_s for start, end in spans)
+
+
+def stall_summary(run: dict[str, Any], events: Sequence[Event]) -> dict[str, list[float]]:
+    """Stall lengths (ms) in one isolation run: during per-adapter swaps, global pauses, else."""
+    windows = run["spread"]["windows"]
+    first, last = windows[0]["start"], windows[-1]["end"]
+    swaps = [tuple(s) for w in windows if w["mode"] == "per_adapter" for s in w["swaps"]]
+    pauses = [tuple(s) for w in windows if w["mode"] == "global" for s in w["swaps"]]
+    out: dict[str, list[float]] = {"per_adapter": [], "global": [], "outside": []}
+    for e in events:
+        if e.name != "event_loop_stall" or not first <= e.at <= last:
+            continue
+        kind = "outside"
+        if _inside(e.at, swaps):
+            kind = "per_adapter"
+        elif _inside(e.at, pauses):
+            kind = "global"
+        out[kind].append(float(e.fields["ms"]))
+    return out
+
+
+def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
+    """The events of the middle per-adapter swap, in ms after its pause call."""
+    swaps = [s for w in run["spread"]["windows"] if w["mode"] == "per_adapter" for s in w["swaps"]]
+    if not swaps:
+        return []
+    start, end = swaps[len(swaps) // 2]
+    lines = [f"one swap: {1000 * (end - start):.0f} ms from the pause call to the resume's answer"]
+    for e in events:
+        if start - 0.01 <= e.at <= end + 0.05:
+            rest = {k: v for k, v in e.fields.items() if k != "event"}
+            shown = json.dumps(rest)[:140]
+            lines.append(f"  {1000 * (e.at - start):7.1f} ms  {e.name:18s} {shown}")
+    return lines
+
+
+def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
+    events = read_events(log_lines, figures["wall_minus_monotonic_s"])
+    out = []
+    for label, run in (("3 tenants", figures), ("8 tenants", figures.get("eight_tenants"))):
+        if not run:
+            continue
+        stalls = stall_summary(run, events)
+        parts = ", ".join(
+            f"{kind} {len(ms)} (max {max(ms, default=0.0):.1f} ms)" for kind, ms in stalls.items()
+        )
+        out.append(f"{label}: API event-loop stalls over 10 ms: {parts}")
+        out.extend(swap_timeline(run, events))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("figures", type=Path, help="gpu_perf.json of the run")
+    parser.add_argument("server_log", type=Path, help="the server's log of the same run")
+    args = parser.parse_args(argv)
+    figures = json.loads(args.figures.read_text())
+    with args.server_log.open(errors="replace") as log:
+        print("\n".join(report(figures, log)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
