@@ -2,23 +2,23 @@
 
 One load runs for the whole measurement: tenant A (the swapper) keeps
 ``sample_with_retry`` calls in flight, every other tenant keeps requests in
-flight from a process of its own: a few streamed completions, whose chunk
-arrival times give the inter-token gaps, and token-in samples for the rest
-(see :mod:`benchmarks.stream_process` for why both, and why not from this
-process); their tokens together give the rate. Over that
-load the run alternates short windows, ``no_swap / per_adapter / global``
-per round for several rounds, then one closing ``no_swap``, each window
-after its own settle time. In a swap window
-A is paused, held for ``hold_s`` (standing in for the trainer's weight
-transfer), reloaded and resumed once per ``period_s``, with the per-adapter
-pause or vLLM's global keep-mode pause.
+flight (from a process of its own where the machine has cores to spare): a
+few streamed completions, whose chunk arrival times give the inter-token
+gaps, and token-in samples for the rest (see
+:mod:`benchmarks.stream_process` for why both, and why not from this
+process); their tokens together give the rate. Over that load the run
+alternates short windows, ``no_swap / per_adapter / global`` per round for
+several rounds, then one closing ``no_swap``, each window after its own
+settle time. In a swap window A is paused, held for ``hold_s`` (standing in
+for the trainer's weight transfer), reloaded and resumed once per
+``period_s``, with the per-adapter pause or vLLM's global keep-mode pause.
 
-Phases run one after the other would compare different machine states
-(warm-up, caches, neighbours); interleaving makes each round's ratio come
-from windows seconds apart, and the baseline of a round is the mean of the
-no-swap windows on either side of its swap windows. The spread over rounds
-and the checks in :mod:`benchmarks.stats` say whether the run can be
-trusted at all.
+Phases run one after the other would compare different machine states (warm-
+up, caches, neighbours); interleaving makes each round's ratio come from
+windows seconds apart, and the baseline of a round is the mean of the no-
+swap windows on either side of its swap windows. The spread over rounds and
+the checks in :mod:`benchmarks.stats` say whether the run can be trusted at
+all.
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ from benchmarks.stats import (
     split_gaps,
     tails_spread,
 )
-from benchmarks.stream_process import StreamProcess, StreamSpec, TenantRecord
+from benchmarks.stream_process import (
+    InProcessTenant,
+    StreamProcess,
+    StreamSpec,
+    TenantLoad,
+    TenantRecord,
+)
 from skyrl_lora.client import RemoteInferenceClient
 
 MODES = ("no_swap", "per_adapter", "global")
@@ -57,6 +63,10 @@ class IsolationConfig:
     #: (the gaps), the rest sample without streaming.
     streams: int = 8
     streamed: int = 4
+    #: Each other tenant's load from a process of its own (the swapper's
+    #: retry bursts then never delay the loop that timestamps their tokens);
+    #: off on a machine whose few cores the server being measured needs.
+    own_processes: bool = False
     max_tokens: int = 32
     #: Completion lengths vary by this fraction around ``max_tokens`` (see
     #: :func:`benchmarks.common.completion_lengths`): streams in lockstep
@@ -131,6 +141,7 @@ class IsolationResult:
                 "tenants": self.config.tenants,
                 "streams": self.config.streams,
                 "streamed": self.config.streamed,
+                "own_processes": self.config.own_processes,
                 "rounds": self.config.rounds,
                 "window_s": self.config.window_s,
                 "settle_s": self.config.settle_s,
@@ -183,7 +194,7 @@ async def _swap_window(
 
 
 async def _first_tokens(
-    others: Sequence[StreamProcess], meter: TokenMeter, swapper: asyncio.Task[None]
+    others: Sequence[TenantLoad], meter: TokenMeter, swapper: asyncio.Task[None]
 ) -> None:
     """Wait until every tenant has produced tokens (raising a load's failure)."""
     while not (meter.spans and all(p.streaming for p in others)):
@@ -257,8 +268,11 @@ async def run(
     paths = [str(model.adapters[w]) for w in weights[:2]]
     meter = TokenMeter()
     stop = asyncio.Event()
-    streamers = [
-        StreamProcess(
+    load_of: type[StreamProcess] | type[InProcessTenant] = (
+        StreamProcess if cfg.own_processes else InProcessTenant
+    )
+    streamers: list[TenantLoad] = [
+        load_of(
             StreamSpec(
                 url,
                 t,
@@ -304,8 +318,7 @@ async def run(
             with contextlib.suppress(Exception):
                 await client.resume_generation()
             await sampling
-        # Blocking, but nothing else runs any more: every window is over.
-        others = [streamer.stop() for streamer in streamers]
+        others = [await streamer.stop() for streamer in streamers]
     for w in windows:
         w.others_rate = sum(tenant.rate(w.start, w.end) for tenant in others)
     return IsolationResult(

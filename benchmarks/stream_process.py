@@ -1,21 +1,22 @@
-"""A tenant's load in a process of its own.
+"""A tenant's load, in a process of its own or on this event loop.
 
 The benchmark's swapper retries its aborted samples in bursts (all of its
 streams at once after every swap), and that work runs on the event loop of
-the process that drives it. Arrival times taken on the same loop would
-count that client-side burst as a stall of the server. Each other tenant
-therefore runs from its own process, as separate tenants would, and sends
-its record back when stopped. ``time.monotonic`` is one clock for every
-process of the machine, so the record lines up with the driving process's
-windows.
+the process that drives it. Arrival times taken on the same loop would count
+that client-side burst as a stall of the server. Each other tenant therefore
+runs from its own process, as separate tenants would, and sends its record
+back when stopped (:class:`StreamProcess`), unless the machine's few cores
+are better left to the server (:class:`InProcessTenant`). ``time.monotonic``
+is one clock for every process of the machine, so the record lines up with
+the driving process's windows.
 
 A tenant's load is ``streams`` streamed completions (per-token arrival
 times: the gaps) plus ``bulk`` token-in samples without streaming (tokens
 counted over each sample's lifetime). Streaming every token costs the API
-server one JSON chunk per token per stream; on a GPU that serialisation,
-not the engine, becomes the bottleneck long before the engine is busy, so
-a load of streams only would measure the API server's event loop. RL
-tenants sample without streaming anyway.
+server one JSON chunk per token per stream; on a GPU that serialisation, not
+the engine, becomes the bottleneck long before the engine is busy, so a load
+of streams only would measure the API server's event loop. RL tenants sample
+without streaming anyway.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.connection
+import threading
 from dataclasses import dataclass
-from multiprocessing.synchronize import Event
+from typing import Protocol
 
 from benchmarks.common import TokenMeter, collector_paused, keep_sampling
 from benchmarks.streams import StreamLog, keep_streaming
@@ -61,8 +63,60 @@ class TenantRecord:
         return (streamed + self.bulk.tokens_in([self.streams.tenant], start, end)) / (end - start)
 
 
+class _Flag(Protocol):
+    """What :func:`_stream_until` needs of an event: a thread's or a process's."""
+
+    def is_set(self) -> bool: ...
+    def set(self) -> None: ...
+
+
+class TenantLoad(Protocol):
+    """One other tenant's load, in this process or its own."""
+
+    def start(self) -> None: ...
+    @property
+    def streaming(self) -> bool: ...
+    async def stop(self) -> TenantRecord: ...
+    def kill(self) -> None: ...
+
+
+class InProcessTenant:
+    """The load as tasks of this event loop: on a machine with few cores a
+    process per tenant takes CPU from the server being measured."""
+
+    def __init__(self, spec: StreamSpec) -> None:
+        self.spec = spec
+        self._log = StreamLog(spec.tenant)
+        self._meter = TokenMeter()
+        self._streaming = threading.Event()
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(
+            _stream_until(self.spec, self._log, self._meter, self._streaming, self._stop)
+        )
+
+    @property
+    def streaming(self) -> bool:
+        if self._task is not None and self._task.done() and not self._streaming.is_set():
+            self._task.result()  # raises its failure
+            raise RuntimeError(f"{self.spec.tenant}: load ended before it streamed")
+        return self._streaming.is_set()
+
+    async def stop(self) -> TenantRecord:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        return TenantRecord(self._log, self._meter)
+
+    def kill(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class StreamProcess:
-    """Start with :meth:`start`; :meth:`wait_streaming`; :meth:`stop` returns the log."""
+    """The load in a process of its own (see the module's docstring)."""
 
     def __init__(self, spec: StreamSpec) -> None:
         self.spec = spec
@@ -86,8 +140,11 @@ class StreamProcess:
             self._raise_failure()
         return self._streaming.is_set()
 
-    def stop(self, timeout: float = 120.0) -> TenantRecord:
+    async def stop(self, timeout: float = 120.0) -> TenantRecord:
         """Stop (requests in flight finish) and return what the tenant saw."""
+        return await asyncio.to_thread(self._stop_and_collect, timeout)
+
+    def _stop_and_collect(self, timeout: float) -> TenantRecord:
         self._stop.set()
         if not self._results.poll(timeout):
             self._process.kill()
@@ -116,7 +173,7 @@ class StreamProcess:
 
 
 def _run(
-    spec: StreamSpec, streaming: Event, stop: Event, results: multiprocessing.connection.Connection
+    spec: StreamSpec, streaming: _Flag, stop: _Flag, results: multiprocessing.connection.Connection
 ) -> None:
     log = StreamLog(spec.tenant)
     meter = TokenMeter()
@@ -129,7 +186,7 @@ def _run(
 
 
 async def _stream_until(
-    spec: StreamSpec, log: StreamLog, meter: TokenMeter, streaming: Event, stop: Event
+    spec: StreamSpec, log: StreamLog, meter: TokenMeter, streaming: _Flag, stop: _Flag
 ) -> None:
     stopped = asyncio.Event()
     async with RemoteInferenceClient(spec.url) as client:

@@ -39,7 +39,12 @@ GPU_WARMUP_S = 5.0
 #: the engine (no-swap windows 22-37% apart in three runs).
 GPU_MAX_TOKENS = 128
 GPU_ISOLATION = IsolationConfig(
-    tenants=3, streams=16, max_tokens=GPU_MAX_TOKENS, checks=GPU_CHECKS, warmup_s=GPU_WARMUP_S
+    tenants=3,
+    streams=16,
+    max_tokens=GPU_MAX_TOKENS,
+    own_processes=True,  # 16 cores: a process per tenant costs the server nothing
+    checks=GPU_CHECKS,
+    warmup_s=GPU_WARMUP_S,
 )
 GPU_SHAPE = perf.PerfShape(
     isolation=GPU_ISOLATION,
