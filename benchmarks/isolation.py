@@ -13,10 +13,10 @@ settle time. In a swap window A is paused, held for ``hold_s`` (standing in
 for the trainer's weight transfer), reloaded and resumed once per
 ``period_s``, with the per-adapter pause or vLLM's global keep-mode pause.
 
-Phases run one after the other would compare different machine states (warm-
-up, caches, neighbours); interleaving makes each round's ratio come from
-windows seconds apart, and the baseline of a round is the mean of the no-
-swap windows on either side of its swap windows. The spread over rounds and
+Phases run one after the other would compare different machine states
+(warm-up, caches, neighbours); interleaving makes each round's ratio come
+from windows seconds apart, and the baseline of a round is the mean of the
+no-swap windows on either side of its swap windows. The spread over rounds and
 the checks in :mod:`benchmarks.stats` say whether the run can be trusted at
 all.
 """

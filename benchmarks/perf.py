@@ -247,11 +247,9 @@ async def collect(
             pauses=shape.pauses,
             in_flight=shape.in_flight,
         )
-    with collector_paused():
         control = await control_roundtrip.run(
             url, model, rounds=shape.control_rounds, repeats=shape.control_repeats
         )
-    with collector_paused():
         swaps = await swap_time.run(
             url, model, ranks=shape.ranks, repeats=shape.swap_repeats, adapters=adapters_by_rank
         )

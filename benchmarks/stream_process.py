@@ -185,6 +185,11 @@ def _run(
         results.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _has_tokens(spec: StreamSpec, log: StreamLog, meter: TokenMeter) -> bool:
+    """Whether every kind of request the tenant runs has produced tokens."""
+    return any(arrivals for arrivals in log.streams) and bool(meter.spans or not spec.bulk)
+
+
 async def _stream_until(
     spec: StreamSpec, log: StreamLog, meter: TokenMeter, streaming: _Flag, stop: _Flag
 ) -> None:
@@ -213,8 +218,7 @@ async def _stream_until(
             ),
         )
         while not stop.is_set() and not load.done():
-            started = any(arrivals for arrivals in log.streams) and (meter.spans or not spec.bulk)
-            if not streaming.is_set() and started:
+            if not streaming.is_set() and _has_tokens(spec, log, meter):
                 streaming.set()
             await asyncio.sleep(0.02)
         stopped.set()

@@ -121,12 +121,13 @@ class _WorkerStaging:
                 self._packed.add(model)
         finally:
             sys.setswitchinterval(switch_interval)
+        done = time.perf_counter()
         logger.info(
             "skyrl-lora staged adapter %s off the step loop in %.1f ms (read %.1f, pack %.1f)",
             lora_request.lora_name,
-            (time.perf_counter() - started) * 1000,
+            (done - started) * 1000,
             (loaded - started) * 1000,
-            (time.perf_counter() - loaded) * 1000,
+            (done - loaded) * 1000,
         )
         return model
 
