@@ -82,6 +82,13 @@ class IsolationConfig:
     #: first pinned allocations), are not the steady state the windows compare.
     warmup_s: float = 2.0
     hold_s: float = 0.3
+    #: A swap's cost to the others outlasts its resume: the swapper's aborted
+    #: requests all come back at once and re-prefill prompt and partial
+    #: completion under the new weights (the old KV cache belongs to the old
+    #: version), one long engine step for everyone. On the H100 that step took
+    #: 55-62 ms, 10-40 ms after the resume was answered. Gaps that overlap
+    #: this long after the resume count as the swap's, not as outside it.
+    aftermath_s: float = 0.2
     checks: IsolationChecks = field(default_factory=IsolationChecks)
 
     @property
@@ -146,6 +153,7 @@ class IsolationResult:
                 "window_s": self.config.window_s,
                 "settle_s": self.config.settle_s,
                 "hold_s": self.config.hold_s,
+                "aftermath_s": self.config.aftermath_s,
                 "baseline_tolerance": self.config.checks.baseline_tolerance,
                 "length_spread": self.config.length_spread,
             },
@@ -240,12 +248,15 @@ def _per_round(windows: list[Window], mode: str) -> list[float]:
     ]
 
 
-def _stall(windows: list[Window], others: list[TenantRecord]) -> dict[str, dict[str, Spread]]:
-    """Gap tails of every window kind: no-swap, and during / outside the swaps of each mode."""
+def _stall(
+    windows: list[Window], others: list[TenantRecord], aftermath_s: float
+) -> dict[str, dict[str, Spread]]:
+    """Gap tails of every window kind: no-swap, and during / outside the swaps of
+    each mode, a swap lasting from its pause call to ``aftermath_s`` after its resume."""
     tails: dict[str, list[Tail]] = {}
     for w in windows:
         gaps = [g for tenant in others for g in tenant.streams.gaps(w.start, w.end)]
-        during, outside = split_gaps(gaps, w.swaps)
+        during, outside = split_gaps(gaps, [(s, e + aftermath_s) for s, e in w.swaps])
         kinds = (
             {"no_swap": outside}
             if w.mode == "no_swap"
@@ -328,5 +339,5 @@ async def run(
         meter,
         ratios={m: Spread.of(_per_round(windows, m)) for m in SWAP_MODES},
         baseline=Spread.of(w.others_rate for w in windows if w.mode == "no_swap"),
-        stall=_stall(windows, others),
+        stall=_stall(windows, others, cfg.aftermath_s),
     )

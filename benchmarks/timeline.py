@@ -3,11 +3,11 @@
 ``python -m benchmarks.timeline gpu_perf.json server.log`` prints, for each
 isolation run in the json, how many API event-loop stalls
 (``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`)
-fell inside the per-adapter swaps, inside the global pauses and outside
-both, and the event timeline of one swap (pause, snapshot, staging and
-install, resume). That tells a stall of the API server's loop from one of
-the engine: the windows' token gaps show *that* the others waited, the
-timeline shows *where*.
+and long garbage collections (``gc_pause``) fell inside the per-adapter
+swaps, inside the global pauses and outside both, and the event timeline
+of one swap (pause, snapshot, staging and install, resume). That tells a
+stall of the API server's loop from one of the engine: the windows' token
+gaps show *that* the others waited, the timeline shows *where*.
 
 The windows are ``time.monotonic()`` of the benchmark process and the log
 is wall-clock time (UTC) of the same machine; the json's
@@ -57,15 +57,18 @@ def _inside(at: float, spans: Sequence[Span], slack_s: float = 0.002) -> bool:
     return any(start - slack_s <= at <= end + slack_s for start, end in spans)
 
 
-def stall_summary(run: dict[str, Any], events: Sequence[Event]) -> dict[str, list[float]]:
-    """Stall lengths (ms) in one isolation run: during per-adapter swaps, global pauses, else."""
+def stall_summary(
+    run: dict[str, Any], events: Sequence[Event], name: str = "event_loop_stall"
+) -> dict[str, list[float]]:
+    """Lengths (ms) of the ``name`` events (loop stalls, or ``gc_pause``) in one
+    isolation run: during per-adapter swaps, during global pauses, else."""
     windows = run["spread"]["windows"]
     first, last = windows[0]["start"], windows[-1]["end"]
     swaps = [tuple(s) for w in windows if w["mode"] == "per_adapter" for s in w["swaps"]]
     pauses = [tuple(s) for w in windows if w["mode"] == "global" for s in w["swaps"]]
     out: dict[str, list[float]] = {"per_adapter": [], "global": [], "outside": []}
     for e in events:
-        if e.name != "event_loop_stall" or not first <= e.at <= last:
+        if e.name != name or not first <= e.at <= last:
             continue
         kind = "outside"
         if _inside(e.at, swaps):
@@ -97,11 +100,13 @@ def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
     for label, run in (("3 tenants", figures), ("8 tenants", figures.get("eight_tenants"))):
         if not run:
             continue
-        stalls = stall_summary(run, events)
-        parts = ", ".join(
-            f"{kind} {len(ms)} (max {max(ms, default=0.0):.1f} ms)" for kind, ms in stalls.items()
-        )
-        out.append(f"{label}: API event-loop stalls over 10 ms: {parts}")
+        for name, what in (("event_loop_stall", "event-loop stalls"), ("gc_pause", "collections")):
+            found = stall_summary(run, events, name)
+            parts = ", ".join(
+                f"{kind} {len(ms)} (max {max(ms, default=0.0):.1f} ms)"
+                for kind, ms in found.items()
+            )
+            out.append(f"{label}: API {what} over 10 ms: {parts}")
         out.extend(swap_timeline(run, events))
     return out
 

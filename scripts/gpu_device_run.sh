@@ -4,6 +4,7 @@
 #   scripts/gpu_device_run.sh stash N        copy the carried part .pN to $HOME/stash
 #   scripts/gpu_device_run.sh test [ARGS]    install vLLM from the parts (once per
 #                                            machine), then run gpu_tests with pytest
+#   scripts/gpu_device_run.sh run CMD...     the same install, then run CMD (a probe)
 #
 # The machine keeps $HOME only while it stays warm (about 30 s after a call),
 # so the stash calls and the test call must follow each other closely.
@@ -28,7 +29,8 @@ case "${1:-}" in
         cp ".p$2"/part.* "$stash/"
         ls -la "$stash"
         ;;
-    test)
+    test | run)
+        mode="$1"
         shift
         started=$(date +%s)
         install
@@ -38,11 +40,14 @@ case "${1:-}" in
         # Editable, like on the CPU machines: client/ and server/ map into skyrl_lora.
         python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+        if [[ "$mode" == run ]]; then
+            exec "$@"
+        fi
         [[ $# -gt 0 ]] || set -- gpu_tests
         exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s "$@"
         ;;
     *)
-        sed -n '2,9p' "$0" >&2
+        sed -n '2,10p' "$0" >&2
         exit 2
         ;;
 esac

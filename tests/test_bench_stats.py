@@ -179,6 +179,7 @@ def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
         "2026-01-01 00:00:10,160 INFO vllm: not an event line",
         event.format("11,500", '{"event": "event_loop_stall", "ms": 30.0}'),
         event.format("12,100", '{"event": "event_loop_stall", "ms": 11.0}'),
+        event.format("10,200", '{"event": "gc_pause", "generation": 2, "ms": 14.0}'),
     ]
     run = {
         "spread": {
@@ -189,8 +190,31 @@ def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
         }
     }
     events = timeline.read_events(log, offset)
-    assert [e.name for e in events] == ["pause"] + ["event_loop_stall"] * 3
+    assert [e.name for e in events] == ["pause"] + ["event_loop_stall"] * 3 + ["gc_pause"]
     assert events[0].at == pytest.approx(10.1)
     summary = timeline.stall_summary(run, events)
     assert summary == {"per_adapter": [12.5], "global": [11.0], "outside": [30.0]}
+    collections = timeline.stall_summary(run, events, "gc_pause")
+    assert collections == {"per_adapter": [14.0], "global": [], "outside": []}
     assert "event_loop_stall" in "\n".join(timeline.swap_timeline(run, events))
+
+
+def test_a_swap_owns_the_gaps_of_its_aftermath() -> None:
+    """The swapper's resumed requests re-prefill right after the resume: a gap
+    then is the swap's (``aftermath_s``), a gap later is outside it."""
+    from benchmarks.common import TokenMeter
+    from benchmarks.isolation import Window, _stall
+    from benchmarks.stream_process import TenantRecord
+    from benchmarks.streams import StreamLog
+
+    # pause at 1.0, resume answered at 1.4; arrivals every 10 ms but for a 60 ms
+    # gap from 1.44 (the re-prefill step) and a 30 ms gap from 1.70 (well after).
+    times = [1.0 + i / 100 for i in range(45)] + [1.5 + i / 100 for i in range(21)] + [1.73]
+    record = TenantRecord(StreamLog("b", [[(t, 1) for t in times]]), TokenMeter())
+    window = Window(0, "per_adapter", 1.0, 2.0, 0.0, [(1.0, 1.4)])
+    tails = _stall([window], [record], aftermath_s=0.2)
+    assert tails["per_adapter_during_swap"]["max"].median == pytest.approx(60, abs=0.5)
+    assert tails["per_adapter_outside_swap"]["max"].median == pytest.approx(30, abs=0.5)
+    before = _stall([window], [record], aftermath_s=0.0)
+    assert before["per_adapter_during_swap"]["max"].median == pytest.approx(10, abs=0.5)
+    assert before["per_adapter_outside_swap"]["max"].median == pytest.approx(60, abs=0.5)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
 import pytest
 
-from skyrl_lora.server.loop_monitor import EVENT_LOOP_LAG, LoopMonitorConfig, monitoring
+from skyrl_lora.server.loop_monitor import EVENT_LOOP_LAG, GC_PAUSE, LoopMonitorConfig, monitoring
 
 
 def _lag_samples() -> float:
@@ -36,3 +37,19 @@ async def test_the_monitor_stops_with_its_block() -> None:
         pass
     await asyncio.sleep(0.01)
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "skyrl-lora-loop-monitor"]
+
+
+async def test_a_long_collection_is_reported_with_its_generation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="skyrl_lora.events")
+    hooks = len(gc.callbacks)
+    async with monitoring(LoopMonitorConfig(interval_s=0.002, report_over_s=0.0)):
+        await asyncio.sleep(0.01)
+        gc.collect()  # a full collection, timed however short it is
+        await asyncio.sleep(0.01)
+    events = [r.getMessage() for r in caplog.records if '"gc_pause"' in r.getMessage()]
+    assert any('"generation": 2' in e for e in events), events
+    full = GC_PAUSE.labels("2").collect()[0].samples
+    assert next(s.value for s in full if s.name.endswith("_count")) >= 1
+    assert len(gc.callbacks) == hooks  # the hook leaves with the monitor
