@@ -38,10 +38,16 @@ GPU_WARMUP_S = 5.0
 #: ran 32-44 of the 48 and the others' rate followed request turnaround, not
 #: the engine (no-swap windows 22-37% apart in three runs).
 GPU_MAX_TOKENS = 128
+#: Windows of 6 s (6 swaps each) instead of 3 s: with 3 s windows the no-swap
+#: windows of one run were 17% apart in three runs of two sessions, one
+#: window off by itself each time, and a 3 s window holds only ~2 of the
+#: rare 30-60 ms engine steps that set the tails.
+GPU_SWAPS_PER_WINDOW = 6
 GPU_ISOLATION = IsolationConfig(
     tenants=3,
     streams=16,
     max_tokens=GPU_MAX_TOKENS,
+    swaps_per_window=GPU_SWAPS_PER_WINDOW,
     own_processes=True,  # 16 cores: a process per tenant costs the server nothing
     checks=GPU_CHECKS,
     warmup_s=GPU_WARMUP_S,

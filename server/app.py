@@ -36,15 +36,6 @@ logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "x-skyrl-adapter-version"
 
-#: Tokens one engine step may schedule (vLLM's ``--max-num-batched-tokens``)
-#: when the user sets none. When a tenant resumes after a weight swap, all of
-#: its aborted requests come back at once and re-prefill prompt and partial
-#: completion under the new weights; with vLLM's default budget (8192 on an
-#: H100) that is one step of 55-62 ms in which no other tenant gets a token.
-#: A small budget chunks the burst over a few steps with every decode still
-#: in each. Decodes always go first, so the others' throughput is unchanged.
-ISOLATION_STEP_TOKENS = 1024
-
 
 def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse ``vllm serve`` flags plus ours; every vLLM flag passes through."""
@@ -78,7 +69,6 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="where each loaded adapter version is copied (default: a temporary folder)",
     )
     args = parser.parse_args(list(argv))
-    _default_step_tokens(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
         logger.warning(
@@ -86,22 +76,6 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
             args.worker_extension_cls,
         )
     return args
-
-
-def _default_step_tokens(args: argparse.Namespace) -> None:
-    """Apply :data:`ISOLATION_STEP_TOKENS` unless the user chose a budget or
-    turned chunked prefill off (then a step must hold a whole prompt)."""
-    if getattr(args, "max_num_batched_tokens", 0) is not None:
-        return
-    if getattr(args, "enable_chunked_prefill", None) is False:
-        return
-    # vLLM requires room for one token of every running sequence.
-    args.max_num_batched_tokens = max(ISOLATION_STEP_TOKENS, args.max_num_seqs or 0)
-    logger.info(
-        "--max-num-batched-tokens %d: one tenant's resume prefill is chunked "
-        "instead of stalling the others' decodes (pass the flag to choose)",
-        args.max_num_batched_tokens,
-    )
 
 
 class AdapterVersionHeader:

@@ -35,21 +35,3 @@ def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(flag: str, extra: li
         assert vllms in out, vllms
     assert "RAY_STARTED=False" in out
     assert "Traceback" not in done.stderr
-
-
-@pytest.mark.parametrize(
-    ("flags", "budget"),
-    [
-        ([], 1024),  # ours: a resume's re-prefill is chunked
-        (["--max-num-batched-tokens", "4096"], 4096),  # the user's choice stands
-        (["--max-num-seqs", "2048"], 2048),  # room for every running sequence
-        (["--no-enable-chunked-prefill"], None),  # a step must hold a whole prompt
-    ],
-)
-def test_step_token_budget_defaults_to_chunked_resumes(
-    flags: list[str], budget: int | None
-) -> None:
-    from skyrl_lora.server.app import parse_server_args
-
-    args = parse_server_args(["--model", "unused", *flags])
-    assert args.max_num_batched_tokens == budget
