@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -85,6 +86,8 @@ def _argv(model_dir: Path, modules: list[str]) -> list[str]:
         "0",
         "--disable-uvicorn-access-log",
         *GPU_FLAGS,
+        # Engine flags to compare (e.g. a step token budget), recorded in the json.
+        *shlex.split(os.environ.get("SKYRL_GPU_PERF_FLAGS", "")),
     ]
 
 
@@ -112,6 +115,7 @@ def test_gpu_swap_isolation_and_latency(tmp_path_factory) -> None:
         "gpu": torch.cuda.get_device_name(0),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
+        "server_flags": os.environ.get("SKYRL_GPU_PERF_FLAGS", ""),
         "server_start_s": server_s,
         "measure_s": time.monotonic() - started - server_s,
         # Window times are time.monotonic(); the server log is wall-clock time.
