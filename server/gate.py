@@ -12,6 +12,11 @@ ends. That gives two guarantees without any grace sleep:
   so a request is either held or visible to the abort: none can slip through
   and run on half-swapped weights.
 
+After a resume the gate also paces the adapter's backlog back in
+(:class:`ResumePacing`): the requests a pause aborted all come back at once
+and must re-prefill under the new weights, and let in together they make one
+long engine step in which no other tenant gets a token.
+
 The gate knows nothing about vLLM: aborting is a callback, so it is tested
 on its own.
 """
@@ -35,6 +40,34 @@ AbortFn = Callable[[Sequence[str]], Awaitable[None]]
 ABORT_RETRY_INTERVAL_S = 0.005
 
 
+@dataclass(frozen=True)
+class ResumePacing:
+    """How a resumed adapter's backlog re-enters the engine.
+
+    When an adapter resumes, every request its pause aborted comes back
+    within milliseconds (clients retry them) and re-prefills prompt and
+    partial completion under the new weights, since the old version's KV
+    cache is not theirs. Admitted together they make one engine step that
+    stalls every other tenant: 52 ms at the median on an H100 with 16 such
+    requests, against 6-8 ms steps otherwise. For ``window_s`` after a resume
+    the gate lets at most ``per_interval`` of the adapter's requests through
+    per ``interval_s`` (evenly spaced, the first at once), so the re-prefill
+    spreads over several steps with everyone's decodes in each; 16 requests
+    take 75 ms longer to get back in, next to a weight swap of 0.3 s or more.
+    """
+
+    per_interval: int = 2
+    interval_s: float = 0.01
+    window_s: float = 0.25
+
+    @property
+    def spacing_s(self) -> float:
+        return self.interval_s / self.per_interval
+
+
+DEFAULT_RESUME_PACING = ResumePacing()
+
+
 @dataclass
 class Admission:
     """One request's pass through the gate, held until its stream ends."""
@@ -54,6 +87,10 @@ class _AdapterState:
     released: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: dict[str, Admission] = field(default_factory=dict)
     held: int = 0
+    #: Pacing after the last resume: admissions are spaced until ``paced_until``,
+    #: the next one no earlier than ``next_slot`` (``time.monotonic``).
+    paced_until: float = 0.0
+    next_slot: float = 0.0
 
     def __post_init__(self) -> None:
         self.resumed.set()
@@ -73,6 +110,7 @@ class GateCounters:
     aborted_requests: int = 0
     held_requests: int = 0
     resumed_segments: int = 0
+    paced_requests: int = 0
 
 
 class AdapterGate:
@@ -83,8 +121,13 @@ class AdapterGate:
     client share that loop).
     """
 
-    def __init__(self, version_of: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        version_of: Callable[[str], int],
+        pacing: ResumePacing | None = DEFAULT_RESUME_PACING,
+    ) -> None:
         self._version_of = version_of
+        self._pacing = pacing
         self._states: dict[str, _AdapterState] = {}
         self.counters = GateCounters()
 
@@ -119,24 +162,46 @@ class AdapterGate:
         return {name: s.held for name, s in self._states.items() if s.held}
 
     async def admit(self, lora_name: str, request_id: str) -> Admission:
-        """Wait while the adapter is paused, then register the request.
+        """Wait while the adapter is paused (and for its slot while it is
+        paced after a resume), then register the request.
 
         The version is read at admission: the pause guarantees it cannot
         change until this admission is released.
         """
         state = self._state(lora_name)
-        if state.paused:
-            state.held += 1
-            self.counters.held_requests += 1
-            try:
-                while state.paused:
-                    await state.resumed.wait()
-            finally:
-                state.held -= 1
-        # No await between the check above and the registration below.
+        while True:
+            if state.paused:
+                await self._hold(state)
+                continue
+            wait = self._pace(state)
+            if wait <= 0:
+                break
+            self.counters.paced_requests += 1
+            await asyncio.sleep(wait)
+            if not state.paused:
+                break
+        # No await between the paused check above and the registration below.
         admission = Admission(lora_name, request_id, self._version_of(lora_name))
         state.in_flight[request_id] = admission
         return admission
+
+    async def _hold(self, state: _AdapterState) -> None:
+        state.held += 1
+        self.counters.held_requests += 1
+        try:
+            while state.paused:
+                await state.resumed.wait()
+        finally:
+            state.held -= 1
+
+    def _pace(self, state: _AdapterState) -> float:
+        """Reserve the next admission slot; returns how long to wait for it."""
+        now = time.monotonic()
+        if self._pacing is None or now >= state.paced_until:
+            return 0.0
+        slot = max(now, state.next_slot)
+        state.next_slot = slot + self._pacing.spacing_s
+        return slot - now
 
     def release(self, admission: Admission) -> None:
         state = self._state(admission.lora_name)
@@ -169,6 +234,9 @@ class AdapterGate:
         was_paused = state.paused
         state.paused = False
         state.resumed.set()
+        if was_paused and self._pacing is not None:
+            state.next_slot = now = time.monotonic()
+            state.paced_until = now + self._pacing.window_s
         return was_paused
 
     def forget(self, lora_name: str) -> None:

@@ -55,6 +55,11 @@ class GateCollector:
             "Sample requests that resume an aborted sample (retries).",
             value=c.resumed_segments,
         )
+        yield CounterMetricFamily(
+            "skyrl_paced_requests",
+            "Requests spaced out after their adapter resumed (see ResumePacing).",
+            value=c.paced_requests,
+        )
         held_now = GaugeMetricFamily(
             "skyrl_requests_held_now", "Requests waiting at a gate now.", labels=["lora_name"]
         )

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from skyrl_lora.server.gate import AdapterGate
+from skyrl_lora.server.gate import DEFAULT_RESUME_PACING, AdapterGate, ResumePacing
 
 
 class FakeEngine:
@@ -35,9 +35,9 @@ class FakeEngine:
             self.gate.release(admission)
 
 
-def make() -> tuple[AdapterGate, FakeEngine]:
+def make(pacing: ResumePacing | None = DEFAULT_RESUME_PACING) -> tuple[AdapterGate, FakeEngine]:
     versions = {"a": 1, "b": 1}
-    gate = AdapterGate(version_of=lambda name: versions[name])
+    gate = AdapterGate(version_of=lambda name: versions[name], pacing=pacing)
     return gate, FakeEngine(gate)
 
 
@@ -169,3 +169,78 @@ def test_sub_millisecond_drain_is_measured_not_rounded() -> None:
 
     drains = uvloop.run(main())
     assert all(d >= 0.0004 for d in drains), drains  # loop.time(): 0.0 in most of them
+
+
+async def _admission_times(gate: AdapterGate, lora: str, n: int) -> list[float]:
+    """Admit ``n`` requests of ``lora`` at once; when (monotonic) each got in."""
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int) -> float:
+        admission = await gate.admit(lora, f"{lora}-late-{i}")
+        gate.release(admission)
+        return loop.time()
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_a_resumed_backlog_is_let_in_spaced_out() -> None:
+    """The requests a pause held (the retries of what it aborted) re-enter
+    the engine a few at a time, so their re-prefill is not one long step."""
+    pacing = ResumePacing(per_interval=2, interval_s=0.02, window_s=1.0)
+    gate, engine = make(pacing)
+    await gate.pause("a", engine.abort)
+    held = asyncio.gather(*(gate.admit("a", f"a{i}") for i in range(6)))
+    await asyncio.sleep(0.01)
+    assert gate.held("a") == 6
+    loop = asyncio.get_running_loop()
+    resumed_at = loop.time()
+    gate.resume("a")
+    admissions = await held
+    admitted_at = loop.time()
+    # 6 requests 10 ms apart, the first at once: the last after ~50 ms.
+    assert admitted_at - resumed_at >= 0.045
+    assert gate.counters.paced_requests == 5
+    for admission in admissions:
+        gate.release(admission)
+    # Another adapter is never paced, and this one not once its window is over.
+    other = await _admission_times(gate, "b", 6)
+    assert max(other) - min(other) < 0.005
+
+
+async def test_pacing_ends_with_its_window_and_is_optional() -> None:
+    gate, engine = make(ResumePacing(per_interval=1, interval_s=0.05, window_s=0.02))
+    await gate.pause("a", engine.abort)
+    gate.resume("a")
+    await asyncio.sleep(0.03)  # past the window
+    times = await _admission_times(gate, "a", 5)
+    assert max(times) - min(times) < 0.005
+    unpaced, engine = make(pacing=None)
+    await unpaced.pause("a", engine.abort)
+    unpaced.resume("a")
+    times = await _admission_times(unpaced, "a", 5)
+    assert max(times) - min(times) < 0.005
+    assert unpaced.counters.paced_requests == 0
+
+
+async def test_a_pause_during_pacing_holds_the_waiting_requests() -> None:
+    """A request waiting for its pacing slot is not admitted while a new pause
+    is on: it is held again and admitted on the next resume, on that version."""
+    versions = {"a": 1}
+    pacing = ResumePacing(per_interval=1, interval_s=0.05, window_s=1.0)
+    gate = AdapterGate(version_of=lambda name: versions[name], pacing=pacing)
+    engine = FakeEngine(gate)
+    await gate.pause("a", engine.abort)
+    waiting = [asyncio.create_task(gate.admit("a", f"a{i}")) for i in range(3)]
+    await asyncio.sleep(0.01)
+    gate.resume("a")
+    await asyncio.sleep(0.01)  # a0 is in, a1 and a2 wait for their slots
+    assert gate.in_flight("a") == 1
+    for admission in [waiting[0].result()]:
+        gate.release(admission)
+    await gate.pause("a", engine.abort)
+    versions["a"] = 2
+    await asyncio.sleep(0.15)  # their slots pass while paused
+    assert gate.in_flight("a") == 0 and not any(t.done() for t in waiting[1:])
+    gate.resume("a")
+    rest = await asyncio.gather(*waiting[1:])
+    assert [a.version for a in rest] == [2, 2]

@@ -258,7 +258,10 @@ async def test_metrics_and_counters_are_exported(tenants, http) -> None:
         "skyrl_aborted_requests_total",
         "skyrl_held_requests_total",
         "skyrl_resumed_segments_total",
+        "skyrl_paced_requests_total",
         "skyrl_pause_to_aborted_seconds_bucket",
+        "skyrl_event_loop_lag_seconds_bucket",
+        "skyrl_gc_pause_seconds_bucket",
         "vllm:",
     ):
         assert name in text, name
