@@ -26,7 +26,7 @@ from skyrl_lora.server import compat, loop_monitor, observability, staging
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.auth import AuthMiddleware, KeyStore
 from skyrl_lora.server.engine import GatedEngine, admitted_versions
-from skyrl_lora.server.gate import AdapterGate
+from skyrl_lora.server.gate import DEFAULT_RESUME_PACING, AdapterGate, ResumePacing
 from skyrl_lora.server.push import DEFAULT_MAX_ADAPTER_BYTES
 from skyrl_lora.server.routes import build_router, error_response
 from skyrl_lora.server.sample import Sampler
@@ -68,6 +68,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="where each loaded adapter version is copied (default: a temporary folder)",
     )
+    group.add_argument(
+        "--no-resume-pacing",
+        dest="resume_pacing",
+        action="store_false",
+        help="let a resumed adapter's requests back in all at once instead of 2 per 10 ms "
+        "for 0.25 s (their re-prefill then stalls the other tenants for one long step)",
+    )
     args = parser.parse_args(list(argv))
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
@@ -76,6 +83,11 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
             args.worker_extension_cls,
         )
     return args
+
+
+def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:
+    """The gate's pacing after a resume (``--no-resume-pacing`` turns it off)."""
+    return DEFAULT_RESUME_PACING if getattr(args, "resume_pacing", True) else None
 
 
 class AdapterVersionHeader:
@@ -132,7 +144,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     registry.adopt_static()
     gated = GatedEngine(
         engine_client,
-        AdapterGate(version_of=registry.version),
+        AdapterGate(version_of=registry.version, pacing=resume_pacing(args)),
         registry,
         max_loras=compat.max_loras(engine_client),
     )

@@ -22,8 +22,8 @@ usage: skyrl-lora serve [--embedded] [--no-ray] [skyrl-lora flags] [vllm serve f
   --embedded   serve the embedded tiny model and its adapters (no download)
   --no-ray     serve in this process instead of a local Ray actor
 
-skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir) and
-every `vllm serve` flag follow.
+skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir,
+--max-adapter-bytes, --no-resume-pacing) and every `vllm serve` flag follow.
 """
 
 

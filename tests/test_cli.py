@@ -35,3 +35,12 @@ def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(flag: str, extra: li
         assert vllms in out, vllms
     assert "RAY_STARTED=False" in out
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("flags", "paced"), [([], True), (["--no-resume-pacing"], False)])
+def test_resume_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) -> None:
+    from skyrl_lora.server.app import parse_server_args, resume_pacing
+    from skyrl_lora.server.gate import DEFAULT_RESUME_PACING
+
+    pacing = resume_pacing(parse_server_args(["--model", "unused", *flags]))
+    assert pacing == (DEFAULT_RESUME_PACING if paced else None)
