@@ -177,7 +177,11 @@ class AdapterGate:
             if wait <= 0:
                 break
             self.counters.paced_requests += 1
-            await asyncio.sleep(wait)
+            state.held += 1  # waiting at the gate too: ``forget`` must keep the state
+            try:
+                await asyncio.sleep(wait)
+            finally:
+                state.held -= 1
             if not state.paused:
                 break
         # No await between the paused check above and the registration below.

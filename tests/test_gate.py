@@ -234,7 +234,9 @@ async def test_a_pause_during_pacing_holds_the_waiting_requests() -> None:
     await asyncio.sleep(0.01)
     gate.resume("a")
     await asyncio.sleep(0.01)  # a0 is in, a1 and a2 wait for their slots
-    assert gate.in_flight("a") == 1
+    assert gate.in_flight("a") == 1 and gate.held("a") == 2
+    gate.forget("a")  # an unload meanwhile must not drop the waiters' state
+    assert gate.held("a") == 2
     for admission in [waiting[0].result()]:
         gate.release(admission)
     await gate.pause("a", engine.abort)
