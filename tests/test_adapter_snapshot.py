@@ -27,9 +27,7 @@ def _adapter(folder: Path) -> dict[str, bytes]:
 
 
 def _read(folder: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()
-    }
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def test_snapshot_copies_every_byte(tmp_path: Path) -> None:
