@@ -49,6 +49,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 class LoRAEngine(Protocol):
     """The part of vLLM's engine client the registry uses."""
 
+    async def stage(self, lora_request: Any) -> None:
+        """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing)."""
+
+    async def discard(self, lora_id: int) -> None:
+        """Forget a staging that will not be installed."""
+
     async def add_lora(self, lora_request: Any) -> bool: ...
 
     async def remove_lora(self, lora_id: int) -> bool: ...
@@ -62,6 +68,20 @@ class AdapterRecord:
     version: int
     source_path: str
     lora_request: Any  # vllm.lora.request.LoRARequest
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """A version snapshotted and staged, not yet installed (see :meth:`AdapterRegistry.prepare`)."""
+
+    lora_name: str
+    version: int
+    source_path: str
+    lora_request: Any  # vllm.lora.request.LoRARequest
+
+    @property
+    def snapshot(self) -> Path:
+        return Path(self.lora_request.lora_path)
 
 
 class AdapterRegistry:
@@ -163,6 +183,18 @@ class AdapterRegistry:
         last request ends). The caller holds :meth:`lock`. On failure the
         previous version (if any) stays in service and nothing is left on disk.
         """
+        return await self.install(await self.prepare(lora_name, source_path, version))
+
+    async def prepare(
+        self, lora_name: str, source_path: str, version: int | None = None
+    ) -> PreparedVersion:
+        """Snapshot ``source_path`` and stage it, without touching what serves now.
+
+        All the slow work of a load (copying, reading, parsing, packing)
+        happens here, so a reload can run it while the current version still
+        serves and pause the adapter only for :meth:`install`. The caller
+        holds :meth:`lock` until it installs or :meth:`abandon` s the result.
+        """
         version = self._next_version(lora_name, version)
         target = self._snapshot_dir(lora_name, version)
         started = time.perf_counter()
@@ -173,12 +205,12 @@ class AdapterRegistry:
             version=version,
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
-        return await self._install(lora_name, version, target, source_path)
+        return await self._stage(lora_name, version, target, source_path)
 
-    async def load_owned(
+    async def prepare_owned(
         self, lora_name: str, folder: Path, source: str, version: int | None = None
-    ) -> tuple[AdapterRecord, AdapterRecord | None]:
-        """Like :meth:`load` for a folder the server wrote itself (an upload).
+    ) -> PreparedVersion:
+        """Like :meth:`prepare` for a folder the server wrote itself (an upload).
 
         The folder is moved into place (never copied) and removed on failure.
         """
@@ -189,7 +221,7 @@ class AdapterRegistry:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return await self._install(lora_name, version, target, source)
+        return await self._stage(lora_name, version, target, source)
 
     def upload_dir(self) -> Path:
         """A fresh folder beside the snapshots (same file system, so moves are renames)."""
@@ -197,34 +229,71 @@ class AdapterRegistry:
         uploads.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=uploads))
 
-    async def _install(
+    async def _stage(
         self, lora_name: str, version: int, snapshot: Path, source: str
-    ) -> tuple[AdapterRecord, AdapterRecord | None]:
-        lora_id = next(self._ids)
-        engine_name = f"{lora_name}@v{version}"
+    ) -> PreparedVersion:
         request = self._make_request(
-            lora_name=engine_name, lora_int_id=lora_id, lora_path=str(snapshot)
+            lora_name=f"{lora_name}@v{version}",
+            lora_int_id=next(self._ids),
+            lora_path=str(snapshot),
         )
+        prepared = PreparedVersion(lora_name, version, source, request)
+        try:
+            await self._engine.stage(request)
+        except BaseException as exc:
+            await self.abandon(prepared)
+            if isinstance(exc, Exception):
+                raise self._load_failed(prepared, exc) from exc
+            raise
+        return prepared
+
+    async def install(
+        self, prepared: PreparedVersion
+    ) -> tuple[AdapterRecord, AdapterRecord | None]:
+        """Make a prepared version the current one (a short install in the engine).
+
+        Returns the new record and the one it replaced (now draining).
+        """
+        lora_name, version, request = prepared.lora_name, prepared.version, prepared.lora_request
         try:
             await self._engine.add_lora(request)
-        except Exception as exc:
-            shutil.rmtree(snapshot, ignore_errors=True)
-            log_event("adapter_load_failed", lora_name=lora_name, path=source, error=str(exc))
-            raise BadRequestError(
-                f"loading LoRA adapter {lora_name!r} from {source!r} failed: {exc}"
-            ) from exc
+        except BaseException as exc:
+            await self.abandon(prepared)
+            if isinstance(exc, Exception):
+                raise self._load_failed(prepared, exc) from exc
+            raise
         previous = self._records.get(lora_name)
         self._last_version[lora_name] = version
-        record = AdapterRecord(lora_name, version, source, request)
+        record = AdapterRecord(lora_name, version, prepared.source_path, request)
         self._records[lora_name] = record
-        self._public_names[engine_name] = lora_name
+        self._public_names[request.lora_name] = lora_name
         self._published[lora_name] = self._make_request(
-            lora_name=lora_name, lora_int_id=lora_id, lora_path=str(snapshot)
+            lora_name=lora_name, lora_int_id=request.lora_int_id, lora_path=request.lora_path
         )
         if previous is not None:
             self._draining[lora_name][previous.version] = previous
-        log_event("adapter_load", lora_name=lora_name, version=version, path=source)
+        log_event("adapter_load", lora_name=lora_name, version=version, path=prepared.source_path)
         return record, previous
+
+    async def abandon(self, prepared: PreparedVersion) -> None:
+        """Drop a prepared version that will not be installed: its staging and snapshot."""
+        try:
+            await self._engine.discard(prepared.lora_request.lora_int_id)
+        finally:
+            shutil.rmtree(prepared.snapshot, ignore_errors=True)
+
+    @staticmethod
+    def _load_failed(prepared: PreparedVersion, exc: Exception) -> BadRequestError:
+        log_event(
+            "adapter_load_failed",
+            lora_name=prepared.lora_name,
+            path=prepared.source_path,
+            error=str(exc),
+        )
+        return BadRequestError(
+            f"loading LoRA adapter {prepared.lora_name!r} from {prepared.source_path!r} "
+            f"failed: {exc}"
+        )
 
     async def unload(self, lora_name: str) -> AdapterRecord:
         """Drop the name and retire every version of it (the caller paused it)."""

@@ -15,13 +15,13 @@ from contextvars import ContextVar
 from typing import Any
 
 from skyrl_lora.server import compat
-from skyrl_lora.server.adapters import AdapterRecord, AdapterRegistry
+from skyrl_lora.server.adapters import AdapterRecord, AdapterRegistry, PreparedVersion
 from skyrl_lora.server.gate import AdapterGate, DrainResult
 from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
 
-#: Installs the next version of an adapter; returns (new record, replaced record).
-Installer = Callable[[], Awaitable[tuple[AdapterRecord, AdapterRecord | None]]]
+#: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``).
+Preparer = Callable[[], Awaitable[PreparedVersion]]
 
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
@@ -125,17 +125,21 @@ class GatedEngine:
     ) -> SwapPolicy:
         """Load or reload from a folder; see :meth:`swap` for the policies."""
         return await self.swap(
-            lora_name, policy, lambda: self.registry.load(lora_name, lora_path, version)
+            lora_name, policy, lambda: self.registry.prepare(lora_name, lora_path, version)
         )
 
-    async def swap(self, lora_name: str, policy: SwapPolicy, install: Installer) -> SwapPolicy:
+    async def swap(self, lora_name: str, policy: SwapPolicy, prepare: Preparer) -> SwapPolicy:
         """Install a new version of ``lora_name`` under ``policy``; returns the policy applied.
 
-        ``abort_resume``: pause the adapter (unless the caller did), install,
-        resume, then retire every older version in the background (listed
-        as draining with nothing in flight until its slot and snapshot are
-        gone). In-flight requests are aborted and resumed by the client on
-        the new version.
+        The new version is snapshotted and staged first, while the current
+        one still serves: the slow part of a load (tens of ms on a GPU) never
+        holds the adapter's requests. A failed load changes nothing.
+
+        ``abort_resume``: then pause the adapter (unless the caller did),
+        install, resume, and retire every older version in the background
+        (listed as draining with nothing in flight until its slot and
+        snapshot are gone). In-flight requests are aborted and resumed by the
+        client on the new version.
 
         ``finish_old``: no pause. Requests admitted from now on run on the new
         version; those in flight finish on the old one, which is retired when
@@ -146,22 +150,27 @@ class GatedEngine:
         back to ``abort_resume`` instead and says so in its answer.
         """
         async with self.registry.lock(lora_name):
+            prepared = await prepare()
             if lora_name not in self.registry.names():
-                await install()
+                await self.registry.install(prepared)
                 return policy
             if policy == "finish_old" and not self._spare_slot_for(lora_name):
                 log_event("swap_policy_fallback", lora_name=lora_name, policy="abort_resume")
                 policy = "abort_resume"
             if policy == "finish_old":
-                _, previous = await install()
+                _, previous = await self.registry.install(prepared)
                 if previous is not None:
                     self._retire_if_drained(lora_name, previous.version)
                 return policy
             paused_here = not self.gate.is_paused(lora_name)
-            if paused_here:
-                await self.pause(lora_name)
             try:
-                await install()
+                if paused_here:
+                    await self.pause(lora_name)
+            except BaseException:
+                await self.registry.abandon(prepared)
+                raise
+            try:
+                await self.registry.install(prepared)
             finally:
                 if paused_here:
                     self.resume(lora_name)

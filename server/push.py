@@ -115,7 +115,7 @@ async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy:
         return await engine.swap(
             pushed.lora_name,
             pushed.swap_policy,
-            lambda: engine.registry.load_owned(
+            lambda: engine.registry.prepare_owned(
                 pushed.lora_name, pushed.folder, source, pushed.version
             ),
         )
