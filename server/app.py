@@ -158,6 +158,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         vllm_version=compat.vllm_version(),
         eos_token_id=getattr(tokenizer, "eos_token_id", None),
         adapter_staging=lora_engine.available,
+        adapter_slot_prefill=lora_engine.slot_prefill,
     )
     app.include_router(
         build_router(gated, Sampler(gated, max_model_len), info, args.max_adapter_bytes)

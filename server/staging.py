@@ -14,13 +14,17 @@ Here the expensive part moves to a background thread of each worker:
    loader, so validation and layout are exactly vLLM's, and packs it for
    the worker's layers (fused q/k/v and gate/up, scaling folded into B,
    pinned host copies) with the model manager's own packing.
-2. The API server polls :meth:`LoRAStagingExtension.skyrl_lora_staged` (a
+2. Where an engine LoRA slot is free, the staging thread also copies the
+   packed model into it (:mod:`skyrl_lora.server.slots`): no request reads
+   a slot before an adapter is active in it.
+3. The API server polls :meth:`LoRAStagingExtension.skyrl_lora_staged` (a
    dictionary look-up per call) until the model is ready or failed.
-3. The ordinary ``add_lora`` then finds the staged model: the worker's
+4. The ordinary ``add_lora`` then finds the staged model: the worker's
    ``_load_adapter`` is wrapped to hand it out instead of reading the files
-   again, and the model manager's packing skips a model staging already
-   packed, so what runs in the step loop is only the cache insert and the
-   copy into a GPU slot.
+   again, the model manager's packing skips a model staging already packed,
+   and its activation claims the slot already written, so what runs in the
+   step loop is the cache insert and the slot bookkeeping (the copy into a
+   slot too, when none was free while staging).
 
 The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
@@ -47,6 +51,7 @@ from typing import Any
 
 from skyrl_lora.server import compat
 from skyrl_lora.server.observability import log_event
+from skyrl_lora.server.slots import SlotPrefill
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
 #: logger tree has a handler: a child of it puts our timings in vLLM's log.
@@ -67,7 +72,7 @@ STAGING_SWITCH_INTERVAL_S = 0.0005
 class _WorkerStaging:
     """Per-worker state: one loader thread and the models it has built."""
 
-    def __init__(self, lora_manager: Any) -> None:
+    def __init__(self, lora_manager: Any, device: Any = None) -> None:
         self._manager = lora_manager
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="skyrl-lora-stage"
@@ -84,6 +89,16 @@ class _WorkerStaging:
         self._pack = getattr(model_manager, compat.LORA_PACKING_METHOD, None)
         if self._pack is not None:
             setattr(model_manager, compat.LORA_PACKING_METHOD, self._pack_unless_packed)
+        #: Writes a packed model into a free engine slot, off the step loop too.
+        self._slots = (
+            SlotPrefill(model_manager, device)
+            if self._pack is not None and SlotPrefill.supports(model_manager)
+            else None
+        )
+
+    @property
+    def slot_prefill(self) -> bool:
+        return self._slots is not None
 
     def stage(self, lora_request: Any) -> None:
         future = self._pool.submit(self._timed_load, lora_request)
@@ -99,14 +114,15 @@ class _WorkerStaging:
             return PENDING
         error = future.exception()
         if error is not None:
-            with self._lock:
-                self._staged.pop(lora_int_id, None)
+            self.discard(lora_int_id)
             return FAILED + f"{type(error).__name__}: {error}"
         return READY
 
     def discard(self, lora_int_id: int) -> None:
         with self._lock:
             self._staged.pop(lora_int_id, None)
+        if self._slots is not None:
+            self._slots.release(lora_int_id)
 
     def _timed_load(self, lora_request: Any) -> Any:
         """Read, validate and pack one adapter (on the staging thread)."""
@@ -119,15 +135,19 @@ class _WorkerStaging:
             if self._pack is not None:
                 self._pack(model)
                 self._packed.add(model)
+            packed = time.perf_counter()
+            in_slot = self._slots is not None and self._slots.write(model)
         finally:
             sys.setswitchinterval(switch_interval)
         done = time.perf_counter()
         logger.info(
-            "skyrl-lora staged adapter %s off the step loop in %.1f ms (read %.1f, pack %.1f)",
+            "skyrl-lora staged adapter %s off the step loop in %.1f ms "
+            "(read %.1f, pack %.1f, slot %s)",
             lora_request.lora_name,
             (done - started) * 1000,
             (loaded - started) * 1000,
-            (done - loaded) * 1000,
+            (packed - loaded) * 1000,
+            f"{(done - packed) * 1000:.1f}" if in_slot else "none spare",
         )
         return model
 
@@ -149,6 +169,8 @@ class _WorkerStaging:
         try:
             return self._install(lora_request)
         finally:
+            if self._slots is not None:  # an install that failed before claiming its slot
+                self._slots.release(lora_request.lora_int_id)
             logger.info(
                 "skyrl-lora installed adapter %s in the step loop in %.1f ms",
                 lora_request.lora_name,
@@ -178,12 +200,15 @@ class LoRAStagingExtension:
             manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
             if manager is None:
                 raise RuntimeError("LoRA is not enabled on this worker (--enable-lora)")
-            self._skyrl_staging = _WorkerStaging(manager)
+            self._skyrl_staging = _WorkerStaging(manager, getattr(self, "device", None))
         return self._skyrl_staging
 
     def skyrl_staging_available(self) -> bool:
         self._skyrl_stager()
         return True
+
+    def skyrl_slot_prefill_available(self) -> bool:
+        return self._skyrl_stager().slot_prefill
 
     def skyrl_stage_lora(self, request: dict[str, Any]) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request))
@@ -229,12 +254,15 @@ class StagedLoRAEngine:
         self._engine = engine_client
         self._config = config
         self.available = False
+        self.slot_prefill = False
 
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         try:
             await compat.collective_rpc(self._engine, "skyrl_staging_available")
             self.available = True
+            prefill = await compat.collective_rpc(self._engine, "skyrl_slot_prefill_available")
+            self.slot_prefill = all(prefill)
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)
             self.available = False

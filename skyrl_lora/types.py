@@ -210,6 +210,9 @@ class ServerInfo(_Wire):
     #: loop (see ``skyrl_lora.server.staging``); False means every load
     #: stalls all tenants for as long as it takes.
     adapter_staging: bool = False
+    #: Whether staging also writes the adapter into a free engine slot, leaving
+    #: the step loop only the bookkeeping of the install.
+    adapter_slot_prefill: bool = False
 
 
 class ErrorDetail(_Wire):

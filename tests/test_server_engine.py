@@ -90,6 +90,7 @@ async def wait_until_running(http, server, name: str, count: int) -> None:
 async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -> None:
     info = await get(http, engine_server, "/skyrl/v1/server_info")
     assert info["adapter_staging"] is True  # the worker extension is live in vLLM's workers
+    assert info["adapter_slot_prefill"] is True  # and writes engine slots off the loop too
     name = "staged-load"
     await post(
         http,

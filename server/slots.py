@@ -1,0 +1,197 @@
+"""Copy a staged adapter into a free engine LoRA slot beside the step loop.
+
+Installing an adapter in vLLM ends with ``activate_adapter``: the model
+manager takes the first free slot of its stacked LoRA tensors and copies
+every layer's A and B into it (for the perf model's rank-16 adapter, 224
+``copy_`` and 64 ``reset_lora`` calls: 7-15 ms on an H100), inside the
+engine's step loop, where no tenant gets a token meanwhile. No request reads
+a slot until an adapter is active in it, so the copy itself can run on the
+staging thread while the engine keeps stepping; the step loop then only
+records the adapter as active in the slot already written.
+
+:class:`SlotPrefill` does that with vLLM's own pieces:
+
+* :meth:`SlotPrefill.write` (staging thread) reserves the first free slot by
+  putting a placeholder id in ``lora_index_to_id`` (so vLLM's first-free
+  search skips it), writes the model with each layer's own ``set_lora`` /
+  ``reset_lora`` and waits for the copies to land.
+* The manager's ``activate_adapter`` is wrapped. For an adapter with a
+  written slot it clears the placeholder and calls vLLM's own
+  ``activate_adapter`` with the layer table swapped out for an empty one,
+  so vLLM's bookkeeping (LRU order, slot table) runs and its copies do not.
+  It claims the slot only when vLLM's first-free search lands on it and
+  nothing needs evicting; otherwise it gives the slot up and lets vLLM
+  activate the usual way, copies and all.
+* A reserved slot never starves vLLM: when an adapter needs a slot and none
+  is free, every reservation is given up first (waiting for a half-written
+  one), and vLLM proceeds as it would have.
+
+Every path that does not claim a written slot ends in vLLM's unmodified
+activation, so the worst case is the old cost, never wrong weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("vllm.skyrl_lora.slots")
+
+
+@dataclass
+class _Reservation:
+    index: int
+    #: The manager's slot table when the slot was reserved: vLLM replaces
+    #: the list on ``remove_all_adapters``, which voids the reservation.
+    slots: list[int | None]
+    written: bool = False
+
+
+def _placeholder(lora_id: int) -> int:
+    """Marks a reserved slot; request ids are positive, so no request maps to it."""
+    return -lora_id
+
+
+class SlotPrefill:
+    """Slot writes off the step loop for one worker's ``LoRAModelManager``."""
+
+    def __init__(self, model_manager: Any, device: Any = None) -> None:
+        self._manager = model_manager
+        #: Our own reference: a claim swaps the manager's table out briefly.
+        self._modules = dict(model_manager.modules)
+        self._device = device
+        self._activate = model_manager.activate_adapter
+        self._lock = threading.Lock()
+        self._reserved: dict[int, _Reservation] = {}
+        model_manager.activate_adapter = self._activate_adapter
+
+    @staticmethod
+    def supports(model_manager: Any) -> bool:
+        """Whether this manager has the parts the prefill relies on.
+
+        Classification heads carry extra per-slot state that only vLLM's own
+        activation writes, so a model with one keeps vLLM's activation.
+        """
+        needed = ("modules", "lora_index_to_id", "_active_adapters", "lora_slots")
+        if not all(hasattr(model_manager, name) for name in needed):
+            return False
+        if not hasattr(model_manager, "_get_lora_layer_weights"):
+            return False
+        return all(
+            hasattr(m, "set_lora")
+            and hasattr(m, "reset_lora")
+            and not hasattr(m, "set_module_to_save")
+            for m in model_manager.modules.values()
+        )
+
+    # -- staging thread ------------------------------------------------------
+    def write(self, model: Any) -> bool:
+        """Reserve a free slot and copy ``model`` into it; False when none is spare.
+
+        A slot is spare only if vLLM could activate the model without evicting
+        an active adapter. The lock is held while writing, so a release from
+        the step loop waits for a half-written slot rather than reuse it.
+        """
+        manager = self._manager
+        with self._lock:
+            slots = manager.lora_index_to_id
+            if len(manager._active_adapters) + len(self._reserved) >= manager.lora_slots:
+                return False
+            if None not in slots or model.id in self._reserved:
+                return False
+            index = slots.index(None)
+            slots[index] = _placeholder(model.id)
+            reservation = self._reserved[model.id] = _Reservation(index, slots)
+            try:
+                for name, module in self._modules.items():
+                    weights = manager._get_lora_layer_weights(model, name)
+                    if weights is None:
+                        module.reset_lora(index)
+                    else:
+                        module.set_lora(index, weights.lora_a, weights.lora_b)
+                self._wait_for_copies()
+            except BaseException:
+                self._release_locked(model.id)
+                raise
+            reservation.written = True
+        return True
+
+    def _wait_for_copies(self) -> None:
+        """``set_lora`` copies asynchronously from pinned memory on a GPU."""
+        import torch
+
+        device = self._device
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    # -- either thread -------------------------------------------------------
+    def release(self, lora_id: int) -> None:
+        """Give up the slot reserved for ``lora_id`` (a staging not installed)."""
+        with self._lock:
+            self._release_locked(lora_id)
+
+    def reserved(self, lora_id: int) -> bool:
+        return lora_id in self._reserved
+
+    def _release_locked(self, lora_id: int) -> None:
+        reservation = self._reserved.pop(lora_id, None)
+        if reservation is None:
+            return
+        slots = reservation.slots
+        if slots is self._manager.lora_index_to_id and slots[reservation.index] == _placeholder(
+            lora_id
+        ):
+            slots[reservation.index] = None
+
+    # -- step loop -----------------------------------------------------------
+    def _activate_adapter(self, lora_id: int) -> bool:
+        """vLLM's ``activate_adapter``, claiming a slot written off the loop.
+
+        vLLM calls it for every active adapter on every step (a touch of its
+        LRU order), so an active adapter goes straight through. Any other
+        activation holds the lock throughout, so no reservation can take the
+        slot vLLM is about to pick (it waits for a slot write in progress,
+        at most the copy the step loop would otherwise have made itself).
+        """
+        manager = self._manager
+        if lora_id in manager._active_adapters:
+            return bool(self._activate(lora_id))
+        with self._lock:
+            if lora_id in self._reserved:
+                claimed = self._claim_locked(lora_id)
+                if claimed is not None:
+                    return claimed
+            if self._reserved and None not in manager.lora_index_to_id:
+                for reserved_id in list(self._reserved):  # vLLM needs a slot: give way
+                    self._release_locked(reserved_id)
+            return bool(self._activate(lora_id))
+
+    def _claim_locked(self, lora_id: int) -> bool | None:
+        """Activate ``lora_id`` in its written slot; None when it must be copied again."""
+        manager = self._manager
+        reservation = self._reserved[lora_id]
+        slots = reservation.slots
+        usable = (
+            reservation.written
+            and slots is manager.lora_index_to_id
+            and slots[reservation.index] == _placeholder(lora_id)
+            and None not in slots[: reservation.index]
+            and len(manager._active_adapters) < manager.lora_slots
+        )
+        self._release_locked(lora_id)
+        if not usable:
+            return None
+        modules = manager.modules
+        manager.modules = {}
+        try:
+            activated = bool(self._activate(lora_id))
+        finally:
+            manager.modules = modules
+        if manager.lora_index_to_id[reservation.index] == lora_id:
+            return activated
+        # vLLM chose another slot after all: undo, and activate with copies.
+        logger.warning("skyrl-lora: adapter %d landed outside its written slot", lora_id)
+        manager.deactivate_adapter(lora_id)
+        return None
