@@ -75,6 +75,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="let a resumed adapter's requests back in all at once instead of 2 per 10 ms "
         "for 0.25 s (their re-prefill then stalls the other tenants for one long step)",
     )
+    group.add_argument(
+        "--no-slot-prefill",
+        dest="slot_prefill",
+        action="store_false",
+        help="copy a staged adapter into its engine slot in the step loop, as vLLM does, "
+        "instead of on the staging thread beforehand",
+    )
     args = parser.parse_args(list(argv))
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
@@ -131,7 +138,9 @@ class RunningServer:
 
 async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple[Any, GatedEngine]:
     app = await compat.build_app(engine_client, args)
-    lora_engine = staging.StagedLoRAEngine(engine_client)
+    lora_engine = staging.StagedLoRAEngine(
+        engine_client, staging.StagingConfig(slot_prefill=getattr(args, "slot_prefill", True))
+    )
     if getattr(args, "enable_lora", False):
         await lora_engine.probe()
     registry = AdapterRegistry(

@@ -72,7 +72,7 @@ STAGING_SWITCH_INTERVAL_S = 0.0005
 class _WorkerStaging:
     """Per-worker state: one loader thread and the models it has built."""
 
-    def __init__(self, lora_manager: Any, device: Any = None) -> None:
+    def __init__(self, lora_manager: Any, device: Any = None, slot_prefill: bool = True) -> None:
         self._manager = lora_manager
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="skyrl-lora-stage"
@@ -92,7 +92,7 @@ class _WorkerStaging:
         #: Writes a packed model into a free engine slot, off the step loop too.
         self._slots = (
             SlotPrefill(model_manager, device)
-            if self._pack is not None and SlotPrefill.supports(model_manager)
+            if slot_prefill and self._pack is not None and SlotPrefill.supports(model_manager)
             else None
         )
 
@@ -195,20 +195,19 @@ class LoRAStagingExtension:
 
     _skyrl_staging: _WorkerStaging | None = None
 
-    def _skyrl_stager(self) -> _WorkerStaging:
+    def _skyrl_stager(self, slot_prefill: bool = True) -> _WorkerStaging:
         if self._skyrl_staging is None:
             manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
             if manager is None:
                 raise RuntimeError("LoRA is not enabled on this worker (--enable-lora)")
-            self._skyrl_staging = _WorkerStaging(manager, getattr(self, "device", None))
+            self._skyrl_staging = _WorkerStaging(
+                manager, getattr(self, "device", None), slot_prefill=slot_prefill
+            )
         return self._skyrl_staging
 
-    def skyrl_staging_available(self) -> bool:
-        self._skyrl_stager()
-        return True
-
-    def skyrl_slot_prefill_available(self) -> bool:
-        return self._skyrl_stager().slot_prefill
+    def skyrl_start_staging(self, slot_prefill: bool = True) -> bool:
+        """Set staging up (once, at the server's start); True if slots are prefilled."""
+        return self._skyrl_stager(slot_prefill).slot_prefill
 
     def skyrl_stage_lora(self, request: dict[str, Any]) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request))
@@ -235,6 +234,9 @@ class StagingConfig:
     first_poll_s: float = 0.001
     max_poll_s: float = 0.002
     timeout_s: float = 600.0
+    #: Copy staged adapters into a free engine slot on the staging thread
+    #: (:mod:`skyrl_lora.server.slots`); off, vLLM copies in the step loop.
+    slot_prefill: bool = True
 
 
 class StagingError(Exception):
@@ -259,9 +261,10 @@ class StagedLoRAEngine:
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         try:
-            await compat.collective_rpc(self._engine, "skyrl_staging_available")
+            prefill = await compat.collective_rpc(
+                self._engine, "skyrl_start_staging", self._config.slot_prefill
+            )
             self.available = True
-            prefill = await compat.collective_rpc(self._engine, "skyrl_slot_prefill_available")
             self.slot_prefill = all(prefill)
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)

@@ -44,3 +44,10 @@ def test_resume_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
 
     pacing = resume_pacing(parse_server_args(["--model", "unused", *flags]))
     assert pacing == (DEFAULT_RESUME_PACING if paced else None)
+
+
+@pytest.mark.parametrize(("flags", "prefill"), [([], True), (["--no-slot-prefill"], False)])
+def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -> None:
+    from skyrl_lora.server.app import parse_server_args
+
+    assert parse_server_args(["--model", "unused", *flags]).slot_prefill is prefill

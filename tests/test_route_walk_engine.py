@@ -65,7 +65,14 @@ def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> It
     store = tmp_path_factory.mktemp("dev-store")
     argv = embedded_server_argv(
         embedded_model,
-        extra=["--api-keys", str(config / "keys.json"), "--adapter-root", str(store)],
+        # Slot prefill off here: the other servers run with it on, so CI covers both.
+        extra=[
+            "--api-keys",
+            str(config / "keys.json"),
+            "--adapter-root",
+            str(store),
+            "--no-slot-prefill",
+        ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env={**CPU_ENV, **DEV_ENV}))
     try:
@@ -174,3 +181,9 @@ async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServ
             [1, 2], sampling_params={"max_tokens": 2, "temperature": 0}, lora_name="meow"
         )
     assert out.adapter_version == 2
+
+
+async def test_slot_prefill_can_be_turned_off(dev_server: DevServer) -> None:
+    status, info = await dev_server.call("GET", "/skyrl/v1/server_info", ADMIN_KEY, None)
+    assert status == 200, info
+    assert info["adapter_staging"] is True and info["adapter_slot_prefill"] is False
