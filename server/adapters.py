@@ -33,7 +33,8 @@ import stat
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -238,13 +239,8 @@ class AdapterRegistry:
             lora_path=str(snapshot),
         )
         prepared = PreparedVersion(lora_name, version, source, request)
-        try:
+        async with self._abandoned_on_failure(prepared):
             await self._engine.stage(request)
-        except BaseException as exc:
-            await self.abandon(prepared)
-            if isinstance(exc, Exception):
-                raise self._load_failed(prepared, exc) from exc
-            raise
         return prepared
 
     async def install(
@@ -255,13 +251,8 @@ class AdapterRegistry:
         Returns the new record and the one it replaced (now draining).
         """
         lora_name, version, request = prepared.lora_name, prepared.version, prepared.lora_request
-        try:
+        async with self._abandoned_on_failure(prepared):
             await self._engine.add_lora(request)
-        except BaseException as exc:
-            await self.abandon(prepared)
-            if isinstance(exc, Exception):
-                raise self._load_failed(prepared, exc) from exc
-            raise
         previous = self._records.get(lora_name)
         self._last_version[lora_name] = version
         record = AdapterRecord(lora_name, version, prepared.source_path, request)
@@ -282,18 +273,25 @@ class AdapterRegistry:
         finally:
             shutil.rmtree(prepared.snapshot, ignore_errors=True)
 
-    @staticmethod
-    def _load_failed(prepared: PreparedVersion, exc: Exception) -> BadRequestError:
-        log_event(
-            "adapter_load_failed",
-            lora_name=prepared.lora_name,
-            path=prepared.source_path,
-            error=str(exc),
-        )
-        return BadRequestError(
-            f"loading LoRA adapter {prepared.lora_name!r} from {prepared.source_path!r} "
-            f"failed: {exc}"
-        )
+    @asynccontextmanager
+    async def _abandoned_on_failure(self, prepared: PreparedVersion) -> AsyncIterator[None]:
+        """On any failure drop ``prepared``; an engine error becomes a logged 400."""
+        try:
+            yield
+        except BaseException as exc:
+            await self.abandon(prepared)
+            if not isinstance(exc, Exception):
+                raise
+            log_event(
+                "adapter_load_failed",
+                lora_name=prepared.lora_name,
+                path=prepared.source_path,
+                error=str(exc),
+            )
+            raise BadRequestError(
+                f"loading LoRA adapter {prepared.lora_name!r} from {prepared.source_path!r} "
+                f"failed: {exc}"
+            ) from exc
 
     async def unload(self, lora_name: str) -> AdapterRecord:
         """Drop the name and retire every version of it (the caller paused it)."""

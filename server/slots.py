@@ -137,13 +137,15 @@ class SlotPrefill:
 
     def _release_locked(self, lora_id: int) -> None:
         reservation = self._reserved.pop(lora_id, None)
-        if reservation is None:
-            return
+        if reservation is not None and self._holds_slot(lora_id, reservation):
+            reservation.slots[reservation.index] = None
+
+    def _holds_slot(self, lora_id: int, reservation: _Reservation) -> bool:
+        """Whether the placeholder still stands in the manager's current slot table."""
         slots = reservation.slots
-        if slots is self._manager.lora_index_to_id and slots[reservation.index] == _placeholder(
+        return slots is self._manager.lora_index_to_id and slots[reservation.index] == _placeholder(
             lora_id
-        ):
-            slots[reservation.index] = None
+        )
 
     # -- step loop -----------------------------------------------------------
     def _activate_adapter(self, lora_id: int) -> bool:
@@ -172,12 +174,10 @@ class SlotPrefill:
         """Activate ``lora_id`` in its written slot; None when it must be copied again."""
         manager = self._manager
         reservation = self._reserved[lora_id]
-        slots = reservation.slots
         usable = (
             reservation.written
-            and slots is manager.lora_index_to_id
-            and slots[reservation.index] == _placeholder(lora_id)
-            and None not in slots[: reservation.index]
+            and self._holds_slot(lora_id, reservation)
+            and None not in reservation.slots[: reservation.index]
             and len(manager._active_adapters) < manager.lora_slots
         )
         self._release_locked(lora_id)
