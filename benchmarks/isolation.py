@@ -34,6 +34,7 @@ from typing import Any
 from benchmarks.common import TokenMeter, collector_paused, keep_sampling
 from benchmarks.stats import (
     IsolationChecks,
+    RoundBaselines,
     Spread,
     Tail,
     check_count,
@@ -140,7 +141,11 @@ class IsolationResult:
         )
 
     def per_round(self, mode: str) -> list[float]:
-        return _per_round(self.windows, mode)
+        return _per_round(self.windows, mode, self.config.checks.baseline_tolerance)
+
+    @property
+    def round_baselines(self) -> RoundBaselines:
+        return _round_baselines(self.windows, self.config.checks.baseline_tolerance)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -159,6 +164,9 @@ class IsolationResult:
             },
             "others_ratio": {m: s.to_json() for m, s in self.ratios.items()},
             "others_tok_s_no_swap": self.baseline.to_json(),
+            # None: the round's no-swap windows disagreed, it has no ratio
+            "round_baselines": list(self.round_baselines.per_round),
+            "lone_no_swap_windows": list(self.round_baselines.lone),
             "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
             "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
             "windows": [
@@ -234,17 +242,22 @@ async def _windows(
     return windows
 
 
-def _per_round(windows: list[Window], mode: str) -> list[float]:
+def _round_baselines(windows: list[Window], tolerance: float) -> RoundBaselines:
+    return RoundBaselines.of([w.others_rate for w in windows if w.mode == "no_swap"], tolerance)
+
+
+def _per_round(windows: list[Window], mode: str, tolerance: float) -> list[float]:
     """The others' rate in each ``mode`` window over its round's baseline.
 
-    A round's baseline is the mean of the no-swap windows just before and
-    just after its swap windows, so a slow drift cancels to first order.
+    Only rounds with a baseline count (see :class:`RoundBaselines`): the
+    mean of the no-swap windows just before and just after the round, so a
+    slow drift cancels to first order.
     """
-    base = [w for w in windows if w.mode == "no_swap"]
+    baselines = _round_baselines(windows, tolerance).per_round
     return [
-        w.others_rate / ((base[w.round].others_rate + base[w.round + 1].others_rate) / 2)
+        w.others_rate / base
         for w in windows
-        if w.mode == mode
+        if w.mode == mode and (base := baselines[w.round]) is not None
     ]
 
 
@@ -266,6 +279,12 @@ def _stall(
             check_count("stall gaps", len(values), 1, f"token gaps in a {kind} window")
             tails.setdefault(kind, []).append(Tail.of(values))
     return {k: tails_spread(v) for k, v in tails.items()}
+
+
+def _ratio_spread(windows: list[Window], mode: str, cfg: IsolationConfig) -> Spread:
+    """The ratios of the rounds with a baseline; NaN when none has one (``check`` says why)."""
+    ratios = _per_round(windows, mode, cfg.checks.baseline_tolerance)
+    return Spread.of(ratios) if ratios else Spread(math.nan, math.nan, math.nan, 0)
 
 
 async def run(
@@ -337,7 +356,7 @@ async def run(
         windows,
         others,
         meter,
-        ratios={m: Spread.of(_per_round(windows, m)) for m in SWAP_MODES},
+        ratios={m: _ratio_spread(windows, m, cfg) for m in SWAP_MODES},
         baseline=Spread.of(w.others_rate for w in windows if w.mode == "no_swap"),
         stall=_stall(windows, others, cfg.aftermath_s),
     )

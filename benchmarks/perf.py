@@ -200,7 +200,9 @@ def _isolation_figures(res: IsolationResult) -> dict[str, Any]:
 def _isolation_rows(res: IsolationResult, label: str) -> list[Row]:
     cfg = res.config
     others = cfg.tenants - 1
-    shape = f"{others} others x {cfg.streams} streams, {cfg.rounds} rounds"
+    kept = len(res.round_baselines.kept)
+    rounds = f"{cfg.rounds} rounds" if kept == cfg.rounds else f"{kept} of {cfg.rounds} rounds"
+    shape = f"{others} others x {cfg.streams} streams, {rounds}"
     swaps = {m: sum(len(w.swaps) for w in res.of(m)) for m in isolation.SWAP_MODES}
     rows = [
         spread_row(

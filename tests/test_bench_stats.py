@@ -16,6 +16,7 @@ from benchmarks.report import spread_row, table
 from benchmarks.stats import (
     Gap,
     IsolationChecks,
+    RoundBaselines,
     Spread,
     Tail,
     UntrustworthyRunError,
@@ -92,11 +93,33 @@ def test_global_pause_that_does_not_cost_the_others_fails_loudly() -> None:
     assert "1.05x" in str(err.value)
 
 
-def test_drifting_baseline_fails_loudly() -> None:
+def test_round_baselines_follow_a_slow_drift() -> None:
+    # 15% from end to end, but every neighbour within 20% of the next
+    rounds = RoundBaselines.of([100, 95, 90, 85], 0.2)
+    assert rounds.per_round == pytest.approx((97.5, 92.5, 87.5))
+    assert rounds.lone == ()
+    check_isolation([100, 95, 90, 85], [0.7, 0.7, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
+
+
+def test_a_lone_hiccup_window_is_set_aside() -> None:
+    rounds = RoundBaselines.of([100, 60, 98, 101], 0.2)
+    assert rounds.lone == (1,)
+    assert rounds.per_round == (100, 98, 99.5)  # rounds 0 and 1 take their other side alone
+    first = RoundBaselines.of([60, 100, 98], 0.2)  # the first window, low after warm-up
+    assert (first.lone, first.per_round) == ((0,), (100, 99))
+    check_isolation([100, 60, 98, 101], [0.7, 0.7, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
+
+
+def test_a_machine_that_changes_under_the_run_fails_loudly() -> None:
+    step = RoundBaselines.of([100, 100, 130, 130], 0.2)  # a step, not a hiccup
+    assert step.per_round == (100, None, 130) and step.lone == ()
+    check_isolation([100, 100, 130, 130], [0.7, 0.7], {}, 3, CHECKS)  # 2 of 3 rounds kept
     with pytest.raises(UntrustworthyRunError) as err:
-        check_isolation([100, 130, 98, 101], [0.7, 0.7, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
+        check_isolation([100, 130, 100, 130], [0.7], {}, 3, CHECKS)
     assert err.value.check == "stable baseline"
     assert "tolerance 20%" in str(err.value)
+    with pytest.raises(UntrustworthyRunError, match="disagree with every neighbour"):
+        check_isolation([100, 60, 100, 60, 100], [0.7], {}, 3, CHECKS)
 
 
 def test_fewer_swaps_than_planned_fails_loudly() -> None:
@@ -144,10 +167,15 @@ def test_round_ratio_uses_the_no_swap_windows_around_it() -> None:
     )
     assert res.per_round("per_adapter") == pytest.approx([0.9, 121 / 121])
     assert res.per_round("global") == pytest.approx([70 / 110, 88 / 121])
-    res.check()  # 100..122 is within 25% of the median
+    res.check()  # neighbours within 25% of each other
+    # within 10%, the first window (100 against 120) is a hiccup: round 0 takes 120 alone
     strict = replace(res, config=IsolationConfig(rounds=2, checks=IsolationChecks(0.1)))
+    assert strict.per_round("per_adapter") == pytest.approx([99 / 120, 1.0])
+    strict.check()
+    stricter = replace(res, config=IsolationConfig(rounds=2, checks=IsolationChecks(0.01)))
+    assert stricter.per_round("per_adapter") == []  # no round has a baseline
     with pytest.raises(UntrustworthyRunError, match="stable baseline"):
-        strict.check()
+        stricter.check()
 
 
 def test_table_has_the_readme_columns() -> None:
