@@ -25,6 +25,12 @@ records the adapter as active in the slot already written.
 * A reserved slot never starves vLLM: when an adapter needs a slot and none
   is free, every reservation is given up first (waiting for a half-written
   one), and vLLM proceeds as it would have.
+* The lock guards the slot table only, never a copy: an activation waits for
+  a slot write in progress only when it needs that very slot (the write's
+  slot is vLLM's first free one, or no slot is free at all). Any other
+  activation, such as an evicted adapter coming back into a free slot, goes
+  ahead while the staging thread writes (it waited for the whole write
+  before: 8-19 ms on an idle H100, up to 72 ms under load).
 
 Every path that does not claim a written slot ends in vLLM's unmodified
 activation, so the worst case is the old cost, never wrong weights.
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("vllm.skyrl_lora.slots")
@@ -47,6 +53,11 @@ class _Reservation:
     #: the list on ``remove_all_adapters``, which voids the reservation.
     slots: list[int | None]
     written: bool = False
+    #: Released while being written: the writer lets the slot go when done.
+    cancelled: bool = False
+    #: Set when the write ended, either way; until then only the writer
+    #: touches the slot, and nothing may give it to vLLM.
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _placeholder(lora_id: int) -> int:
@@ -91,8 +102,9 @@ class SlotPrefill:
         """Reserve a free slot and copy ``model`` into it; False when none is spare.
 
         A slot is spare only if vLLM could activate the model without evicting
-        an active adapter. The lock is held while writing, so a release from
-        the step loop waits for a half-written slot rather than reuse it.
+        an active adapter. The lock is held to reserve and to finish, not while
+        copying: the reservation's ``done`` event is what a step-loop caller
+        that needs this very slot waits for.
         """
         manager = self._manager
         with self._lock:
@@ -104,19 +116,24 @@ class SlotPrefill:
             index = slots.index(None)
             slots[index] = _placeholder(model.id)
             reservation = self._reserved[model.id] = _Reservation(index, slots)
-            try:
-                for name, module in self._modules.items():
-                    weights = manager._get_lora_layer_weights(model, name)
-                    if weights is None:
-                        module.reset_lora(index)
-                    else:
-                        module.set_lora(index, weights.lora_a, weights.lora_b)
-                self._wait_for_copies()
-            except BaseException:
-                self._release_locked(model.id)
-                raise
-            reservation.written = True
-        return True
+        copied = False
+        try:
+            for name, module in self._modules.items():
+                weights = manager._get_lora_layer_weights(model, name)
+                if weights is None:
+                    module.reset_lora(index)
+                else:
+                    module.set_lora(index, weights.lora_a, weights.lora_b)
+            self._wait_for_copies()
+            copied = True
+        finally:
+            with self._lock:  # ends under the lock: a release sees written or dropped
+                if copied and not reservation.cancelled:
+                    reservation.written = True
+                else:
+                    self._drop_locked(model.id)
+                reservation.done.set()
+        return reservation.written
 
     def _wait_for_copies(self) -> None:
         """``set_lora`` copies asynchronously from pinned memory on a GPU."""
@@ -136,6 +153,16 @@ class SlotPrefill:
         return lora_id in self._reserved
 
     def _release_locked(self, lora_id: int) -> None:
+        """Drop a finished reservation; one still being written is dropped by its writer."""
+        reservation = self._reserved.get(lora_id)
+        if reservation is None:
+            return
+        if reservation.done.is_set():
+            self._drop_locked(lora_id)
+        else:
+            reservation.cancelled = True
+
+    def _drop_locked(self, lora_id: int) -> None:
         reservation = self._reserved.pop(lora_id, None)
         if reservation is not None and self._holds_slot(lora_id, reservation):
             reservation.slots[reservation.index] = None
@@ -153,22 +180,49 @@ class SlotPrefill:
 
         vLLM calls it for every active adapter on every step (a touch of its
         LRU order), so an active adapter goes straight through. Any other
-        activation holds the lock throughout, so no reservation can take the
-        slot vLLM is about to pick (it waits for a slot write in progress,
-        at most the copy the step loop would otherwise have made itself).
+        activation runs under the lock, so no reservation can take the slot
+        vLLM is about to pick; it first waits for a slot write in progress
+        only if that write is in its way (:meth:`_in_the_way_locked`).
         """
+        if lora_id in self._manager._active_adapters:
+            return bool(self._activate(lora_id))
+        while True:
+            with self._lock:
+                busy = self._in_the_way_locked(lora_id)
+                if busy is None:
+                    return self._activate_locked(lora_id)
+            busy.done.wait()
+
+    def _in_the_way_locked(self, lora_id: int) -> _Reservation | None:
+        """A reservation still being written that this activation must wait for.
+
+        Its own (not normally: an adapter is installed after its staging);
+        the one whose slot vLLM's first-free search would pick (its table
+        was replaced under it); or any, when no slot is free and vLLM needs
+        one given up.
+        """
+        busy = [r for r in self._reserved.values() if not r.done.is_set()]
+        own = self._reserved.get(lora_id)
+        if own is not None and own in busy:
+            return own
+        if not busy:
+            return None
+        slots = self._manager.lora_index_to_id
+        if None not in slots:
+            return busy[0]
+        first_free = slots.index(None)
+        return next((r for r in busy if r.index == first_free), None)
+
+    def _activate_locked(self, lora_id: int) -> bool:
         manager = self._manager
-        if lora_id in manager._active_adapters:
-            return bool(self._activate(lora_id))
-        with self._lock:
-            if lora_id in self._reserved:
-                claimed = self._claim_locked(lora_id)
-                if claimed is not None:
-                    return claimed
-            if self._reserved and None not in manager.lora_index_to_id:
-                for reserved_id in list(self._reserved):  # vLLM needs a slot: give way
-                    self._release_locked(reserved_id)
-            return bool(self._activate(lora_id))
+        if lora_id in self._reserved:
+            claimed = self._claim_locked(lora_id)
+            if claimed is not None:
+                return claimed
+        if self._reserved and None not in manager.lora_index_to_id:
+            for reserved_id in list(self._reserved):  # vLLM needs a slot: give way
+                self._release_locked(reserved_id)
+        return bool(self._activate(lora_id))
 
     def _claim_locked(self, lora_id: int) -> bool | None:
         """Activate ``lora_id`` in its written slot; None when it must be copied again."""

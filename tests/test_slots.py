@@ -198,3 +198,98 @@ def test_a_failed_write_leaves_no_reservation(manager: _Manager) -> None:
     with pytest.raises(RuntimeError, match="device lost"):
         prefill.write(manager.register(4))
     assert manager.lora_index_to_id == [None, None] and not prefill.reserved(4)
+
+
+class _HeldWrite:
+    """A slot write on its own thread, held inside its copy until ``finish``."""
+
+    def __init__(self, prefill: SlotPrefill, manager: _Manager, model: _Model) -> None:
+        self.entered = threading.Event()
+        self._go = threading.Event()
+        layer = manager.modules["qkv"]
+        real = layer.set_lora
+
+        def held(index: int, a: str, b: str) -> None:
+            if threading.current_thread() is self._thread:  # the step loop's copies go through
+                self.entered.set()
+                assert self._go.wait(5)
+            real(index, a, b)
+
+        layer.set_lora = held  # type: ignore[method-assign]
+        self.result: list[bool] = []
+        self._thread = threading.Thread(target=lambda: self.result.append(prefill.write(model)))
+        self._thread.start()
+        assert self.entered.wait(5)
+
+    def finish(self) -> bool:
+        self._go.set()
+        self._thread.join(5)
+        return self.result[0]
+
+
+def _activate_on_thread(manager: _Manager, lora_id: int) -> threading.Thread:
+    thread = threading.Thread(target=manager.activate_adapter, args=(lora_id,))
+    thread.start()
+    return thread
+
+
+def test_an_activation_into_another_free_slot_does_not_wait_for_a_write() -> None:
+    manager = _Manager(slots=3)
+    prefill = SlotPrefill(manager)
+    write = _HeldWrite(prefill, manager, manager.register(7))  # slot 0, held mid-copy
+    manager.register(1)
+    activation = _activate_on_thread(manager, 1)
+    activation.join(2)
+    assert not activation.is_alive()  # went ahead while the write is held
+    assert manager.lora_index_to_id == [-7, 1, None]
+    assert write.finish()
+    assert manager.activate_adapter(7) is True and manager.lora_index_to_id == [7, 1, None]
+    manager.assert_consistent()
+
+
+def test_an_activation_that_needs_the_slot_being_written_waits_for_it() -> None:
+    manager = _Manager(slots=2)
+    prefill = SlotPrefill(manager)
+    manager.register(1)
+    manager.activate_adapter(1)
+    write = _HeldWrite(prefill, manager, manager.register(2))  # the last free slot
+    manager.register(3)
+    activation = _activate_on_thread(manager, 3)  # needs a slot: must not take it mid-copy
+    activation.join(0.2)
+    assert activation.is_alive()
+    assert write.finish()
+    activation.join(5)
+    assert not activation.is_alive()
+    assert manager.lora_index_to_id == [1, 3] and not prefill.reserved(2)  # gave way
+    manager.assert_consistent()
+
+
+def test_a_release_during_the_write_frees_the_slot_when_it_ends() -> None:
+    manager = _Manager(slots=2)
+    prefill = SlotPrefill(manager)
+    write = _HeldWrite(prefill, manager, manager.register(5))
+    prefill.release(5)  # the staging was discarded meanwhile: returns at once
+    assert manager.lora_index_to_id == [-5, None]  # still the writer's until it ends
+    assert write.finish() is False
+    assert manager.lora_index_to_id == [None, None] and not prefill.reserved(5)
+    manager.activate_adapter(5)  # the usual way, copies and all
+    manager.assert_consistent()
+
+
+def test_a_replaced_slot_table_makes_an_activation_wait_for_the_write() -> None:
+    manager = _Manager(slots=2)
+    prefill = SlotPrefill(manager)
+    write = _HeldWrite(prefill, manager, manager.register(5))  # slot 0
+    manager.lora_index_to_id = [None, None]  # vLLM's remove_all_adapters
+    manager.register(6)
+    activation = _activate_on_thread(manager, 6)  # vLLM would pick slot 0, being written
+    activation.join(0.2)
+    assert activation.is_alive()
+    assert write.finish()
+    activation.join(5)
+    assert manager.lora_index_to_id == [6, None]
+    manager.assert_consistent()
+    copies = manager.copies
+    manager.activate_adapter(5)  # its reservation is void: copied the usual way
+    assert manager.copies == copies + 2 and manager.lora_index_to_id == [6, 5]
+    manager.assert_consistent()
