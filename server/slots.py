@@ -38,8 +38,10 @@ activation, so the worst case is the old cost, never wrong weights.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,7 @@ class SlotPrefill:
         #: Our own reference: a claim swaps the manager's table out briefly.
         self._modules = dict(model_manager.modules)
         self._device = device
+        self._stream: Any = None
         self._activate = model_manager.activate_adapter
         self._lock = threading.Lock()
         self._reserved: dict[int, _Reservation] = {}
@@ -118,13 +121,15 @@ class SlotPrefill:
             reservation = self._reserved[model.id] = _Reservation(index, slots)
         copied = False
         try:
-            for name, module in self._modules.items():
-                weights = manager._get_lora_layer_weights(model, name)
-                if weights is None:
-                    module.reset_lora(index)
-                else:
-                    module.set_lora(index, weights.lora_a, weights.lora_b)
-            self._wait_for_copies()
+            with self._copy_stream() as stream:
+                for name, module in self._modules.items():
+                    weights = manager._get_lora_layer_weights(model, name)
+                    if weights is None:
+                        module.reset_lora(index)
+                    else:
+                        module.set_lora(index, weights.lora_a, weights.lora_b)
+            if stream is not None:
+                stream.synchronize()
             copied = True
         finally:
             with self._lock:  # ends under the lock: a release sees written or dropped
@@ -135,13 +140,28 @@ class SlotPrefill:
                 reservation.done.set()
         return reservation.written
 
-    def _wait_for_copies(self) -> None:
-        """``set_lora`` copies asynchronously from pinned memory on a GPU."""
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[Any]:
+        """On a GPU, a CUDA stream of the prefill's own for the slot copies.
+
+        ``set_lora`` copies asynchronously from pinned memory. On the current
+        (default) stream they would queue behind every kernel the step loop
+        has launched, and waiting for them would wait for the engine's work
+        too (a rank-16 write took up to 72 ms under load). On a side stream
+        they run beside the engine's kernels, and the wait covers them alone.
+        No kernel reads the slot meanwhile: it is reserved, not active. On a
+        CPU the copies are synchronous; yields None.
+        """
         import torch
 
         device = self._device
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        if device is None or torch.device(device).type != "cuda":
+            yield None
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(self._stream):
+            yield self._stream
 
     # -- either thread -------------------------------------------------------
     def release(self, lora_id: int) -> None:
