@@ -148,6 +148,7 @@ class IsolationResult:
         return _round_baselines(self.windows, self.config.checks.baseline_tolerance)
 
     def to_json(self) -> dict[str, Any]:
+        rounds = self.round_baselines
         return {
             "config": {
                 "tenants": self.config.tenants,
@@ -165,8 +166,8 @@ class IsolationResult:
             "others_ratio": {m: s.to_json() for m, s in self.ratios.items()},
             "others_tok_s_no_swap": self.baseline.to_json(),
             # None: the round's no-swap windows disagreed, it has no ratio
-            "round_baselines": list(self.round_baselines.per_round),
-            "lone_no_swap_windows": list(self.round_baselines.lone),
+            "round_baselines": list(rounds.per_round),
+            "lone_no_swap_windows": list(rounds.lone),
             "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
             "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
             "windows": [

@@ -221,10 +221,10 @@ class SlotPrefill:
         was replaced under it); or any, when no slot is free and vLLM needs
         one given up.
         """
-        busy = [r for r in self._reserved.values() if not r.done.is_set()]
         own = self._reserved.get(lora_id)
-        if own is not None and own in busy:
+        if own is not None and not own.done.is_set():
             return own
+        busy = [r for r in self._reserved.values() if not r.done.is_set()]
         if not busy:
             return None
         slots = self._manager.lora_index_to_id

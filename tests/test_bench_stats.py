@@ -107,6 +107,9 @@ def test_a_lone_hiccup_window_is_set_aside() -> None:
     assert rounds.per_round == (100, 98, 99.5)  # rounds 0 and 1 take their other side alone
     first = RoundBaselines.of([60, 100, 98], 0.2)  # the first window, low after warm-up
     assert (first.lone, first.per_round) == ((0,), (100, 99))
+    two = RoundBaselines.of([60, 100], 0.2)  # no third window to say which one is off
+    assert (two.lone, two.per_round) == ((), (None,))
+    assert RoundBaselines.of([100], 0.2) == RoundBaselines((), ())
     check_isolation([100, 60, 98, 101], [0.7, 0.7, 0.7], {"global": [3, 3, 3]}, 3, CHECKS)
 
 

@@ -8,7 +8,6 @@ from benchmarks.__main__ import _prompt, cpu_shape
 from benchmarks.common import embedded_server
 from benchmarks import isolation
 
-out = []
 for label, flags in [("on", []), ("off", ["--no-slot-prefill"]), ("on", []), ("off", ["--no-slot-prefill"])]:
     with embedded_server(extra=["--max-loras", "8", *flags]) as (url, model):
         res = asyncio.run(isolation.run(url, model, _prompt(model), cpu_shape(False).isolation))
@@ -21,4 +20,3 @@ for label, flags in [("on", []), ("off", ["--no-slot-prefill"]), ("on", []), ("o
                    outside_p99=round(st["per_adapter_outside_swap"]["p99"]["median"], 1),
                    during_max=round(st["per_adapter_during_swap"]["max"]["median"], 1), windows=wins)
         print(json.dumps(row), flush=True)
-        out.append(row)
