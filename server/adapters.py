@@ -50,8 +50,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 class LoRAEngine(Protocol):
     """The part of vLLM's engine client the registry uses."""
 
-    async def stage(self, lora_request: Any) -> None:
-        """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing)."""
+    async def stage(self, lora_request: Any, replaces: int | None = None) -> None:
+        """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing).
+
+        ``replaces``: the engine id of a version none of whose requests can run
+        before this one is installed; the engine may drop it at once.
+        """
 
     async def discard(self, lora_id: int) -> None:
         """Forget a staging that will not be installed."""
@@ -187,7 +191,11 @@ class AdapterRegistry:
         return await self.install(await self.prepare(lora_name, source_path, version))
 
     async def prepare(
-        self, lora_name: str, source_path: str, version: int | None = None
+        self,
+        lora_name: str,
+        source_path: str,
+        version: int | None = None,
+        replaces: int | None = None,
     ) -> PreparedVersion:
         """Snapshot ``source_path`` and stage it, without touching what serves now.
 
@@ -195,6 +203,10 @@ class AdapterRegistry:
         happens here, so a reload can run it while the current version still
         serves and pause the adapter only for :meth:`install`. The caller
         holds :meth:`lock` until it installs or :meth:`abandon` s the result.
+        Only when the adapter is paused and drained does the caller name the
+        current version's engine id as ``replaces`` (see
+        :meth:`LoRAEngine.stage`): the registry keeps its record and snapshot
+        until it is retired, so a failed load still leaves it to serve.
         """
         version = self._next_version(lora_name, version)
         target = self._snapshot_dir(lora_name, version)
@@ -206,10 +218,15 @@ class AdapterRegistry:
             version=version,
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
-        return await self._stage(lora_name, version, target, source_path)
+        return await self._stage(lora_name, version, target, source_path, replaces)
 
     async def prepare_owned(
-        self, lora_name: str, folder: Path, source: str, version: int | None = None
+        self,
+        lora_name: str,
+        folder: Path,
+        source: str,
+        version: int | None = None,
+        replaces: int | None = None,
     ) -> PreparedVersion:
         """Like :meth:`prepare` for a folder the server wrote itself (an upload).
 
@@ -222,7 +239,7 @@ class AdapterRegistry:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return await self._stage(lora_name, version, target, source)
+        return await self._stage(lora_name, version, target, source, replaces)
 
     def upload_dir(self) -> Path:
         """A fresh folder beside the snapshots (same file system, so moves are renames)."""
@@ -231,7 +248,7 @@ class AdapterRegistry:
         return Path(tempfile.mkdtemp(dir=uploads))
 
     async def _stage(
-        self, lora_name: str, version: int, snapshot: Path, source: str
+        self, lora_name: str, version: int, snapshot: Path, source: str, replaces: int | None
     ) -> PreparedVersion:
         request = self._make_request(
             lora_name=f"{lora_name}@v{version}",
@@ -240,7 +257,7 @@ class AdapterRegistry:
         )
         prepared = PreparedVersion(lora_name, version, source, request)
         async with self._abandoned_on_failure(prepared):
-            await self._engine.stage(request)
+            await self._engine.stage(request, replaces)
         return prepared
 
     async def install(

@@ -20,8 +20,9 @@ from skyrl_lora.server.gate import AdapterGate, DrainResult
 from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
 
-#: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``).
-Preparer = Callable[[], Awaitable[PreparedVersion]]
+#: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
+#: its argument is the ``replaces`` id the registry passes on to the engine.
+Preparer = Callable[[int | None], Awaitable[PreparedVersion]]
 
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
@@ -125,7 +126,9 @@ class GatedEngine:
     ) -> SwapPolicy:
         """Load or reload from a folder; see :meth:`swap` for the policies."""
         return await self.swap(
-            lora_name, policy, lambda: self.registry.prepare(lora_name, lora_path, version)
+            lora_name,
+            policy,
+            lambda replaces: self.registry.prepare(lora_name, lora_path, version, replaces),
         )
 
     async def swap(self, lora_name: str, policy: SwapPolicy, prepare: Preparer) -> SwapPolicy:
@@ -133,7 +136,10 @@ class GatedEngine:
 
         The new version is snapshotted and staged first, while the current
         one still serves: the slow part of a load (tens of ms on a GPU) never
-        holds the adapter's requests. A failed load changes nothing.
+        holds the adapter's requests. A failed load changes nothing. When the
+        caller paused the adapter and nothing of it runs (a trainer's pause,
+        reload, resume), the engine may drop the current version as staging
+        starts (:meth:`_replaceable`), so the new one takes its engine slot.
 
         ``abort_resume``: then pause the adapter (unless the caller did),
         install, resume, and retire every older version in the background
@@ -150,7 +156,7 @@ class GatedEngine:
         back to ``abort_resume`` instead and says so in its answer.
         """
         async with self.registry.lock(lora_name):
-            prepared = await prepare()
+            prepared = await prepare(self._replaceable(lora_name))
             if lora_name not in self.registry.names():
                 await self.registry.install(prepared)
                 return policy
@@ -210,6 +216,20 @@ class GatedEngine:
             ],
             applied_swap_policy=applied,
         )
+
+    def _replaceable(self, lora_name: str) -> int | None:
+        """The current version's engine id if none of its requests can run before
+        the next version is installed: the adapter is paused and drained.
+
+        Requests arriving meanwhile wait at the gate and run on the new
+        version; a resume before the install (or a failed load) admits them
+        to the current one, which vLLM then reads again from its snapshot.
+        """
+        if lora_name not in self.registry.names():
+            return None
+        if not self.gate.is_paused(lora_name) or self.gate.in_flight(lora_name):
+            return None
+        return int(self.registry.get(lora_name).lora_request.lora_int_id)
 
     def _spare_slot_for(self, lora_name: str) -> bool:
         running_old = self.gate.in_flight(lora_name) > 0

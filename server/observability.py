@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from skyrl_lora.server.gate import AdapterGate
@@ -23,6 +23,15 @@ PAUSE_TO_ABORTED = Histogram(
     "skyrl_pause_to_aborted_seconds",
     "Time from a per-adapter pause (or abort) to every aborted request having returned.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+
+#: ``slot="none"`` counts the installs that vLLM copies into a slot in its
+#: step loop, stalling every tenant for that long (see ``server/slots.py``).
+STAGINGS = Counter(
+    "skyrl_adapter_stagings",
+    "Adapter versions staged off the step loop, by whether the staging also "
+    "wrote them into an engine LoRA slot.",
+    labelnames=["slot"],
 )
 
 

@@ -115,8 +115,8 @@ async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy:
         return await engine.swap(
             pushed.lora_name,
             pushed.swap_policy,
-            lambda: engine.registry.prepare_owned(
-                pushed.lora_name, pushed.folder, source, pushed.version
+            lambda replaces: engine.registry.prepare_owned(
+                pushed.lora_name, pushed.folder, source, pushed.version, replaces
             ),
         )
     finally:  # moved into its snapshot on success; gone in every other case

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,15 @@ class SlotPrefill:
 
     def reserved(self, lora_id: int) -> bool:
         return lora_id in self._reserved
+
+    def remove_adapter(self, remove: Callable[[int], bool], lora_id: int) -> bool:
+        """Run vLLM's removal of ``lora_id`` (step loop) under the slot table's lock.
+
+        The removal frees the adapter's slot; under the lock, a staging
+        thread reserving a slot sees the table before or after, never half-way.
+        """
+        with self._lock:
+            return remove(lora_id)
 
     def _release_locked(self, lora_id: int) -> None:
         """Drop a finished reservation; one still being written is dropped by its writer."""

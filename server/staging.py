@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_lora.server import compat
-from skyrl_lora.server.observability import log_event
+from skyrl_lora.server.observability import STAGINGS, log_event
 from skyrl_lora.server.slots import SlotPrefill
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
@@ -60,6 +60,8 @@ logger = logging.getLogger("vllm.skyrl_lora.staging")
 EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
 
 READY = "ready"
+#: Ready, and written into a free engine slot too (see :mod:`skyrl_lora.server.slots`).
+READY_IN_SLOT = "ready in slot"
 PENDING = "pending"
 UNKNOWN = "unknown"
 #: Prefix of the status of a staging that failed; the rest is the error.
@@ -100,10 +102,45 @@ class _WorkerStaging:
     def slot_prefill(self) -> bool:
         return self._slots is not None
 
-    def stage(self, lora_request: Any) -> None:
+    def stage(self, lora_request: Any, replaces: int | None = None) -> None:
+        """Start building ``lora_request``'s model on the staging thread (runs in the step loop).
+
+        ``replaces``: a version nothing can run on before this one is
+        installed, dropped from the engine first (see :meth:`_drop_replaced`).
+        """
+        if replaces is not None:
+            self._drop_replaced(replaces)
         future = self._pool.submit(self._timed_load, lora_request)
         with self._lock:
             self._staged[lora_request.lora_int_id] = future
+
+    def _drop_replaced(self, lora_id: int) -> None:
+        """Remove a version whose adapter is paused and drained, as vLLM's ``remove_lora`` does.
+
+        The registry names one when a trainer paused the adapter before the
+        reload, so none of its requests can run until the new version is
+        installed. Left in place it keeps its engine slot and its entry in
+        vLLM's CPU cache until it is retired after the resume. With every slot
+        in use (one adapter per slot, ``--max-loras`` tenants) the new version
+        then found no slot to be written into off the loop, and vLLM copied it
+        into one in the step loop. Registering it also pushed the least
+        recently used adapter out of the CPU cache, often another tenant's,
+        whose next step read its files again in the step loop (30-55 ms on an
+        H100 at 8 tenants). Should the new version never be installed (its
+        staging fails), vLLM reads the old one again from its snapshot at its
+        next request, as it does for any adapter it evicted.
+        """
+        started = time.perf_counter()
+        if self._slots is not None:
+            removed = self._slots.remove_adapter(self._manager.remove_adapter, lora_id)
+        else:
+            removed = self._manager.remove_adapter(lora_id)
+        if removed:
+            logger.info(
+                "skyrl-lora dropped the replaced adapter %d before staging in %.2f ms",
+                lora_id,
+                (time.perf_counter() - started) * 1000,
+            )
 
     def status(self, lora_int_id: int) -> str:
         with self._lock:
@@ -116,6 +153,8 @@ class _WorkerStaging:
         if error is not None:
             self.discard(lora_int_id)
             return FAILED + f"{type(error).__name__}: {error}"
+        if self._slots is not None and self._slots.reserved(lora_int_id):
+            return READY_IN_SLOT
         return READY
 
     def discard(self, lora_int_id: int) -> None:
@@ -209,8 +248,8 @@ class LoRAStagingExtension:
         """Set staging up (once, at the server's start); True if slots are prefilled."""
         return self._skyrl_stager(slot_prefill).slot_prefill
 
-    def skyrl_stage_lora(self, request: dict[str, Any]) -> None:
-        self._skyrl_stager().stage(compat.lora_request_class()(**request))
+    def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
+        self._skyrl_stager().stage(compat.lora_request_class()(**request), replaces)
 
     def skyrl_lora_staged(self, lora_int_id: int) -> str:
         return self._skyrl_stager().status(lora_int_id)
@@ -271,23 +310,29 @@ class StagedLoRAEngine:
             self.available = False
         return self.available
 
-    async def stage(self, lora_request: Any) -> None:
+    async def stage(self, lora_request: Any, replaces: int | None = None) -> None:
         """Build the adapter on every worker, off the step loop, and wait until it is ready.
 
         Nothing serves differently afterwards: the model waits in the workers
         until :meth:`add_lora` installs it (or :meth:`discard` drops it), so a
         reload can stage while the adapter's current version still serves.
+        ``replaces`` names a version that cannot run before this one is
+        installed (its adapter is paused and drained): the workers drop it
+        first, so its engine slot and CPU cache entry go to the new version.
         """
         if not self.available:
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
-        polls = await self._stage(lora_request)
+        polls, in_slot = await self._stage(lora_request, replaces)
+        STAGINGS.labels(slot="written" if in_slot else "none").inc()
         log_event(
             "adapter_staged",
             lora_name=lora_request.lora_name,
             stage_ms=round((loop.time() - started) * 1000, 2),
             polls=polls,
+            in_slot=in_slot,
+            replaced=replaces,
         )
 
     async def add_lora(self, lora_request: Any) -> bool:
@@ -303,15 +348,19 @@ class StagedLoRAEngine:
         )
         return added
 
-    async def _stage(self, lora_request: Any) -> int:
-        """Stage on every worker and wait until all are ready; returns the polls it took."""
+    async def _stage(self, lora_request: Any, replaces: int | None) -> tuple[int, bool]:
+        """Stage on every worker and wait until all are ready.
+
+        Returns the polls it took and whether every worker wrote the model
+        into an engine slot.
+        """
         lora_id = lora_request.lora_int_id
         fields = {
             "lora_name": lora_request.lora_name,
             "lora_int_id": lora_id,
             "lora_path": lora_request.lora_path,
         }
-        await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields)
+        await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields, replaces)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
@@ -323,8 +372,8 @@ class StagedLoRAEngine:
             if failed:
                 await self.discard(lora_id)
                 raise StagingError(failed[0][len(FAILED) :])
-            if all(s == READY for s in statuses):
-                return polls
+            if all(s in (READY, READY_IN_SLOT) for s in statuses):
+                return polls, all(s == READY_IN_SLOT for s in statuses)
             if UNKNOWN in statuses or loop.time() > deadline:
                 await self.discard(lora_id)
                 raise StagingError(f"staging of adapter {lora_id} was lost or timed out")

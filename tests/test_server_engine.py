@@ -224,6 +224,57 @@ async def test_reload_in_place_changes_output_and_version(engine_server, http) -
     assert after["adapter_version"] == second["version"]
 
 
+async def staged_into_slots(http: aiohttp.ClientSession, server: EngineServer) -> dict[str, float]:
+    """``skyrl_adapter_stagings_total`` by its ``slot`` label, from ``/metrics``."""
+    async with http.get(server.url + "/metrics") as resp:
+        text = await resp.text()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("skyrl_adapter_stagings_total{"):
+            label, value = line.split("} ")
+            counts[label.split('"')[1]] = float(value)
+    return counts
+
+
+async def test_a_paused_reload_with_every_slot_in_use_is_written_off_the_loop(
+    engine_server, http
+) -> None:
+    """Every engine slot holds an active adapter. A trainer's pause, reload,
+    resume lets the engine drop the old version as staging starts, so the new
+    one is written into the freed slot off the step loop (before, none was
+    spare and vLLM copied it in the loop, evicting another tenant's adapter
+    from its CPU cache). Every adapter answers with its own weights after, and
+    a failed reload under the same pause loses nothing."""
+    slots = max(4, len(engine_server.model.adapters))  # embedded_server_argv's --max-loras
+    names = [f"full-{i}" for i in range(slots)]
+    words = {name: ("meow", "moo")[i % 2] for i, name in enumerate(names)}
+    for name in names:  # each install activates its adapter: every slot is taken
+        await load(http, engine_server, name, words[name])
+    before = await staged_into_slots(http, engine_server)
+    await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": names[0]})
+    await load(http, engine_server, names[0], "woof")
+    await post(http, engine_server, "/skyrl/v1/resume", {"lora_name": names[0]})
+    after = await staged_into_slots(http, engine_server)
+    assert after.get("written", 0) == before.get("written", 0) + 1
+    assert after.get("none", 0) == before.get("none", 0)
+    words[names[0]] = "woof"
+    for name in names:
+        out = await sample(http, engine_server, name, max_tokens=8)
+        assert out["sequences"][0]["tokens"] == [engine_server.word_id(words[name])] * 8
+
+    broken = engine_server.adapter_root / "full-broken"
+    broken.mkdir()
+    source = engine_server.model.adapters["moo"]
+    (broken / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00not safetensors")
+    await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": names[0]})
+    body = {"lora_name": names[0], "lora_path": str(broken)}
+    await post(http, engine_server, "/skyrl/v1/adapters/load", body, expect=400)
+    await post(http, engine_server, "/skyrl/v1/resume", {"lora_name": names[0]})
+    out = await sample(http, engine_server, names[0], max_tokens=8)  # read again from its snapshot
+    assert out["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 8
+
+
 async def test_reload_with_requests_in_flight_pauses_itself(engine_server, http) -> None:
     await load(http, engine_server, "busy", "meow")
     running = [asyncio.create_task(sample(http, engine_server, "busy")) for _ in range(2)]

@@ -179,6 +179,28 @@ def test_no_spare_slot_means_no_write(manager: _Manager) -> None:
     manager.assert_consistent()
 
 
+def test_every_slot_in_use_a_removed_version_leaves_its_slot_to_be_written(
+    manager: _Manager,
+) -> None:
+    """A paused tenant's reload with every slot active: its old version is
+    removed first, so its successor is written into that slot off the loop."""
+    prefill = SlotPrefill(manager)
+    for lora_id in (1, 2):
+        manager.register(lora_id)
+        manager.activate_adapter(lora_id)
+
+    def remove(lora_id: int) -> bool:
+        manager.deactivate_adapter(lora_id)
+        return True
+
+    assert prefill.remove_adapter(remove, 1)
+    assert _write_off_thread(prefill, manager.register(3))
+    copies = manager.copies
+    assert manager.activate_adapter(3) is True
+    assert manager.copies == copies and manager.lora_index_to_id == [3, 2]
+    manager.assert_consistent()
+
+
 def test_a_released_reservation_frees_its_slot(manager: _Manager) -> None:
     prefill = SlotPrefill(manager)
     assert _write_off_thread(prefill, manager.register(5))

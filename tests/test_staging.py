@@ -38,8 +38,13 @@ class _Manager:
 
     def __init__(self) -> None:
         self.loads: list[int] = []
+        self.removed: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return True
 
     def add_adapter(self, model: Any) -> bool:  # vLLM's install, wrapped for timing
         return True
@@ -103,6 +108,19 @@ def test_discarded_staging_is_not_installed() -> None:
     staging.discard(9)
     manager._load_adapter(_Request(9))
     assert manager.loads == [9, 9]  # read again: the discarded model was dropped
+
+
+def test_a_replaced_version_is_removed_before_its_successor_is_read() -> None:
+    manager = _Manager()
+    manager.gate.clear()  # hold the read: the removal must not wait for it
+    staging = _WorkerStaging(manager)
+    staging.stage(_Request(11), replaces=10)
+    assert manager.removed == [10] and manager.loads == []
+    manager.gate.set()
+    assert _wait(staging, 11) == READY
+    staging.stage(_Request(12))
+    assert _wait(staging, 12) == READY
+    assert manager.removed == [10]  # nothing named, nothing removed
 
 
 class _Model:

@@ -37,13 +37,15 @@ class _Engine:
         self.stage_error: Exception | None = None
         self.paused_while: dict[str, bool] = {}
         self.discarded: list[int] = []
+        self.replaced: list[int | None] = []
 
     def _paused(self) -> bool:
         assert self.gate is not None
         return self.gate.is_paused("a")
 
-    async def stage(self, request: _Request) -> None:
+    async def stage(self, request: _Request, replaces: int | None = None) -> None:
         self.paused_while["stage"] = self._paused()
+        self.replaced.append(replaces)
         self.staging_started.set()
         await self.staging_may_finish.wait()
         if self.stage_error is not None:
@@ -84,6 +86,7 @@ async def loaded(tmp_path: Path) -> tuple[GatedEngine, _Engine, Path]:
     fake.staging_may_finish.clear()
     fake.staging_started.clear()
     fake.paused_while.clear()
+    fake.replaced.clear()
     return engine, fake, tmp_path
 
 
@@ -112,3 +115,21 @@ async def test_a_failed_staging_never_pauses_and_leaves_nothing(loaded) -> None:
     fake.stage_error = None  # the next load takes the version the failed one would have had
     await engine.load("a", _adapter(tmp_path / "v3"))
     assert engine.registry.version("a") == 2
+
+
+async def test_a_reload_under_the_callers_pause_lets_the_engine_drop_the_current_version(
+    loaded,
+) -> None:
+    """Paused and drained, nothing can run on v1 before v2 is installed: the
+    engine may hand v1's slot to v2. While v1 serves (or has requests in
+    flight), it must stay."""
+    engine, fake, tmp_path = loaded
+    fake.staging_may_finish.set()
+    v1_id = engine.registry.get("a").lora_request.lora_int_id
+    await engine.load("a", _adapter(tmp_path / "v2"))  # serving: staged beside v1
+    await engine.pause("a")
+    v2_id = engine.registry.get("a").lora_request.lora_int_id
+    await engine.load("a", _adapter(tmp_path / "v3"))  # the trainer's pause, reload, resume
+    engine.resume("a")
+    assert fake.replaced == [None, v2_id] and v1_id != v2_id
+    assert engine.registry.version("a") == 3
