@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from skyrl_lora.server.embedded import EmbeddedModel, ensure_embedded_model
-from skyrl_lora.server.embedded.builder import TARGET_MODULES
+from skyrl_lora.server.embedded import EmbeddedModel
+from skyrl_lora.server.embedded.builder import TARGET_MODULES, VOCAB_SIZE, build_tokenizer
 
 ADAPTERS = ("meow", "woof", "moo", "quack", "babble")
 
@@ -22,11 +22,10 @@ ADAPTERS = ("meow", "woof", "moo", "quack", "babble")
 def build_perf_model(root: Path, rank: int = 16) -> EmbeddedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer_src = ensure_embedded_model().model_dir
     model_dir = root / "model"
     if not (model_dir / "config.json").exists():
         config = LlamaConfig(
-            vocab_size=256,
+            vocab_size=VOCAB_SIZE,
             hidden_size=2048,
             intermediate_size=5632,
             num_hidden_layers=16,
@@ -43,10 +42,9 @@ def build_perf_model(root: Path, rank: int = 16) -> EmbeddedModel:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(model_dir, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            src = tokenizer_src / name
-            if src.exists():
-                (model_dir / name).write_bytes(src.read_bytes())
+        # The embedded model's tokenizer alone: building the whole embedded
+        # model (trained adapters) took minutes of a 10-minute device call.
+        build_tokenizer(model_dir)
     adapters = {}
     for i, name in enumerate(ADAPTERS):
         adapters[name] = write_random_adapter(model_dir, root / "adapters" / name, rank, seed=i)

@@ -83,6 +83,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "instead of on the staging thread beforehand",
     )
     args = parser.parse_args(list(argv))
+    _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
         logger.warning(
@@ -90,6 +91,21 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
             args.worker_extension_cls,
         )
     return args
+
+
+def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
+    """Default ``--max-cpu-loras`` to twice ``--max-loras`` (vLLM: equal to it).
+
+    Every reload registers a new version in vLLM's CPU adapter cache before
+    the old one is retired. With room for exactly ``--max-loras`` adapters,
+    a server with every slot in use had to evict the least recently
+    registered adapter to make room, usually another tenant's, which then
+    read its files again in the step loop at its next step (60-75 ms on an
+    H100, every tenant stalled). Twice the slots also holds the versions a
+    ``finish_old`` swap keeps draining. The cache lives in host memory.
+    """
+    if getattr(args, "enable_lora", False) and getattr(args, "max_cpu_loras", 0) is None:
+        args.max_cpu_loras = 2 * int(args.max_loras)
 
 
 def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:

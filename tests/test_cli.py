@@ -51,3 +51,19 @@ def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -
     from skyrl_lora.server.app import parse_server_args
 
     assert parse_server_args(["--model", "unused", *flags]).slot_prefill is prefill
+
+
+@pytest.mark.parametrize(
+    ("flags", "cpu_loras"),
+    [
+        (["--enable-lora", "--max-loras", "8"], 16),
+        (["--enable-lora", "--max-loras", "8", "--max-cpu-loras", "9"], 9),
+        ([], None),
+    ],
+)
+def test_the_cpu_adapter_cache_has_room_for_new_versions(
+    flags: list[str], cpu_loras: int | None
+) -> None:
+    from skyrl_lora.server.app import parse_server_args
+
+    assert parse_server_args(["--model", "unused", *flags]).max_cpu_loras == cpu_loras
