@@ -143,6 +143,20 @@ class IsolationResult:
     def per_round(self, mode: str) -> list[float]:
         return _per_round(self.windows, mode, self.config.checks.baseline_tolerance)
 
+    def pooled(self, mode: str) -> float:
+        """All ``mode`` windows' tokens over what their rounds' baselines would have made.
+
+        The median of four rounds ignores one bad round entirely (a 0.81x
+        round beside three at 0.99-1.01x reads 1.00x); pooled, it weighs in
+        with its share of the time. NaN when no round has a baseline.
+        """
+        pairs = _with_baselines(self.windows, mode, self.config.checks.baseline_tolerance)
+        if not pairs:
+            return math.nan
+        made = sum(w.others_rate * (w.end - w.start) for w, _ in pairs)
+        expected = sum(base * (w.end - w.start) for w, base in pairs)
+        return made / expected
+
     @property
     def round_baselines(self) -> RoundBaselines:
         return _round_baselines(self.windows, self.config.checks.baseline_tolerance)
@@ -164,6 +178,7 @@ class IsolationResult:
                 "length_spread": self.config.length_spread,
             },
             "others_ratio": {m: s.to_json() for m, s in self.ratios.items()},
+            "others_ratio_pooled": {m: self.pooled(m) for m in SWAP_MODES},
             "others_tok_s_no_swap": self.baseline.to_json(),
             # None: the round's no-swap windows disagreed, it has no ratio
             "round_baselines": list(rounds.per_round),
@@ -247,8 +262,10 @@ def _round_baselines(windows: list[Window], tolerance: float) -> RoundBaselines:
     return RoundBaselines.of([w.others_rate for w in windows if w.mode == "no_swap"], tolerance)
 
 
-def _per_round(windows: list[Window], mode: str, tolerance: float) -> list[float]:
-    """The others' rate in each ``mode`` window over its round's baseline.
+def _with_baselines(
+    windows: list[Window], mode: str, tolerance: float
+) -> list[tuple[Window, float]]:
+    """Each ``mode`` window of a round that has a baseline, with that baseline.
 
     Only rounds with a baseline count (see :class:`RoundBaselines`): the
     mean of the no-swap windows just before and just after the round, so a
@@ -256,10 +273,13 @@ def _per_round(windows: list[Window], mode: str, tolerance: float) -> list[float
     """
     baselines = _round_baselines(windows, tolerance).per_round
     return [
-        w.others_rate / base
-        for w in windows
-        if w.mode == mode and (base := baselines[w.round]) is not None
+        (w, base) for w in windows if w.mode == mode and (base := baselines[w.round]) is not None
     ]
+
+
+def _per_round(windows: list[Window], mode: str, tolerance: float) -> list[float]:
+    """The others' rate in each ``mode`` window over its round's baseline."""
+    return [w.others_rate / base for w, base in _with_baselines(windows, mode, tolerance)]
 
 
 def _stall(

@@ -181,6 +181,7 @@ def _isolation_figures(res: IsolationResult) -> dict[str, Any]:
     calm = res.stall["no_swap"]
     return {
         "others_ratio": {m: s.median for m, s in res.ratios.items()},
+        "others_ratio_pooled": {m: res.pooled(m) for m in isolation.SWAP_MODES},
         "others_tok_s_no_swap": res.baseline.median,
         "stall_ms": {
             "outside_p50": out["p50"].median,
@@ -211,7 +212,8 @@ def _isolation_rows(res: IsolationResult, label: str) -> list[Row]:
             ".2f",
             "x",
             ">= 0.95x",
-            f"{shape}; no swap {res.baseline.median:.0f} tok/s"
+            f"pooled {res.pooled('per_adapter'):.2f}x; {shape};"
+            f" no swap {res.baseline.median:.0f} tok/s"
             f" ({res.baseline.min:.0f}-{res.baseline.max:.0f}); {swaps['per_adapter']} swaps",
         ),
         spread_row(
@@ -220,7 +222,7 @@ def _isolation_rows(res: IsolationResult, label: str) -> list[Row]:
             ".2f",
             "x",
             "(baseline design) < 1",
-            f"{swaps['global']} swaps",
+            f"pooled {res.pooled('global'):.2f}x; {swaps['global']} swaps",
         ),
     ]
     for kind, what in (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import statistics
 from dataclasses import replace
 
@@ -170,6 +171,8 @@ def test_round_ratio_uses_the_no_swap_windows_around_it() -> None:
     )
     assert res.per_round("per_adapter") == pytest.approx([0.9, 121 / 121])
     assert res.per_round("global") == pytest.approx([70 / 110, 88 / 121])
+    # pooled: every round's tokens over every round's expected tokens (equal windows)
+    assert res.pooled("per_adapter") == pytest.approx((99 + 121) / (110 + 121))
     res.check()  # neighbours within 25% of each other
     # within 10%, the first window (100 against 120) is a hiccup: round 0 takes 120 alone
     strict = replace(res, config=IsolationConfig(rounds=2, checks=IsolationChecks(0.1)))
@@ -177,6 +180,7 @@ def test_round_ratio_uses_the_no_swap_windows_around_it() -> None:
     strict.check()
     stricter = replace(res, config=IsolationConfig(rounds=2, checks=IsolationChecks(0.01)))
     assert stricter.per_round("per_adapter") == []  # no round has a baseline
+    assert math.isnan(stricter.pooled("per_adapter"))
     with pytest.raises(UntrustworthyRunError, match="stable baseline"):
         stricter.check()
 
