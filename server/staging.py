@@ -13,7 +13,10 @@ Here the expensive part moves to a background thread of each worker:
    ``LoRAModel`` for the request on a worker thread, with the worker's own
    loader, so validation and layout are exactly vLLM's, and packs it for
    the worker's layers (fused q/k/v and gate/up, scaling folded into B,
-   pinned host copies) with the model manager's own packing.
+   pinned host copies) with the model manager's own packing. Where the
+   adapter is paused and drained, the call first removes the version being
+   replaced, so a server with every slot in use still has one to write
+   (:meth:`_WorkerStaging._drop_replaced`).
 2. Where an engine LoRA slot is free, the staging thread also copies the
    packed model into it (:mod:`skyrl_lora.server.slots`): no request reads
    a slot before an adapter is active in it.
