@@ -100,7 +100,7 @@ def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
     the old one is retired. With room for exactly ``--max-loras`` adapters,
     a server with every slot in use had to evict the least recently
     registered adapter to make room, usually another tenant's, which then
-    read its files again in the step loop at its next step (60-75 ms on an
+    read its files again in the step loop at its next step (30-75 ms on an
     H100, every tenant stalled). Twice the slots also holds the versions a
     ``finish_old`` swap keeps draining. The cache lives in host memory.
     """

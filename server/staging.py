@@ -128,7 +128,7 @@ class _WorkerStaging:
         then found no slot to be written into off the loop, and vLLM copied it
         into one in the step loop. Registering it also pushed the least
         recently used adapter out of the CPU cache, often another tenant's,
-        whose next step read its files again in the step loop (30-55 ms on an
+        whose next step read its files again in the step loop (30-75 ms on an
         H100 at 8 tenants). Should the new version never be installed (its
         staging fails), vLLM reads the old one again from its snapshot at its
         next request, as it does for any adapter it evicted.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from typing import Any
 
@@ -263,9 +264,7 @@ async def test_a_paused_reload_with_every_slot_in_use_is_written_off_the_loop(
         assert out["sequences"][0]["tokens"] == [engine_server.word_id(words[name])] * 8
 
     broken = (engine_server.adapter_root or tmp_path) / "full-broken"  # any path on the GPU
-    broken.mkdir()
-    source = engine_server.model.adapters["moo"]
-    (broken / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    shutil.copytree(engine_server.model.adapters["moo"], broken)
     (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00not safetensors")
     await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": names[0]})
     body = {"lora_name": names[0], "lora_path": str(broken)}
