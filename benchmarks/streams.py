@@ -41,6 +41,14 @@ class StreamLog:
         return out
 
 
+#: A streamed completion lasts as long as the engine takes, not a set time:
+#: aiohttp's default (300 s in all) ended the pause-latency probe's 400-token
+#: stream on a slow 2-core machine, where every pause of the 64-request tenant
+#: re-prefills its requests and the probe waits seconds per pause. What would
+#: mean a stuck server is a minute without a chunk.
+STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+
+
 async def _one_stream(
     session: aiohttp.ClientSession,
     url: str,
@@ -88,7 +96,9 @@ async def keep_streaming(
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, headers=headers, timeout=STREAM_TIMEOUT
+    ) as session:
 
         async def loop(stream: int) -> None:
             lengths = completion_lengths(max_tokens, length_spread, seed=f"{tenant}:{stream}")

@@ -110,6 +110,7 @@ def engine_server(
     dtype = os.environ.get("SKYRL_GPU_DTYPE", "bfloat16")  # CUDA LoRA kernels: fp16/bf16 only
     snapshots = tmp_path_factory.mktemp("snapshots")
     extra = [*GPU_FLAGS, "--dtype", dtype, "--adapter-snapshot-dir", str(snapshots)]
+    extra += ["--adapter-reader"]  # opt-in, as on the CPU's session server: covered here too
     extra += ["--max-adapter-bytes", str(MAX_ADAPTER_BYTES)]
     argv = embedded_server_argv(embedded_model, extra=extra)
     started = time.monotonic()

@@ -68,6 +68,40 @@ def lora_model_manager(worker_lora_manager: Any) -> Any | None:
 LORA_PACKING_METHOD = "_create_merged_loras_inplace"
 
 
+#: The worker LoRA manager's attribute holding the class whose
+#: ``from_local_checkpoint`` reads an adapter's files (0.26 and 0.32).
+LORA_MODEL_CLASS_ATTR = "_lora_model_cls"
+
+#: The module whose ``PIN_MEMORY`` flag decides whether a loaded adapter's
+#: host tensors are pinned (0.26 and 0.32 read it at call time).
+_LORA_MODEL_MODULE = "vllm.lora.lora_model"
+
+
+def lora_pin_memory() -> bool:
+    """Whether vLLM pins the host copies of loaded adapters on this machine."""
+    return bool(getattr(importlib.import_module(_LORA_MODEL_MODULE), "PIN_MEMORY", False))
+
+
+def disable_lora_pinning() -> None:
+    """Make vLLM's adapter loader leave host tensors unpinned in this process.
+
+    Pinning needs a CUDA context; the adapter reader process has none and
+    wants none (the engine process pins the whole adapter at once).
+    """
+    module: Any = importlib.import_module(_LORA_MODEL_MODULE)
+    module.PIN_MEMORY = False
+
+
+def fold_lora_scalings(lora_model: Any) -> None:
+    """Fold every layer's scaling into its B, as vLLM's packing would.
+
+    ``optimize`` is idempotent (it sets the scaling to 1), so the packing
+    that follows in the engine process does no arithmetic of its own.
+    """
+    for weights in lora_model.loras.values():
+        weights.optimize()
+
+
 async def collective_rpc(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """Call a worker method on every worker; one result per worker."""
     return list(await engine_client.collective_rpc(method, args=args))

@@ -34,6 +34,15 @@ STAGINGS = Counter(
     labelnames=["slot"],
 )
 
+#: ``process="engine"`` counts the stagings whose files were read on the
+#: engine process's own staging thread, sharing its GIL with the step loop
+#: (see ``server/adapter_reader.py``).
+READS = Counter(
+    "skyrl_adapter_reads",
+    "Adapter versions staged, by the process that read their files.",
+    labelnames=["process"],
+)
+
 
 def log_event(event: str, **fields: Any) -> None:
     """One structured line: ``skyrl_event {"event": ..., ...}``."""

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_lora.server import compat
-from skyrl_lora.server.observability import STAGINGS, log_event
+from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader, ReadTimes
+from skyrl_lora.server.observability import READS, STAGINGS, log_event
 from skyrl_lora.server.slots import SlotPrefill
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
@@ -62,13 +63,14 @@ logger = logging.getLogger("vllm.skyrl_lora.staging")
 
 EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
 
+#: A staging's ``state`` (:meth:`_WorkerStaging.status`). A ready one also says
+#: whether it was written into a free engine slot (``in_slot``, see
+#: :mod:`skyrl_lora.server.slots`) and read by the reader process (``reader``);
+#: a failed one carries the ``error``.
 READY = "ready"
-#: Ready, and written into a free engine slot too (see :mod:`skyrl_lora.server.slots`).
-READY_IN_SLOT = "ready in slot"
 PENDING = "pending"
 UNKNOWN = "unknown"
-#: Prefix of the status of a staging that failed; the rest is the error.
-FAILED = "failed: "
+FAILED = "failed"
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
 STAGING_SWITCH_INTERVAL_S = 0.0005
@@ -77,13 +79,23 @@ STAGING_SWITCH_INTERVAL_S = 0.0005
 class _WorkerStaging:
     """Per-worker state: one loader thread and the models it has built."""
 
-    def __init__(self, lora_manager: Any, device: Any = None, slot_prefill: bool = True) -> None:
+    def __init__(
+        self,
+        lora_manager: Any,
+        device: Any = None,
+        slot_prefill: bool = True,
+        reader_process: bool = False,
+    ) -> None:
         self._manager = lora_manager
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="skyrl-lora-stage"
         )
         self._lock = threading.Lock()
-        self._staged: dict[int, concurrent.futures.Future[Any]] = {}
+        #: Set on the staging thread while it loads: its reads go to the reader process.
+        self._staging_thread = threading.local()
+        self._routed_reads = self._route_reads_to_reader(lora_manager) if reader_process else None
+        #: Each staging's model and, where the reader process read it, its times.
+        self._staged: dict[int, concurrent.futures.Future[tuple[Any, ReadTimes | None]]] = {}
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
         lora_manager._load_adapter = self._load_adapter
@@ -101,9 +113,29 @@ class _WorkerStaging:
             else None
         )
 
+    def _route_reads_to_reader(self, lora_manager: Any) -> ReaderRoutedLoader | None:
+        """Hand the staging thread's file reads to a reader process (:mod:`.adapter_reader`)."""
+        model_cls = getattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, None)
+        if model_cls is None or not hasattr(model_cls, "from_local_checkpoint"):
+            return None
+        try:
+            reader = AdapterReader(pin_memory=compat.lora_pin_memory())
+        except Exception as exc:
+            logger.warning("skyrl-lora adapter reader did not start, reads stay here: %s", exc)
+            return None
+        routed = ReaderRoutedLoader(
+            model_cls, reader, lambda: getattr(self._staging_thread, "loading", False)
+        )
+        setattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, routed)
+        return routed
+
     @property
     def slot_prefill(self) -> bool:
         return self._slots is not None
+
+    @property
+    def reader_process(self) -> bool:
+        return self._routed_reads is not None
 
     def stage(self, lora_request: Any, replaces: int | None = None) -> None:
         """Start building ``lora_request``'s model on the staging thread (runs in the step loop).
@@ -145,20 +177,20 @@ class _WorkerStaging:
                 (time.perf_counter() - started) * 1000,
             )
 
-    def status(self, lora_int_id: int) -> str:
+    def status(self, lora_int_id: int) -> dict[str, Any]:
+        """Where the staging of ``lora_int_id`` stands: ``{"state": ..., ...}``."""
         with self._lock:
             future = self._staged.get(lora_int_id)
         if future is None:
-            return UNKNOWN
+            return {"state": UNKNOWN}
         if not future.done():
-            return PENDING
+            return {"state": PENDING}
         error = future.exception()
         if error is not None:
             self.discard(lora_int_id)
-            return FAILED + f"{type(error).__name__}: {error}"
-        if self._slots is not None and self._slots.reserved(lora_int_id):
-            return READY_IN_SLOT
-        return READY
+            return {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
+        in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
+        return {"state": READY, "in_slot": in_slot, "reader": future.result()[1] is not None}
 
     def discard(self, lora_int_id: int) -> None:
         with self._lock:
@@ -166,11 +198,15 @@ class _WorkerStaging:
         if self._slots is not None:
             self._slots.release(lora_int_id)
 
-    def _timed_load(self, lora_request: Any) -> Any:
-        """Read, validate and pack one adapter (on the staging thread)."""
+    def _timed_load(self, lora_request: Any) -> tuple[Any, ReadTimes | None]:
+        """Read, validate and pack one adapter (on the staging thread).
+
+        Returns the model and, where the reader process read it, its times.
+        """
         started = time.perf_counter()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
+        self._staging_thread.loading = True
         try:
             model = self._load_from_files(lora_request)
             loaded = time.perf_counter()
@@ -180,18 +216,26 @@ class _WorkerStaging:
             packed = time.perf_counter()
             in_slot = self._slots is not None and self._slots.write(model)
         finally:
+            self._staging_thread.loading = False
             sys.setswitchinterval(switch_interval)
         done = time.perf_counter()
+        read = self._routed_reads.last_read if self._routed_reads is not None else None
+        where = "in this process"
+        if read is not None:
+            where = (
+                f"via the reader process {read.total_ms:.1f}, of which in it {read.child_ms:.1f}"
+            )
         logger.info(
             "skyrl-lora staged adapter %s off the step loop in %.1f ms "
-            "(read %.1f, pack %.1f, slot %s)",
+            "(read %.1f %s, pack %.1f, slot %s)",
             lora_request.lora_name,
             (done - started) * 1000,
             (loaded - started) * 1000,
+            where,
             (packed - loaded) * 1000,
             f"{(done - packed) * 1000:.1f}" if in_slot else "none spare",
         )
-        return model
+        return model, read
 
     def _pack_unless_packed(self, model: Any) -> None:
         """The model manager's packing, skipped for a model packed while staged."""
@@ -224,7 +268,7 @@ class _WorkerStaging:
         with self._lock:
             future = self._staged.pop(lora_request.lora_int_id, None)
         if future is not None and future.done() and future.exception() is None:
-            return future.result()
+            return future.result()[0]
         return self._load_from_files(lora_request)
 
 
@@ -237,24 +281,32 @@ class LoRAStagingExtension:
 
     _skyrl_staging: _WorkerStaging | None = None
 
-    def _skyrl_stager(self, slot_prefill: bool = True) -> _WorkerStaging:
+    def _skyrl_stager(
+        self, slot_prefill: bool = True, reader_process: bool = False
+    ) -> _WorkerStaging:
         if self._skyrl_staging is None:
             manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
             if manager is None:
                 raise RuntimeError("LoRA is not enabled on this worker (--enable-lora)")
             self._skyrl_staging = _WorkerStaging(
-                manager, getattr(self, "device", None), slot_prefill=slot_prefill
+                manager,
+                getattr(self, "device", None),
+                slot_prefill=slot_prefill,
+                reader_process=reader_process,
             )
         return self._skyrl_staging
 
-    def skyrl_start_staging(self, slot_prefill: bool = True) -> bool:
-        """Set staging up (once, at the server's start); True if slots are prefilled."""
-        return self._skyrl_stager(slot_prefill).slot_prefill
+    def skyrl_start_staging(
+        self, slot_prefill: bool = True, reader_process: bool = False
+    ) -> dict[str, bool]:
+        """Set staging up (once, at the server's start); says which parts are on."""
+        stager = self._skyrl_stager(slot_prefill, reader_process)
+        return {"slot_prefill": stager.slot_prefill, "reader_process": stager.reader_process}
 
     def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request), replaces)
 
-    def skyrl_lora_staged(self, lora_int_id: int) -> str:
+    def skyrl_lora_staged(self, lora_int_id: int) -> dict[str, Any]:
         return self._skyrl_stager().status(lora_int_id)
 
     def skyrl_discard_staged(self, lora_int_id: int) -> None:
@@ -279,6 +331,11 @@ class StagingConfig:
     #: Copy staged adapters into a free engine slot on the staging thread
     #: (:mod:`skyrl_lora.server.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
+    #: Read adapter files in a process of their own (:mod:`skyrl_lora.server.adapter_reader`);
+    #: off, the staging thread reads them in the engine process. Off by
+    #: default: the extra copy cost more swap time on an H100 than the
+    #: GIL it frees bought the other tenants (README, "Adapter reader").
+    reader_process: bool = False
 
 
 class StagingError(Exception):
@@ -299,15 +356,20 @@ class StagedLoRAEngine:
         self._config = config
         self.available = False
         self.slot_prefill = False
+        self.reader_process = False
 
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         try:
-            prefill = await compat.collective_rpc(
-                self._engine, "skyrl_start_staging", self._config.slot_prefill
+            parts = await compat.collective_rpc(
+                self._engine,
+                "skyrl_start_staging",
+                self._config.slot_prefill,
+                self._config.reader_process,
             )
             self.available = True
-            self.slot_prefill = all(prefill)
+            self.slot_prefill = all(p["slot_prefill"] for p in parts)
+            self.reader_process = all(p["reader_process"] for p in parts)
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)
             self.available = False
@@ -327,14 +389,18 @@ class StagedLoRAEngine:
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
-        polls, in_slot = await self._stage(lora_request, replaces)
+        polls, ready = await self._stage(lora_request, replaces)
+        in_slot = all(r["in_slot"] for r in ready)
+        by_reader = all(r["reader"] for r in ready)
         STAGINGS.labels(slot="written" if in_slot else "none").inc()
+        READS.labels(process="reader" if by_reader else "engine").inc()
         log_event(
             "adapter_staged",
             lora_name=lora_request.lora_name,
             stage_ms=round((loop.time() - started) * 1000, 2),
             polls=polls,
             in_slot=in_slot,
+            reader=by_reader,
             replaced=replaces,
         )
 
@@ -351,11 +417,12 @@ class StagedLoRAEngine:
         )
         return added
 
-    async def _stage(self, lora_request: Any, replaces: int | None) -> tuple[int, bool]:
+    async def _stage(
+        self, lora_request: Any, replaces: int | None
+    ) -> tuple[int, list[dict[str, Any]]]:
         """Stage on every worker and wait until all are ready.
 
-        Returns the polls it took and whether every worker wrote the model
-        into an engine slot.
+        Returns the polls it took and every worker's ready status.
         """
         lora_id = lora_request.lora_int_id
         fields = {
@@ -371,13 +438,14 @@ class StagedLoRAEngine:
         while True:
             polls += 1
             statuses = await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id)
-            failed = [s for s in statuses if s.startswith(FAILED)]
+            states = [s["state"] for s in statuses]
+            failed = [s["error"] for s in statuses if s["state"] == FAILED]
             if failed:
                 await self.discard(lora_id)
-                raise StagingError(failed[0][len(FAILED) :])
-            if all(s in (READY, READY_IN_SLOT) for s in statuses):
-                return polls, all(s == READY_IN_SLOT for s in statuses)
-            if UNKNOWN in statuses or loop.time() > deadline:
+                raise StagingError(failed[0])
+            if all(state == READY for state in states):
+                return polls, statuses
+            if UNKNOWN in states or loop.time() > deadline:
                 await self.discard(lora_id)
                 raise StagingError(f"staging of adapter {lora_id} was lost or timed out")
             await asyncio.sleep(delay)

@@ -213,6 +213,9 @@ class ServerInfo(_Wire):
     #: Whether staging also writes the adapter into a free engine slot, leaving
     #: the step loop only the bookkeeping of the install.
     adapter_slot_prefill: bool = False
+    #: Whether staging reads adapter files in a process of its own, off the
+    #: engine process's GIL (see ``skyrl_lora.server.adapter_reader``).
+    adapter_reader_process: bool = False
 
 
 class ErrorDetail(_Wire):

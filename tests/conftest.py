@@ -92,6 +92,7 @@ def engine_server(
             str(snapshots),
             "--max-adapter-bytes",
             str(MAX_ADAPTER_BYTES),
+            "--adapter-reader",  # opt-in; the route-walk server runs without
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))

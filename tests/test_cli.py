@@ -53,6 +53,13 @@ def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -
     assert parse_server_args(["--model", "unused", *flags]).slot_prefill is prefill
 
 
+@pytest.mark.parametrize(("flags", "reader"), [([], False), (["--adapter-reader"], True)])
+def test_the_reader_process_is_off_unless_turned_on(flags: list[str], reader: bool) -> None:
+    from skyrl_lora.server.app import parse_server_args
+
+    assert parse_server_args(["--model", "unused", *flags]).adapter_reader is reader
+
+
 @pytest.mark.parametrize(
     ("flags", "cpu_loras"),
     [

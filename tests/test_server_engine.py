@@ -7,6 +7,7 @@ the tests do not depend on each other's order.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import time
@@ -225,16 +226,44 @@ async def test_reload_in_place_changes_output_and_version(engine_server, http) -
     assert after["adapter_version"] == second["version"]
 
 
-async def staged_into_slots(http: aiohttp.ClientSession, server: EngineServer) -> dict[str, float]:
-    """``skyrl_adapter_stagings_total`` by its ``slot`` label, from ``/metrics``."""
+async def counts_by_label(
+    http: aiohttp.ClientSession, server: EngineServer, counter: str
+) -> dict[str, float]:
+    """A counter of one label (``skyrl_adapter_stagings_total``...) from ``/metrics``."""
     async with http.get(server.url + "/metrics") as resp:
         text = await resp.text()
     counts = {}
     for line in text.splitlines():
-        if line.startswith("skyrl_adapter_stagings_total{"):
+        if line.startswith(counter + "{"):
             label, value = line.split("} ")
             counts[label.split('"')[1]] = float(value)
     return counts
+
+
+async def staged_into_slots(http: aiohttp.ClientSession, server: EngineServer) -> dict[str, float]:
+    return await counts_by_label(http, server, "skyrl_adapter_stagings_total")
+
+
+async def test_staged_reads_run_in_the_reader_process(engine_server, http) -> None:
+    """Once the reader process has started (it imports vLLM for some seconds
+    after the server is up, and reads stay in the engine process meanwhile),
+    a reload's files are read there, and the version it serves is the one
+    read."""
+    info = await get(http, engine_server, "/skyrl/v1/server_info")
+    assert info["adapter_reader_process"] is True
+    deadline = time.monotonic() + 120
+    for reload in itertools.count():
+        word = ("meow", "woof")[reload % 2]
+        before = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        await load(http, engine_server, "via-reader", word)
+        after = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        if after.get("reader", 0) == before.get("reader", 0) + 1:
+            break
+        assert after.get("engine", 0) == before.get("engine", 0) + 1  # still starting
+        assert time.monotonic() < deadline, "the reader process never took a read"
+        await asyncio.sleep(0.5)
+    out = await sample(http, engine_server, "via-reader", max_tokens=8)
+    assert out["sequences"][0]["tokens"] == [engine_server.word_id(word)] * 8
 
 
 async def test_a_paused_reload_with_every_slot_in_use_is_written_off_the_loop(

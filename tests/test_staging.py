@@ -60,11 +60,15 @@ class _Manager:
         return ("model", request.lora_int_id)
 
 
+def _state(staging: _WorkerStaging, lora_id: int) -> str:
+    return str(staging.status(lora_id)["state"])
+
+
 def _wait(staging: _WorkerStaging, lora_id: int) -> str:
     for _ in range(500):
-        status = staging.status(lora_id)
-        if status != PENDING:
-            return status
+        state = _state(staging, lora_id)
+        if state != PENDING:
+            return state
         time.sleep(0.01)
     raise AssertionError("staging never finished")
 
@@ -74,12 +78,12 @@ def test_staged_model_is_installed_without_a_second_read() -> None:
     staging = _WorkerStaging(manager)
     manager.gate.clear()
     staging.stage(_Request(7))
-    assert staging.status(7) == PENDING
+    assert _state(staging, 7) == PENDING
     manager.gate.set()
     assert _wait(staging, 7) == READY
     assert manager._load_adapter(_Request(7)) == ("model", 7)  # the wrapped loader
     assert manager.loads == [7]  # read once, on the staging thread
-    assert staging.status(7) == UNKNOWN  # handed out once
+    assert _state(staging, 7) == UNKNOWN  # handed out once
 
 
 def test_unstaged_adapter_is_read_in_place() -> None:
@@ -93,9 +97,12 @@ def test_failure_carries_the_loaders_message_and_is_forgotten() -> None:
     manager = _Manager()
     staging = _WorkerStaging(manager)
     staging.stage(_Request(5, "corrupt"))
-    status = _wait(staging, 5)
-    assert status.startswith(FAILED) and "bad safetensors header" in status
-    assert staging.status(5) == UNKNOWN
+    assert _wait(staging, 5) == FAILED
+    staging.stage(_Request(5, "corrupt"))
+    while (status := staging.status(5))["state"] == PENDING:
+        time.sleep(0.01)
+    assert status == {"state": FAILED, "error": "ValueError: bad safetensors header"}
+    assert _state(staging, 5) == UNKNOWN
     with pytest.raises(ValueError, match="bad safetensors"):
         manager._load_adapter(_Request(5, "corrupt"))
 
