@@ -18,7 +18,13 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-STEPS = 14
+#: The most steps a run takes: it stops at the first step whose mean reward
+#: reaches TARGET. Takeoff is a random event (vLLM's sampling is unseeded, see
+#: ``random_prompts``): the reward crossed 0.5 at steps 5-7 in a probe of three
+#: runs, at step 13 in one CI run and not by step 14 in another: a fixed 14
+#: steps failed 2 of 7 CI runs, each of whose other checks all held.
+STEPS = 30
+TARGET = 0.5
 #: The server loads the trainer's folder (under the fixture's adapter root);
 #: the push path is covered by the push tests.
 TRANSFER = "load"
@@ -36,7 +42,9 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     # and the rise does not hang on the luck of a first rare word.
     targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
     config = LearnerConfig(lr=2e-2, off_policy=OffPolicyConfig(max_staleness=2))
-    loop = LoopConfig(steps=STEPS, groups_per_step=4, group_size=16, transfer=TRANSFER)
+    loop = LoopConfig(
+        steps=STEPS, groups_per_step=4, group_size=16, transfer=TRANSFER, target_reward=TARGET
+    )
     folder = engine_server.adapter_root / "rl-ci"
     with LearnerProcess(engine_server.model.model_dir, targets, config) as learner:
         async with RemoteInferenceClient(
@@ -61,10 +69,11 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
 
     # One load before the first step, one sync after each: consecutive versions,
     # and the server now serves the version pushed after the last step.
+    steps = len(log.steps)
     first = log.versions[0]
-    assert log.versions == list(range(first, first + STEPS))
-    assert [s.version for s in log.swaps] == list(range(first + 1, first + STEPS + 1))
-    assert served.version == first + STEPS
+    assert log.versions == list(range(first, first + steps))
+    assert [s.version for s in log.swaps] == list(range(first + 1, first + steps + 1))
+    assert served.version == first + steps
 
     fresh = 0
     for step, version in zip(log.steps, log.versions):
@@ -88,5 +97,7 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     assert log.resumed > 0
 
     assert rewards[0] <= 0.1, rewards
-    assert max(rewards[-3:]) >= 0.5, rewards
-    assert elapsed < 60, elapsed
+    # Reached within STEPS: a run that never learns runs all of them and ends below.
+    assert log.steps[-1].mean_reward >= TARGET, rewards
+    # About 1 s a step on the 2-core box, plus a fresh server's first requests.
+    assert elapsed < 30 + 3 * steps, (elapsed, steps)

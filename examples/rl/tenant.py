@@ -34,7 +34,9 @@ Transfer = Literal["push", "load"]
 @dataclass(frozen=True)
 class LoopConfig:
     """Shape of one tenant's run. ``in_flight``: concurrent sample calls, each
-    one group of ``group_size`` samples of one prompt."""
+    one group of ``group_size`` samples of one prompt. ``target_reward``: stop
+    after the first step whose mean reward reaches it (``steps`` is then the
+    most a run takes), for runs that ask "how soon", not "how far"."""
 
     steps: int = 20
     groups_per_step: int = 4
@@ -44,6 +46,7 @@ class LoopConfig:
     in_flight: int = 4
     seed: int = 0
     transfer: Transfer = "push"
+    target_reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ async def run_tenant(
             log.swaps.append(swap)
             version = swap.version
             on_step(log)
+            if cfg.target_reward is not None and result.mean_reward >= cfg.target_reward:
+                break
     finally:
         for w in workers:
             w.cancel()
