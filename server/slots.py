@@ -14,7 +14,8 @@ records the adapter as active in the slot already written.
 * :meth:`SlotPrefill.write` (staging thread) reserves the first free slot by
   putting a placeholder id in ``lora_index_to_id`` (so vLLM's first-free
   search skips it), writes the model with each layer's own ``set_lora`` /
-  ``reset_lora`` and waits for the copies to land.
+  ``reset_lora``, their tensor calls batched into two
+  (:mod:`skyrl_lora.server.slot_batch`), and waits for the copies to land.
 * The manager's ``activate_adapter`` is wrapped. For an adapter with a
   written slot it clears the placeholder and calls vLLM's own
   ``activate_adapter`` with the layer table swapped out for an empty one,
@@ -39,11 +40,14 @@ activation, so the worst case is the old cost, never wrong weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from skyrl_lora.server.slot_batch import BatchedSlotWriter, LayerWrite
 
 logger = logging.getLogger("vllm.skyrl_lora.slots")
 
@@ -74,6 +78,7 @@ class SlotPrefill:
         self._manager = model_manager
         #: Our own reference: a claim swaps the manager's table out briefly.
         self._modules = dict(model_manager.modules)
+        self._writer = BatchedSlotWriter(self._modules)
         self._device = device
         self._stream: Any = None
         self._activate = model_manager.activate_adapter
@@ -122,12 +127,10 @@ class SlotPrefill:
         copied = False
         try:
             with self._copy_stream() as stream:
-                for name, module in self._modules.items():
-                    weights = manager._get_lora_layer_weights(model, name)
-                    if weights is None:
-                        module.reset_lora(index)
-                    else:
-                        module.set_lora(index, weights.lora_a, weights.lora_b)
+                self._writer.write(
+                    (name, self._layer_write(module, index, model, name))
+                    for name, module in self._modules.items()
+                )
             if stream is not None:
                 stream.synchronize()
             copied = True
@@ -139,6 +142,14 @@ class SlotPrefill:
                     self._drop_locked(model.id)
                 reservation.done.set()
         return reservation.written
+
+    def _layer_write(self, module: Any, index: int, model: Any, name: str) -> LayerWrite:
+        """The layer's own write of ``model`` into slot ``index``, as vLLM's
+        activation does it: its weights, or a reset where it has none."""
+        weights = self._manager._get_lora_layer_weights(model, name)
+        if weights is None:
+            return functools.partial(module.reset_lora, index)
+        return functools.partial(module.set_lora, index, weights.lora_a, weights.lora_b)
 
     @contextlib.contextmanager
     def _copy_stream(self) -> Iterator[Any]:

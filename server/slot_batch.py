@@ -1,0 +1,206 @@
+"""Write a whole adapter into a LoRA slot in two tensor calls, not hundreds.
+
+vLLM writes a slot layer by layer: each layer's ``reset_lora`` zeroes its
+stacked A and B at the slot (``stacked[index] = 0``) and ``set_lora`` copies
+the adapter's A and B into a view of it. For the perf model's rank-16 adapter
+that is 672 tensor calls (224 views, 224 zeroings, 224 copies). Each call
+lets go of the GIL and must win it back from the engine's step loop, which
+under load holds it in stretches of up to the switch interval, so a slot
+write that takes 12 ms on an idle H100 took 39-41 ms under load and stalled
+the step loop at every hand-over.
+
+:class:`BatchedSlotWriter` runs each layer's own ``set_lora`` / ``reset_lora``
+(so whatever a vLLM version does to slice, split or pad the weights still
+happens) under a :class:`torch.overrides.TorchFunctionMode` that *records*
+the zeroings and copies into the layer's stacked tensors instead of running
+them, and hands out cached views of those tensors instead of indexing them
+anew. The recorded writes then run as one ``torch._foreach_zero_`` and one
+``torch._foreach_copy_``: two GIL hand-overs per slot write.
+
+Reordering is sound because each layer writes only its own stacked tensors
+and, in every layer vLLM has, zeroes its slot before copying into it; a
+layer whose calls do anything else (another in-place op, a zeroing after a
+copy, a copy into memory that is not a view of its stacked tensors) is not
+recorded but written the usual way, after the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger("vllm.skyrl_lora.slot_batch")
+
+#: ``layer.set_lora(index, a, b)`` or ``layer.reset_lora(index)``, bound.
+LayerWrite = Callable[[], None]
+
+
+class _Unbatchable(Exception):
+    """A layer's write did something the recorder does not reorder safely."""
+
+
+def _index_key(index: Any) -> Any:
+    """A hashable form of a basic tensor index (slices hash only from Python 3.12)."""
+    if type(index) is int:
+        return index
+    if type(index) is not tuple:
+        index = (index,)
+    key = []
+    for part in index:
+        kind = type(part)
+        if kind is slice:
+            key.append((part.start, part.stop, part.step))
+        elif kind is int or part is None or part is Ellipsis:
+            key.append(part)
+        else:  # a tensor or list index copies rather than views: not a slot
+            raise _Unbatchable(f"index of type {kind.__name__}")
+    return tuple(key)
+
+
+def _tensors_of(layer: Any) -> Iterator[torch.Tensor]:
+    """The tensors a LoRA layer holds as attributes, alone or in a tuple/list
+    (``lora_a_stacked`` is a tuple of one tensor per slice)."""
+    for value in vars(layer).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+@dataclass
+class _LayerViews:
+    """A layer's own tensors and the views of them its writes asked for.
+
+    Views are cached per index: vLLM allocates the stacked tensors once, so
+    ``stacked[slot, 0, :rank, :cols]`` is the same view at every write.
+    """
+
+    owned: dict[int, torch.Tensor]
+    views: dict[tuple[int, Any], torch.Tensor] = field(default_factory=dict)
+    #: ``id`` of every cached view: a copy is recorded only into one of them.
+    view_ids: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, layer: Any) -> _LayerViews:
+        return cls({id(t): t for t in _tensors_of(layer)})
+
+    def owns(self, tensor: Any) -> bool:
+        return self.owned.get(id(tensor)) is tensor
+
+    def view(self, base: torch.Tensor, index: Any) -> torch.Tensor:
+        key = (id(base), _index_key(index))
+        cached = self.views.get(key)
+        if cached is None:
+            cached = self.views[key] = base[index]
+            self.view_ids.add(id(cached))
+        return cached
+
+
+_GETITEM = torch.Tensor.__getitem__
+_SETITEM = torch.Tensor.__setitem__
+_COPY = torch.Tensor.copy_
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the slot writes of one layer at a time; every other tensor call
+    runs as usual. One mode for a whole slot write: entering one per layer
+    cost as much as the recording itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeros: list[torch.Tensor] = []
+        self.copy_dst: list[torch.Tensor] = []
+        self.copy_src: list[torch.Tensor] = []
+        self._views: _LayerViews | None = None
+        self._copied = False
+
+    def record(self, views: _LayerViews, layer_write: LayerWrite) -> None:
+        """Run one layer's write, recording it; :class:`_Unbatchable` (and
+        nothing recorded of it) when it does something that may not be reordered."""
+        marks = len(self.zeros), len(self.copy_dst)
+        self._views, self._copied = views, False
+        try:
+            layer_write()
+        except _Unbatchable:
+            del self.zeros[marks[0] :], self.copy_dst[marks[1] :], self.copy_src[marks[1] :]
+            raise
+        finally:
+            self._views = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        views = self._views
+        if views is not None:
+            if func is _GETITEM and views.owns(args[0]):
+                return views.view(args[0], args[1])
+            if func is _SETITEM:
+                return self._zero(views, *args)
+            if func is _COPY:
+                return self._copy(views, *args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            if (name.endswith("_") and not name.startswith("__")) or (kwargs and "out" in kwargs):
+                raise _Unbatchable(f"in-place {name}")
+        return func(*args, **(kwargs or {}))
+
+    def _zero(self, views: _LayerViews, base: Any, index: Any, value: Any) -> None:
+        if not views.owns(base) or isinstance(value, torch.Tensor) or value != 0:
+            raise _Unbatchable("an assignment other than stacked[index] = 0")
+        if self._copied:
+            raise _Unbatchable("a zeroing after a copy")
+        self.zeros.append(views.view(base, index))
+
+    def _copy(self, views: _LayerViews, dst: Any, src: Any, non_blocking: bool = False) -> Any:
+        if id(dst) not in views.view_ids or not isinstance(src, torch.Tensor):
+            raise _Unbatchable("a copy into something other than a stacked view")
+        if dst.shape != src.shape:
+            raise _Unbatchable("a broadcasting copy")
+        self._copied = True
+        self.copy_dst.append(dst)
+        self.copy_src.append(src)
+        return dst
+
+
+class BatchedSlotWriter:
+    """Writes adapters into slots of one model's LoRA layers, batched."""
+
+    def __init__(self, layers: dict[str, Any]) -> None:
+        self._views = {name: _LayerViews.of(layer) for name, layer in layers.items()}
+        #: Layers seen doing something the recorder does not batch (logged once).
+        self._unbatched: set[str] = set()
+        self._reported = False
+
+    def write(self, writes: Iterable[tuple[str, LayerWrite]]) -> int:
+        """Run each ``(layer name, write)``; how many layers were batched.
+
+        All recorded zeroings run before all recorded copies, then the
+        layers that could not be recorded are written as vLLM writes them.
+        """
+        recorder = _Recorder()
+        eager: list[LayerWrite] = []
+        batched = 0
+        with recorder:
+            for name, layer_write in writes:
+                try:
+                    recorder.record(self._views[name], layer_write)
+                    batched += 1
+                except _Unbatchable as why:
+                    if name not in self._unbatched:
+                        self._unbatched.add(name)
+                        logger.info("slot write of layer %s not batched: %s", name, why)
+                    eager.append(layer_write)
+        if recorder.zeros:
+            torch._foreach_zero_(recorder.zeros)
+        if recorder.copy_dst:
+            torch._foreach_copy_(recorder.copy_dst, recorder.copy_src, non_blocking=True)
+        for layer_write in eager:
+            layer_write()
+        if not self._reported:  # once: whether a vLLM version's layers batch at all
+            self._reported = True
+            logger.info("slot writes: %d of %d layers batched", batched, batched + len(eager))
+        return batched
