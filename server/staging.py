@@ -211,6 +211,7 @@ class _WorkerStaging:
             model = self._load_from_files(lora_request)
             loaded = time.perf_counter()
             if self._pack is not None:
+                compat.fold_lora_scalings(model)  # batched: the pack's own folds are no-ops
                 self._pack(model)
                 self._packed.add(model)
             packed = time.perf_counter()

@@ -113,6 +113,24 @@ def test_the_reader_builds_vllms_own_model_bit_for_bit(
             base = storage
 
 
+def test_the_batched_fold_is_vllms_optimize_bit_for_bit(embedded_model) -> None:
+    args, kwargs = _load_args(embedded_model.adapters["meow"])
+    folded, optimized = (
+        lora_model.LoRAModel.from_local_checkpoint(*args, **kwargs) for _ in range(2)
+    )
+    for model in (folded, optimized):  # scalings of all kinds, 1 (no-op) included
+        for i, weights in enumerate(model.loras.values()):
+            weights.scaling = (1, 0.37, 2.5, 1 / 3)[i % 4]
+    compat.fold_lora_scalings(folded)
+    for weights in optimized.loras.values():
+        weights.optimize()
+    assert sorted(folded.loras) == sorted(optimized.loras)
+    for name, weights in optimized.loras.items():
+        assert folded.loras[name].scaling == weights.scaling == 1
+        assert torch.equal(folded.loras[name].lora_b, weights.lora_b), name
+        assert torch.equal(folded.loras[name].lora_a, weights.lora_a), name
+
+
 def test_a_bad_adapter_fails_as_it_would_in_process(
     reader: AdapterReader, embedded_model, tmp_path: Path
 ) -> None:
