@@ -17,11 +17,11 @@ import json
 import logging
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import client_overhead, fanout, perf, plot, retry_overhead
+from benchmarks import client_overhead, fanout, perf, plot, retry_overhead, slot_write
 from benchmarks.common import embedded_server
 from benchmarks.isolation import IsolationConfig
 from benchmarks.report import Row, spread_row, table
@@ -112,6 +112,32 @@ def _retry_row(r: RetryOverhead) -> Row:
     )
 
 
+def _slot_write_rows(sw: slot_write.SlotWriteFigures) -> list[Row]:
+    med = {f: {m: Spread.of(v).median for m, v in getattr(sw, f).items()} for f in sw.FIGURES}
+    rounds = len(sw.write_ms["batched"])
+    return [
+        spread_row(
+            "slot write beside a busy step loop: batched / vLLM's per-layer calls",
+            sw.ratio("write_ms"),
+            ".3f",
+            "x",
+            "< 1",
+            f"{med['write_ms']['batched']:.1f} vs {med['write_ms']['per_layer']:.1f} ms"
+            f" (idle {sw.idle_write_ms['batched']:.1f} vs {sw.idle_write_ms['per_layer']:.1f});"
+            f" {sw.layers} vLLM LoRA layers, the GPU perf model's, rank 16; {rounds} rounds",
+        ),
+        spread_row(
+            "the step loop's longest iteration during a slot write: batched / per-layer",
+            sw.ratio("loop_max_ms"),
+            ".3f",
+            "x",
+            "< 1",
+            f"{med['loop_max_ms']['batched']:.1f} vs {med['loop_max_ms']['per_layer']:.1f} ms;"
+            f" p99 between writes {sw.loop_outside_p99_ms:.1f} ms",
+        ),
+    ]
+
+
 def main() -> int:
     """Run everything; on a failed sanity check write the raw figures, print no table."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
@@ -154,6 +180,9 @@ def _measure(quick: bool, results: dict[str, Any]) -> tuple[list[Row], perf.Perf
     results["client_ratio"] = {k: s.to_json() for k, s in client_overhead.ratios(rps).items()}
     results["fanout_ms"] = fo
     rows = _client_rows(rps, fo)
+    sw = slot_write.run()
+    results["slot_write"] = asdict(sw)
+    rows += _slot_write_rows(sw)
 
     with embedded_server(extra=["--max-loras", "8"]) as (url, model):
         prompt = _prompt(model)

@@ -22,10 +22,24 @@ and, in every layer vLLM has, zeroes its slot before copying into it; a
 layer whose calls do anything else (another in-place op, a zeroing after a
 copy, a copy into memory that is not a view of its stacked tensors) is not
 recorded but written the usual way, after the batch.
+
+Recording still runs ``set_lora``'s Python, about 17 intercepted tensor
+calls a layer: on a CPU, where each of vLLM's copies is cheap, that cost
+more than it saved. So a recording is kept as a *plan* when every copy's
+source is one of the tensors the layer was given (no slicing or splitting
+happened) and the layer's attributes are the same objects afterwards (no
+other side effect): the next write into the same slot with inputs of the
+same shapes, dtypes and devices replays the plan, the same views and the
+new tensors, without calling ``set_lora`` at all. (A layer that mutates a
+container it holds in place would go unseen; vLLM's linear LoRA layers do
+nothing but the tensor writes, and ``tests/test_slot_batch.py`` checks
+that on the installed vLLM.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +52,10 @@ logger = logging.getLogger("vllm.skyrl_lora.slot_batch")
 
 #: ``layer.set_lora(index, a, b)`` or ``layer.reset_lora(index)``, bound.
 LayerWrite = Callable[[], None]
+
+#: Where a copy's source sits among a write's inputs: (0 for A or 1 for B,
+#: the slice's position in a list, or None for a lone tensor).
+_InputPath = tuple[int, int | None]
 
 
 class _Unbatchable(Exception):
@@ -166,41 +184,165 @@ class _Recorder(TorchFunctionMode):
         return dst
 
 
+def _inputs(lora_a: Any, lora_b: Any) -> dict[int, tuple[_InputPath, torch.Tensor]]:
+    """Every tensor a write was given, by ``id``, with its place."""
+    found: dict[int, tuple[_InputPath, torch.Tensor]] = {}
+    for position, given in enumerate((lora_a, lora_b)):
+        if isinstance(given, torch.Tensor):
+            found[id(given)] = ((position, None), given)
+        elif isinstance(given, (list, tuple)):
+            for i, t in enumerate(given):
+                if isinstance(t, torch.Tensor):
+                    found[id(t)] = ((position, i), t)
+    return found
+
+
+def _signature(given: Any) -> Any:
+    """What a plan depends on in an input: shapes, dtypes, devices, Nones."""
+    if isinstance(given, torch.Tensor):
+        return (tuple(given.shape), given.dtype, given.device)
+    if isinstance(given, (list, tuple)):
+        return tuple(_signature(t) for t in given)
+    if given is None:
+        return None
+    raise _Unbatchable(f"an input of type {type(given).__name__}")
+
+
+def _pick(lora_a: Any, lora_b: Any, path: _InputPath) -> torch.Tensor:
+    given = (lora_a, lora_b)[path[0]]
+    return given if path[1] is None else given[path[1]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A layer's recorded write into one slot: the views it zeroes, and the
+    views it copies into with the input each copy reads."""
+
+    zeros: tuple[torch.Tensor, ...]
+    copies: tuple[tuple[torch.Tensor, _InputPath], ...]
+
+
+@dataclass(frozen=True)
+class WriteCounts:
+    """How a slot write's layers were written."""
+
+    recorded: int = 0
+    replayed: int = 0
+    eager: int = 0
+
+
+@dataclass
+class _Batch:
+    """The writes of one slot write, gathered for the two batched calls."""
+
+    recorder: _Recorder = field(default_factory=_Recorder)
+    eager: list[LayerWrite] = field(default_factory=list)
+    recording: bool = False
+    recorded: int = 0
+    replayed: int = 0
+
+    def replay(self, plan: _Plan, lora_a: Any, lora_b: Any) -> None:
+        self.recorder.zeros.extend(plan.zeros)
+        for dst, path in plan.copies:
+            self.recorder.copy_dst.append(dst)
+            self.recorder.copy_src.append(_pick(lora_a, lora_b, path))
+        self.replayed += 1
+
+
 class BatchedSlotWriter:
     """Writes adapters into slots of one model's LoRA layers, batched."""
 
     def __init__(self, layers: dict[str, Any]) -> None:
+        self._layers = layers
         self._views = {name: _LayerViews.of(layer) for name, layer in layers.items()}
+        self._plans: dict[tuple[str, int, Any], _Plan] = {}
         #: Layers seen doing something the recorder does not batch (logged once).
         self._unbatched: set[str] = set()
         self._reported = False
 
-    def write(self, writes: Iterable[tuple[str, LayerWrite]]) -> int:
-        """Run each ``(layer name, write)``; how many layers were batched.
+    def write(self, index: int, weights: Iterable[tuple[str, Any, Any]]) -> WriteCounts:
+        """Write slot ``index`` of every layer named in ``weights``, given as
+        ``(name, lora_a, lora_b)``; ``lora_a`` None resets the layer's slot.
 
-        All recorded zeroings run before all recorded copies, then the
-        layers that could not be recorded are written as vLLM writes them.
+        All zeroings run before all copies, then the layers that could not be
+        recorded are written as vLLM writes them.
         """
-        recorder = _Recorder()
-        eager: list[LayerWrite] = []
-        batched = 0
-        with recorder:
-            for name, layer_write in writes:
-                try:
-                    recorder.record(self._views[name], layer_write)
-                    batched += 1
-                except _Unbatchable as why:
-                    if name not in self._unbatched:
-                        self._unbatched.add(name)
-                        logger.info("slot write of layer %s not batched: %s", name, why)
-                    eager.append(layer_write)
+        batch = _Batch()
+        with contextlib.ExitStack() as recording:
+            for name, lora_a, lora_b in weights:
+                self._add(batch, recording, name, index, lora_a, lora_b)
+        recorder = batch.recorder
         if recorder.zeros:
             torch._foreach_zero_(recorder.zeros)
         if recorder.copy_dst:
             torch._foreach_copy_(recorder.copy_dst, recorder.copy_src, non_blocking=True)
-        for layer_write in eager:
+        for layer_write in batch.eager:
             layer_write()
+        counts = WriteCounts(batch.recorded, batch.replayed, len(batch.eager))
         if not self._reported:  # once: whether a vLLM version's layers batch at all
             self._reported = True
-            logger.info("slot writes: %d of %d layers batched", batched, batched + len(eager))
-        return batched
+            logger.info("first slot write: %s of %d layers", counts, len(self._layers))
+        return counts
+
+    def _add(
+        self,
+        batch: _Batch,
+        recording: contextlib.ExitStack,
+        name: str,
+        index: int,
+        lora_a: Any,
+        lora_b: Any,
+    ) -> None:
+        """Replay the layer's plan, or record its write (entering the
+        recorder's mode at the first recording: a write that only replays
+        never pays for it), or leave it to run as vLLM runs it."""
+        layer = self._layers[name]
+        layer_write: LayerWrite
+        if lora_a is None:
+            layer_write = functools.partial(layer.reset_lora, index)
+        else:
+            layer_write = functools.partial(layer.set_lora, index, lora_a, lora_b)
+        try:
+            key = (name, index, (_signature(lora_a), _signature(lora_b)))
+            plan = self._plans.get(key)
+            if plan is not None:
+                batch.replay(plan, lora_a, lora_b)
+                return
+            recorder = batch.recorder
+            if not batch.recording:
+                recording.enter_context(recorder)
+                batch.recording = True
+            marks = len(recorder.zeros), len(recorder.copy_dst)
+            attributes = {k: id(v) for k, v in vars(layer).items()}
+            recorder.record(self._views[name], layer_write)
+            batch.recorded += 1
+        except _Unbatchable as why:
+            if name not in self._unbatched:
+                self._unbatched.add(name)
+                logger.info("slot write of layer %s not batched: %s", name, why)
+            batch.eager.append(layer_write)
+            return
+        if attributes == {k: id(v) for k, v in vars(layer).items()}:
+            plan = self._plan_of(recorder, marks, _inputs(lora_a, lora_b))
+            if plan is not None:
+                self._plans[key] = plan
+
+    @staticmethod
+    def _plan_of(
+        recorder: _Recorder,
+        marks: tuple[int, int],
+        inputs: dict[int, tuple[_InputPath, torch.Tensor]],
+    ) -> _Plan | None:
+        """The layer's recorded write as a plan, if it wrote tensors at all (a
+        write with none works through other means, which a plan would skip)
+        and every copy read a given tensor as it was given (not a slice or a
+        product of one)."""
+        if len(recorder.zeros) == marks[0] and len(recorder.copy_dst) == marks[1]:
+            return None
+        copies = []
+        for dst, src in zip(recorder.copy_dst[marks[1] :], recorder.copy_src[marks[1] :]):
+            found = inputs.get(id(src))
+            if found is None or found[1] is not src:
+                return None
+            copies.append((dst, found[0]))
+        return _Plan(tuple(recorder.zeros[marks[0] :]), tuple(copies))

@@ -40,14 +40,13 @@ activation, so the worst case is the old cost, never wrong weights.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyrl_lora.server.slot_batch import BatchedSlotWriter, LayerWrite
+from skyrl_lora.server.slot_batch import BatchedSlotWriter
 
 logger = logging.getLogger("vllm.skyrl_lora.slots")
 
@@ -127,10 +126,7 @@ class SlotPrefill:
         copied = False
         try:
             with self._copy_stream() as stream:
-                self._writer.write(
-                    (name, self._layer_write(module, index, model, name))
-                    for name, module in self._modules.items()
-                )
+                self._writer.write(index, self._layer_weights(model))
             if stream is not None:
                 stream.synchronize()
             copied = True
@@ -143,13 +139,15 @@ class SlotPrefill:
                 reservation.done.set()
         return reservation.written
 
-    def _layer_write(self, module: Any, index: int, model: Any, name: str) -> LayerWrite:
-        """The layer's own write of ``model`` into slot ``index``, as vLLM's
-        activation does it: its weights, or a reset where it has none."""
-        weights = self._manager._get_lora_layer_weights(model, name)
-        if weights is None:
-            return functools.partial(module.reset_lora, index)
-        return functools.partial(module.set_lora, index, weights.lora_a, weights.lora_b)
+    def _layer_weights(self, model: Any) -> Iterator[tuple[str, Any, Any]]:
+        """Every layer's A and B in ``model``, as vLLM's activation writes
+        them; None for a layer the adapter has no weights for (a reset)."""
+        for name in self._modules:
+            weights = self._manager._get_lora_layer_weights(model, name)
+            if weights is None:
+                yield name, None, None
+            else:
+                yield name, weights.lora_a, weights.lora_b
 
     @contextlib.contextmanager
     def _copy_stream(self) -> Iterator[Any]:

@@ -19,76 +19,44 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.lora.layers")
 
-from skyrl_lora.server.slot_batch import BatchedSlotWriter  # noqa: E402
+from benchmarks.vllm_layers import (  # noqa: E402
+    DecoderShape,
+    decoder_lora_layers,
+    random_lora_weights,
+    single_process_group,
+)
+from skyrl_lora.server.slot_batch import BatchedSlotWriter, WriteCounts  # noqa: E402
 
 SLOTS = 3
 MAX_RANK = 16
+#: Two decoder blocks of a small model: every linear LoRA layer kind a
+#: decoder has (fused qkv, fused gate_up, row-parallel o and down).
+SHAPE = DecoderShape(hidden=64, intermediate=96, heads=4, kv_heads=2, layers=2)
 
 
 @pytest.fixture(scope="module")
 def vllm_layers(tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
-    """Builds each layer kind twice (one written eagerly, one batched) in a
-    one-process, tensor-parallel-size-1 group, as vLLM's own layer tests do."""
-    from vllm import distributed
-    from vllm.config import LoRAConfig, VllmConfig, set_current_vllm_config
-    from vllm.lora import layers
-    from vllm.model_executor.layers import linear
-
-    def build() -> dict[str, Any]:
-        built = {
-            "qkv_proj": layers.MergedQKVParallelLinearWithLoRA(
-                linear.QKVParallelLinear(64, 16, 4, 2, bias=False)
-            ),
-            "o_proj": layers.RowParallelLinearWithLoRA(linear.RowParallelLinear(64, 64)),
-            "gate_up_proj": layers.MergedColumnParallelLinearWithLoRA(
-                linear.MergedColumnParallelLinear(64, [96, 96], bias=False)
-            ),
-            "down_proj": layers.RowParallelLinearWithLoRA(linear.RowParallelLinear(96, 64)),
-            "lm_extra": layers.ColumnParallelLinearWithLoRA(linear.ColumnParallelLinear(64, 80)),
+    """Each layer twice: one copy written eagerly, one batched."""
+    with single_process_group(tmp_path_factory.mktemp("gloo") / "rendezvous"):
+        yield {
+            side: decoder_lora_layers(SHAPE, SLOTS, MAX_RANK, torch.float32)
+            for side in ("eager", "batched")
         }
-        config = LoRAConfig(max_lora_rank=MAX_RANK, max_loras=SLOTS, lora_dtype=torch.float32)
-        for layer in built.values():
-            layer.create_lora_weights(SLOTS, config, None)
-        return built
-
-    rendezvous = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    with set_current_vllm_config(VllmConfig()):
-        distributed.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"file://{rendezvous}",
-            backend="gloo",
-        )
-        distributed.initialize_model_parallel(1, 1)
-        try:
-            yield {"eager": build(), "batched": build()}
-        finally:
-            distributed.destroy_model_parallel()
-            distributed.destroy_distributed_environment()
 
 
-def _weights(layer: Any, rank: int, seed: int) -> tuple[Any, Any]:
-    """Random A and B of ``rank`` for every slice, shaped as vLLM's loader hands them."""
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.randn(rank, t.shape[-1], generator=gen) for t in layer.lora_a_stacked]
-    b = [torch.randn(t.shape[-2], rank, generator=gen) for t in layer.lora_b_stacked]
-    return (a[0], b[0]) if len(a) == 1 else (a, b)
-
-
-def _write_both(pair: dict[str, Any], index: int, rank: int | None, seed: int) -> int:
+def _write_both(pair: dict[str, Any], index: int, rank: int | None, seed: int) -> WriteCounts:
     """One slot write into both copies: vLLM's own calls, and the batch."""
-    writes = []
+    weights = []
     for name, eager in pair["eager"].items():
-        batched = pair["batched"][name]
         if rank is None:
             eager.reset_lora(index)
-            writes.append((name, functools.partial(batched.reset_lora, index)))
+            weights.append((name, None, None))
         else:
-            a, b = _weights(eager, rank, seed)
+            a, b = random_lora_weights(eager, rank, seed)
             eager.set_lora(index, a, b)
-            writes.append((name, functools.partial(batched.set_lora, index, a, b)))
-    return pair["writer"].write(writes)
+            weights.append((name, a, b))
+    counts: WriteCounts = pair["writer"].write(index, weights)
+    return counts
 
 
 def _assert_same_slots(pair: dict[str, Any]) -> None:
@@ -110,13 +78,45 @@ def pair(vllm_layers: dict[str, Any]) -> dict[str, Any]:
 def test_batched_writes_leave_what_vllm_leaves_write_after_write(pair: dict[str, Any]) -> None:
     layers = len(pair["batched"])
     # Slot 1 gets rank 16, then rank 8 (the tail of rank 16 must be zeroed),
-    # then a reset; slot 0 keeps its adapter throughout.
-    assert _write_both(pair, 0, MAX_RANK, seed=1) == layers
-    for rank, seed in ((MAX_RANK, 2), (8, 3), (None, 0), (4, 4)):
-        assert _write_both(pair, 1, rank, seed) == layers
+    # then a reset; slot 0 keeps its adapter throughout. Every layer kind is
+    # recorded the first time a slot sees a shape, and replayed after.
+    assert _write_both(pair, 0, MAX_RANK, seed=1) == WriteCounts(recorded=layers)
+    for rank, seed, counts in (
+        (MAX_RANK, 2, WriteCounts(recorded=layers)),
+        (8, 3, WriteCounts(recorded=layers)),
+        (MAX_RANK, 6, WriteCounts(replayed=layers)),
+        (None, 0, WriteCounts(recorded=layers)),
+        (8, 7, WriteCounts(replayed=layers)),
+        (None, 0, WriteCounts(replayed=layers)),
+        (4, 4, WriteCounts(recorded=layers)),
+    ):
+        assert _write_both(pair, 1, rank, seed) == counts, rank
         _assert_same_slots(pair)
-    assert pair["batched"]["o_proj"].lora_a_stacked[0][1, 0, 4:].abs().sum() == 0
-    assert pair["batched"]["o_proj"].lora_a_stacked[0][0].abs().sum() > 0
+    assert pair["batched"]["layers.0.o_proj"].lora_a_stacked[0][1, 0, 4:].abs().sum() == 0
+    assert pair["batched"]["layers.0.o_proj"].lora_a_stacked[0][0].abs().sum() > 0
+
+
+def test_a_write_that_is_not_only_tensor_writes_is_never_replayed() -> None:
+    # A layer that keeps its slots in a dict: recording sees no tensor write,
+    # so a replay would silently skip it; it must run every time.
+    class _DictLayer:
+        def __init__(self) -> None:
+            self.slots: dict[int, Any] = {}
+
+        def set_lora(self, index: int, a: Any, b: Any) -> None:
+            self.slots[index] = (a, b)
+
+        def reset_lora(self, index: int) -> None:
+            self.slots[index] = None
+
+    layer = _DictLayer()
+    writer = BatchedSlotWriter({"d": layer})
+    a, b = torch.ones(2, 3), torch.ones(4, 2)
+    for want in ((a, b), None, (a, b), None):
+        weights = (None, None) if want is None else want
+        assert writer.write(0, [("d", *weights)]) == WriteCounts(recorded=1)
+        held = layer.slots[0]
+        assert held is None if want is None else held[0] is a and held[1] is b
 
 
 def test_a_layer_the_recorder_cannot_reorder_is_written_as_vllm_writes_it(
@@ -125,15 +125,16 @@ def test_a_layer_the_recorder_cannot_reorder_is_written_as_vllm_writes_it(
     # A layer whose set_lora scales B in place after copying it: not a
     # zeroing, not a copy, so the recorder must leave the whole layer to run.
     for side in ("eager", "batched"):
-        layer = pair[side]["down_proj"]
+        layer = pair[side]["layers.1.down_proj"]
         layer.set_lora = functools.partial(_set_then_scale, layer)
     try:
-        assert _write_both(pair, 2, 8, seed=5) == len(pair["batched"]) - 1
+        counts = _write_both(pair, 2, 8, seed=5)
+        assert counts == WriteCounts(recorded=len(pair["batched"]) - 1, eager=1)
         _assert_same_slots(pair)
-        assert pair["batched"]["down_proj"].lora_b_stacked[0][2].abs().sum() > 0
+        assert pair["batched"]["layers.1.down_proj"].lora_b_stacked[0][2].abs().sum() > 0
     finally:
         for side in ("eager", "batched"):
-            del pair[side]["down_proj"].set_lora
+            del pair[side]["layers.1.down_proj"].set_lora
 
 
 def _set_then_scale(layer: Any, index: int, a: Any, b: Any) -> None:
