@@ -32,6 +32,7 @@ def test_batched_slot_writes_beat_vllms_per_layer_writes_on_cuda() -> None:
         (out / "slot_write.json").write_text(text)
     print(text)
     assert figures.idle_write_ms["batched"] < figures.idle_write_ms["per_layer"]
-    assert Spread.of(figures.write_ms["batched"]).median < Spread.of(
-        figures.write_ms["per_layer"]
-    ).median
+    assert (
+        Spread.of(figures.write_ms["batched"]).median
+        < Spread.of(figures.write_ms["per_layer"]).median
+    )

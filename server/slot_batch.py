@@ -15,7 +15,8 @@ happens) under a :class:`torch.overrides.TorchFunctionMode` that *records*
 the zeroings and copies into the layer's stacked tensors instead of running
 them, and hands out cached views of those tensors instead of indexing them
 anew. The recorded writes then run as one ``torch._foreach_zero_`` and one
-``torch._foreach_copy_``: two GIL hand-overs per slot write.
+``torch._foreach_copy_``: two GIL hand-overs per slot write. (Torch function
+modes are thread-local: the step loop's own tensor calls are not seen.)
 
 Reordering is sound because each layer writes only its own stacked tensors
 and, in every layer vLLM has, zeroes its slot before copying into it; a

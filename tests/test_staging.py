@@ -135,6 +135,7 @@ class _Model:
 
     def __init__(self, lora_id: int) -> None:
         self.id = lora_id
+        self.loras: dict[str, Any] = {}  # per-layer weights; the scaling fold walks them
 
 
 class _ModelManager:
