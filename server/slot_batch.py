@@ -257,7 +257,8 @@ class BatchedSlotWriter:
         self._layers = layers
         self._views = {name: _LayerViews.of(layer) for name, layer in layers.items()}
         self._plans: dict[tuple[str, int, Any], _Plan] = {}
-        #: Layers seen doing something the recorder does not batch (logged once).
+        #: Layers seen doing something the recorder does not batch: written
+        #: as vLLM writes them from then on.
         self._unbatched: set[str] = set()
         self._reported = False
 
@@ -303,6 +304,9 @@ class BatchedSlotWriter:
             layer_write = functools.partial(layer.reset_lora, index)
         else:
             layer_write = functools.partial(layer.set_lora, index, lora_a, lora_b)
+        if name in self._unbatched:  # not recorded again: it would half-run first
+            batch.eager.append(layer_write)
+            return
         try:
             key = (name, index, (_signature(lora_a), _signature(lora_b)))
             plan = self._plans.get(key)
@@ -318,9 +322,8 @@ class BatchedSlotWriter:
             recorder.record(self._views[name], layer_write)
             batch.recorded += 1
         except _Unbatchable as why:
-            if name not in self._unbatched:
-                self._unbatched.add(name)
-                logger.info("slot write of layer %s not batched: %s", name, why)
+            self._unbatched.add(name)
+            logger.info("slot writes of layer %s not batched: %s", name, why)
             batch.eager.append(layer_write)
             return
         if attributes == {k: id(v) for k, v in vars(layer).items()}:

@@ -131,6 +131,9 @@ def test_a_layer_the_recorder_cannot_reorder_is_written_as_vllm_writes_it(
         counts = _write_both(pair, 2, 8, seed=5)
         assert counts == WriteCounts(recorded=len(pair["batched"]) - 1, eager=1)
         _assert_same_slots(pair)
+        counts = _write_both(pair, 2, 8, seed=9)  # the others replay; it stays eager
+        assert counts == WriteCounts(replayed=len(pair["batched"]) - 1, eager=1)
+        _assert_same_slots(pair)
         assert pair["batched"]["layers.1.down_proj"].lora_b_stacked[0][2].abs().sum() > 0
     finally:
         for side in ("eager", "batched"):
