@@ -138,9 +138,10 @@ class _Recorder(TorchFunctionMode):
         self._views: _LayerViews | None = None
         self._copied = False
 
-    def record(self, views: _LayerViews, layer_write: LayerWrite) -> None:
-        """Run one layer's write, recording it; :class:`_Unbatchable` (and
-        nothing recorded of it) when it does something that may not be reordered."""
+    def record(self, views: _LayerViews, layer_write: LayerWrite) -> tuple[int, int]:
+        """Run one layer's write, recording it; where its zeroings and copies
+        start in the lists. :class:`_Unbatchable` (and nothing recorded of it)
+        when it does something that may not be reordered."""
         marks = len(self.zeros), len(self.copy_dst)
         self._views, self._copied = views, False
         try:
@@ -150,6 +151,7 @@ class _Recorder(TorchFunctionMode):
             raise
         finally:
             self._views = None
+        return marks
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -185,16 +187,17 @@ class _Recorder(TorchFunctionMode):
         return dst
 
 
-def _inputs(lora_a: Any, lora_b: Any) -> dict[int, tuple[_InputPath, torch.Tensor]]:
-    """Every tensor a write was given, by ``id``, with its place."""
-    found: dict[int, tuple[_InputPath, torch.Tensor]] = {}
+def _inputs(lora_a: Any, lora_b: Any) -> dict[int, _InputPath]:
+    """The place of every tensor a write was given, by ``id`` (the write's
+    inputs are alive while it runs, so an ``id`` names one of them)."""
+    found: dict[int, _InputPath] = {}
     for position, given in enumerate((lora_a, lora_b)):
         if isinstance(given, torch.Tensor):
-            found[id(given)] = ((position, None), given)
+            found[id(given)] = (position, None)
         elif isinstance(given, (list, tuple)):
             for i, t in enumerate(given):
                 if isinstance(t, torch.Tensor):
-                    found[id(t)] = ((position, i), t)
+                    found[id(t)] = (position, i)
     return found
 
 
@@ -317,9 +320,8 @@ class BatchedSlotWriter:
             if not batch.recording:
                 recording.enter_context(recorder)
                 batch.recording = True
-            marks = len(recorder.zeros), len(recorder.copy_dst)
             attributes = {k: id(v) for k, v in vars(layer).items()}
-            recorder.record(self._views[name], layer_write)
+            marks = recorder.record(self._views[name], layer_write)
             batch.recorded += 1
         except _Unbatchable as why:
             self._unbatched.add(name)
@@ -335,7 +337,7 @@ class BatchedSlotWriter:
     def _plan_of(
         recorder: _Recorder,
         marks: tuple[int, int],
-        inputs: dict[int, tuple[_InputPath, torch.Tensor]],
+        inputs: dict[int, _InputPath],
     ) -> _Plan | None:
         """The layer's recorded write as a plan, if it wrote tensors at all (a
         write with none works through other means, which a plan would skip)
@@ -345,8 +347,8 @@ class BatchedSlotWriter:
             return None
         copies = []
         for dst, src in zip(recorder.copy_dst[marks[1] :], recorder.copy_src[marks[1] :]):
-            found = inputs.get(id(src))
-            if found is None or found[1] is not src:
+            path = inputs.get(id(src))
+            if path is None:
                 return None
-            copies.append((dst, found[0]))
+            copies.append((dst, path))
         return _Plan(tuple(recorder.zeros[marks[0] :]), tuple(copies))
