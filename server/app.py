@@ -89,6 +89,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "process's GIL, instead of on its staging thread (costs a copy: on an H100 a "
         "rank-16 swap took 93 ms instead of 53; see the README)",
     )
+    group.add_argument(
+        "--stall-stacks",
+        action="store_true",
+        help="sample the API event loop's stack while it is late and log the most common "
+        "stack with each event_loop_stall event (a diagnostic: the sampler costs the "
+        "loop a little GIL time under load)",
+    )
     args = parser.parse_args(list(argv))
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
@@ -269,7 +276,8 @@ async def serve(
             if maybe is not None:
                 await maybe
         waiters = [serve_task] + ([asyncio.create_task(stop.wait())] if stop else [])
-        async with loop_monitor.monitoring():
+        monitor = loop_monitor.LoopMonitorConfig(stall_stacks=getattr(args, "stall_stacks", False))
+        async with loop_monitor.monitoring(monitor):
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
         await serve_task

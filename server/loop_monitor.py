@@ -15,16 +15,35 @@ The garbage collector is timed too (``skyrl_gc_pause_seconds``, a
 process stops every thread of it (on the H100 under load, up to 15 ms at
 3 tenants and 53 ms at 8), which reads as a stall of the engine to anyone
 watching the tokens.
+
+A stall's length says that the loop was held, not by what. With
+``stall_stacks`` (``serve --stall-stacks``) a thread looks at the loop
+thread's Python stack every millisecond while the loop is late, and the
+stall's event carries the stacks seen most often: a profile of exactly the
+moments a user would notice, which a sampling profiler of the whole run
+drowns in the loop's ordinary work. The sampler needs the GIL to look, so
+it sees the loop where the loop lets the GIL go: inside a blocking call (a
+``time.sleep``, a socket write) or at a forced switch of a long stretch of
+Python. A stall made of many short steps therefore shows its I/O calls more
+often than its Python work; read the stacks as "what the loop was busy
+with", not as a profile weighted by time. It is off by default: the sampler
+takes the GIL for a moment at every look, and under load the loop waits for
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
+import os
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from prometheus_client import Histogram
@@ -74,31 +93,112 @@ class _GcClock:
 @dataclass(frozen=True)
 class LoopMonitorConfig:
     """``interval_s``: time between samples (each costs one wake-up of the
-    loop); ``report_over_s``: a stall longer than this is logged as an event."""
+    loop); ``report_over_s``: a stall longer than this is logged as an event;
+    ``stall_stacks``: sample the loop thread's stack while it is late
+    (:class:`StallStacks`), every ``stack_every_s``."""
 
     interval_s: float = 0.005
     report_over_s: float = 0.01
+    stall_stacks: bool = False
+    stack_every_s: float = 0.001
+
+
+#: Frames kept of each sampled stack, innermost last: enough to see the
+#: caller of the slow call without printing the whole uvicorn/asyncio spine.
+STACK_DEPTH = 10
+
+
+def _frame_line(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
+
+
+def stack_of(frame: FrameType | None, depth: int = STACK_DEPTH) -> tuple[str, ...]:
+    """The innermost ``depth`` frames of a stack, outermost first."""
+    lines: list[str] = []
+    while frame is not None and len(lines) < depth:
+        lines.append(_frame_line(frame))
+        frame = frame.f_back
+    return tuple(reversed(lines))
+
+
+class StallStacks:
+    """Samples one thread's stack while its heartbeat is overdue.
+
+    The loop calls :meth:`beat` at every wake-up; a daemon thread wakes
+    every ``every_s`` and, when the last beat is older than ``late_after_s``,
+    records where the loop thread is. :meth:`take` hands the loop the
+    samples since its previous beat and their most common stack.
+    """
+
+    def __init__(self, thread_id: int, late_after_s: float, every_s: float) -> None:
+        self._thread_id = thread_id
+        self._late_after_s = late_after_s
+        self._every_s = every_s
+        self._last_beat = time.perf_counter()
+        self._samples: list[tuple[str, ...]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="skyrl-lora-stall-stacks", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+    def beat(self) -> None:
+        self._last_beat = time.perf_counter()
+
+    def take(self, top: int = 3) -> dict[str, Any]:
+        """The samples since the last take: how many, and the ``top`` stacks
+        seen most often with their counts, most common first."""
+        samples, self._samples = self._samples, []
+        common = collections.Counter(samples).most_common(top)
+        return {
+            "samples": len(samples),
+            "stacks": [{"seen": seen, "stack": list(stack)} for stack, seen in common],
+        }
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            if time.perf_counter() - self._last_beat > self._late_after_s:
+                self._samples.append(stack_of(sys._current_frames().get(self._thread_id)))
 
 
 async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
     """Sample the loop's lateness, and report collections, until cancelled."""
     loop = asyncio.get_running_loop()
-    collections = _GcClock()
-    gc.callbacks.append(collections)
+    collector = _GcClock()
+    gc.callbacks.append(collector)
+    stacks = (
+        StallStacks(threading.get_ident(), config.interval_s * 1.5, config.stack_every_s)
+        if config.stall_stacks
+        else None
+    )
+    if stacks is not None:
+        stacks.start()
     try:
         while True:
             due = loop.time() + config.interval_s
             await asyncio.sleep(config.interval_s)
             lag = max(0.0, loop.time() - due)
+            where = stacks.take() if stacks is not None else {}
+            if stacks is not None:
+                stacks.beat()
             EVENT_LOOP_LAG.observe(lag)
             if lag > config.report_over_s:
-                log_event("event_loop_stall", ms=round(lag * 1000, 1))
-            for generation, pause in collections.drain():
+                log_event("event_loop_stall", ms=round(lag * 1000, 1), **where)
+            for generation, pause in collector.drain():
                 GC_PAUSE.labels(str(generation)).observe(pause)
                 if pause > config.report_over_s:
                     log_event("gc_pause", generation=generation, ms=round(pause * 1000, 1))
     finally:
-        gc.callbacks.remove(collections)
+        gc.callbacks.remove(collector)
+        if stacks is not None:
+            stacks.stop()
 
 
 @contextlib.asynccontextmanager

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
+import sys
+import threading
 import time
 
 import pytest
 
-from skyrl_lora.server.loop_monitor import EVENT_LOOP_LAG, GC_PAUSE, LoopMonitorConfig, monitoring
+from skyrl_lora.server.loop_monitor import (
+    EVENT_LOOP_LAG,
+    GC_PAUSE,
+    LoopMonitorConfig,
+    monitoring,
+    stack_of,
+)
 
 
 def _lag_samples() -> float:
@@ -53,3 +62,39 @@ async def test_a_long_collection_is_reported_with_its_generation(
     full = GC_PAUSE.labels("2").collect()[0].samples
     assert next(s.value for s in full if s.name.endswith("_count")) >= 1
     assert len(gc.callbacks) == hooks  # the hook leaves with the monitor
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # the synchronous call a stall's stack must name
+
+
+async def test_a_stall_names_the_call_that_held_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="skyrl_lora.events")
+    config = LoopMonitorConfig(interval_s=0.002, report_over_s=0.03, stall_stacks=True)
+    async with monitoring(config):
+        await asyncio.sleep(0.02)
+        _hold_the_loop(0.08)
+        await asyncio.sleep(0.01)
+    stalls = [
+        json.loads(r.getMessage().split("skyrl_event ", 1)[1])
+        for r in caplog.records
+        if "event_loop_stall" in r.getMessage()
+    ]
+    held = [s for s in stalls if s["ms"] >= 60]
+    assert len(held) == 1, stalls
+    assert held[0]["samples"] >= 20  # sampled every ms for most of the 80 ms
+    most_seen = held[0]["stacks"][0]
+    assert most_seen["seen"] >= 20
+    innermost = most_seen["stack"][-1]
+    assert innermost.startswith("test_loop_monitor.py:") and innermost.endswith(" _hold_the_loop")
+    assert not [t for t in threading.enumerate() if t.name == "skyrl-lora-stall-stacks"]
+
+
+def test_stack_of_keeps_the_innermost_frames_outermost_first() -> None:
+    def inner() -> tuple[str, ...]:
+        return stack_of(sys._getframe(), depth=2)
+
+    stack = inner()
+    assert len(stack) == 2
+    assert stack[0].endswith(" test_stack_of_keeps_the_innermost_frames_outermost_first")
+    assert stack[1].endswith(" inner")
