@@ -4,7 +4,9 @@
 isolation run in the json, how many API event-loop stalls
 (``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`)
 and long garbage collections (``gc_pause``) fell inside the per-adapter
-swaps, inside the global pauses and outside both, and the event timeline
+swaps, inside the global pauses and outside both (counts, and rates per
+second of each), the stacks the loop was seen in during its stalls where
+the server ran with ``--stall-stacks``, and the event timeline
 of one swap (pause, snapshot, staging and install, resume). That tells a
 stall of the API server's loop from one of the engine: the windows' token
 gaps show *that* the others waited, the timeline shows *where*.
@@ -17,10 +19,11 @@ is wall-clock time (UTC) of the same machine; the json's
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,16 +60,23 @@ def _inside(at: float, spans: Sequence[Span], slack_s: float = 0.002) -> bool:
     return any(start - slack_s <= at <= end + slack_s for start, end in spans)
 
 
-def stall_summary(
-    run: dict[str, Any], events: Sequence[Event], name: str = "event_loop_stall"
-) -> dict[str, list[float]]:
-    """Lengths (ms) of the ``name`` events (loop stalls, or ``gc_pause``) in one
-    isolation run: during per-adapter swaps, during global pauses, else."""
+KINDS = ("per_adapter", "global", "outside")
+
+
+def _spans(run: dict[str, Any]) -> tuple[Span, list[Span], list[Span]]:
+    """The run's whole span, its per-adapter swaps and its global pauses."""
     windows = run["spread"]["windows"]
-    first, last = windows[0]["start"], windows[-1]["end"]
     swaps = [tuple(s) for w in windows if w["mode"] == "per_adapter" for s in w["swaps"]]
     pauses = [tuple(s) for w in windows if w["mode"] == "global" for s in w["swaps"]]
-    out: dict[str, list[float]] = {"per_adapter": [], "global": [], "outside": []}
+    return (windows[0]["start"], windows[-1]["end"]), swaps, pauses  # type: ignore[return-value]
+
+
+def classified(
+    run: dict[str, Any], events: Sequence[Event], name: str
+) -> Iterator[tuple[str, Event]]:
+    """The ``name`` events of one isolation run, each with where it fell
+    (:data:`KINDS`): during a per-adapter swap, a global pause, or neither."""
+    (first, last), swaps, pauses = _spans(run)
     for e in events:
         if e.name != name or not first <= e.at <= last:
             continue
@@ -75,8 +85,47 @@ def stall_summary(
             kind = "per_adapter"
         elif _inside(e.at, pauses):
             kind = "global"
+        yield kind, e
+
+
+def stall_summary(
+    run: dict[str, Any], events: Sequence[Event], name: str = "event_loop_stall"
+) -> dict[str, list[float]]:
+    """Lengths (ms) of the ``name`` events (loop stalls, or ``gc_pause``) in one
+    isolation run: during per-adapter swaps, during global pauses, else."""
+    out: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for kind, e in classified(run, events, name):
         out[kind].append(float(e.fields["ms"]))
     return out
+
+
+def seconds_by_kind(run: dict[str, Any]) -> dict[str, float]:
+    """How long the run spent in each of :data:`KINDS`: a count of stalls
+    means little until it is a rate (a swap window is a fraction of a run)."""
+    (first, last), swaps, pauses = _spans(run)
+    during = {
+        "per_adapter": sum(b - a for a, b in swaps),
+        "global": sum(b - a for a, b in pauses),
+    }
+    return {**during, "outside": (last - first) - sum(during.values())}
+
+
+def stall_stacks(
+    run: dict[str, Any], events: Sequence[Event], top: int = 3, frames: int = 3
+) -> dict[str, list[tuple[int, str]]]:
+    """For stalls logged with ``serve --stall-stacks``: the ``top`` most common
+    of their most-seen stacks (innermost ``frames`` frames) in each kind."""
+    found: dict[str, collections.Counter[str]] = {kind: collections.Counter() for kind in KINDS}
+    for kind, e in classified(run, events, "event_loop_stall"):
+        stacks = e.fields.get("stacks") or []
+        if stacks:
+            innermost = stacks[0]["stack"][-frames:]
+            found[kind][" <- ".join(reversed(innermost)) or "(no Python frame)"] += 1
+    return {
+        kind: [(n, stack) for stack, n in counter.most_common(top)]
+        for kind, counter in found.items()
+        if counter
+    }
 
 
 def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
@@ -100,13 +149,18 @@ def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
     for label, run in (("3 tenants", figures), ("8 tenants", figures.get("eight_tenants"))):
         if not run:
             continue
+        seconds = seconds_by_kind(run)
         for name, what in (("event_loop_stall", "event-loop stalls"), ("gc_pause", "collections")):
             found = stall_summary(run, events, name)
             parts = ", ".join(
-                f"{kind} {len(ms)} (max {max(ms, default=0.0):.1f} ms)"
+                f"{kind} {len(ms)} in {seconds[kind]:.1f} s"
+                f" ({len(ms) / max(seconds[kind], 1e-9):.2f}/s, max {max(ms, default=0.0):.1f} ms)"
                 for kind, ms in found.items()
             )
             out.append(f"{label}: API {what} over 10 ms: {parts}")
+        for kind, common in stall_stacks(run, events).items():
+            out.append(f"{label}: most seen stacks of the loop's stalls, {kind}:")
+            out.extend(f"  {n:4d}  {stack}" for n, stack in common)
         out.extend(swap_timeline(run, events))
     return out
 

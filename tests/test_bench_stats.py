@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import math
 import statistics
 from dataclasses import replace
@@ -232,6 +233,47 @@ def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
     collections = timeline.stall_summary(run, events, "gc_pause")
     assert collections == {"per_adapter": [14.0], "global": [], "outside": []}
     assert "event_loop_stall" in "\n".join(timeline.swap_timeline(run, events))
+
+
+def test_timeline_rates_stalls_per_second_and_names_their_stacks() -> None:
+    offset = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+    event = "2026-01-01 00:00:{} INFO skyrl_lora.events: skyrl_event {}"
+
+    def stall(at: str, *frames: str) -> str:
+        stacks = [{"seen": 4, "stack": list(frames)}] if frames else []
+        return event.format(
+            at, json.dumps({"event": "event_loop_stall", "ms": 12.0, "stacks": stacks})
+        )
+
+    log = [
+        stall("10,150", "app.py:1 main", "h11.py:2 send", "sel.py:3 write"),
+        stall("10,300", "app.py:1 main", "h11.py:2 send", "sel.py:3 write"),
+        stall("10,350", "app.py:1 main", "routing.py:9 matches"),
+        stall("11,500", "app.py:1 main", "h11.py:2 send", "sel.py:3 write"),
+        stall("11,600"),  # logged without --stall-stacks: counted, no stack
+    ]
+    run = {
+        "spread": {
+            "windows": [
+                {"mode": "per_adapter", "start": 10.0, "end": 11.0, "swaps": [[10.1, 10.4]]},
+                {"mode": "global", "start": 11.0, "end": 12.0, "swaps": [[11.05, 11.3]]},
+            ]
+        }
+    }
+    events = timeline.read_events(log, offset)
+    seconds = timeline.seconds_by_kind(run)
+    assert seconds == pytest.approx({"per_adapter": 0.3, "global": 0.25, "outside": 1.45})
+    stacks = timeline.stall_stacks(run, events, frames=2)
+    assert stacks == {
+        "per_adapter": [
+            (2, "sel.py:3 write <- h11.py:2 send"),
+            (1, "routing.py:9 matches <- app.py:1 main"),
+        ],
+        "outside": [(1, "sel.py:3 write <- h11.py:2 send")],
+    }
+    report = "\n".join(timeline.report({"wall_minus_monotonic_s": offset, **run}, log))
+    assert "per_adapter 3 in 0.3 s (10.00/s" in report
+    assert "outside 2 in 1.4 s (1.38/s" in report
 
 
 def test_a_swap_owns_the_gaps_of_its_aftermath() -> None:
