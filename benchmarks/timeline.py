@@ -130,7 +130,7 @@ def stall_stacks(
 
 def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
     """The events of the middle per-adapter swap, in ms after its pause call."""
-    swaps = [s for w in run["spread"]["windows"] if w["mode"] == "per_adapter" for s in w["swaps"]]
+    _, swaps, _ = _spans(run)
     if not swaps:
         return []
     start, end = swaps[len(swaps) // 2]

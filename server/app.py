@@ -92,8 +92,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     group.add_argument(
         "--stall-stacks",
         action="store_true",
-        help="sample the API event loop's stack while it is late and log the most common "
-        "stack with each event_loop_stall event (a diagnostic: the sampler costs the "
+        help="sample the API event loop's stack while it is late and log the stacks seen "
+        "most often with each event_loop_stall event (a diagnostic: the sampler costs the "
         "loop a little GIL time under load)",
     )
     args = parser.parse_args(list(argv))

@@ -125,10 +125,11 @@ def stack_of(frame: FrameType | None, depth: int = STACK_DEPTH) -> tuple[str, ..
 class StallStacks:
     """Samples one thread's stack while its heartbeat is overdue.
 
-    The loop calls :meth:`beat` at every wake-up; a daemon thread wakes
-    every ``every_s`` and, when the last beat is older than ``late_after_s``,
-    records where the loop thread is. :meth:`take` hands the loop the
-    samples since its previous beat and their most common stack.
+    The loop calls :meth:`beat` at every wake-up, which hands it the samples
+    since the previous beat; a daemon thread wakes every ``every_s`` and,
+    when the last beat is older than ``late_after_s``, records where the
+    loop thread is. Only a reported stall's samples are summarised
+    (:func:`most_seen`): a wake-up on time costs the loop a list swap.
     """
 
     def __init__(self, thread_id: int, late_after_s: float, every_s: float) -> None:
@@ -149,23 +150,26 @@ class StallStacks:
         self._stop.set()
         self._thread.join(timeout=1.0)
 
-    def beat(self) -> None:
+    def beat(self) -> list[tuple[str, ...]]:
+        """The loop is on time again: the stacks sampled since the last beat."""
         self._last_beat = time.perf_counter()
-
-    def take(self, top: int = 3) -> dict[str, Any]:
-        """The samples since the last take: how many, and the ``top`` stacks
-        seen most often with their counts, most common first."""
         samples, self._samples = self._samples, []
-        common = collections.Counter(samples).most_common(top)
-        return {
-            "samples": len(samples),
-            "stacks": [{"seen": seen, "stack": list(stack)} for stack, seen in common],
-        }
+        return samples
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
             if time.perf_counter() - self._last_beat > self._late_after_s:
                 self._samples.append(stack_of(sys._current_frames().get(self._thread_id)))
+
+
+def most_seen(samples: list[tuple[str, ...]], top: int = 3) -> dict[str, Any]:
+    """A stall's samples for its event: how many, and the ``top`` stacks seen
+    most often with their counts, most common first."""
+    common = collections.Counter(samples).most_common(top)
+    return {
+        "samples": len(samples),
+        "stacks": [{"seen": seen, "stack": list(stack)} for stack, seen in common],
+    }
 
 
 async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
@@ -185,11 +189,10 @@ async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
             due = loop.time() + config.interval_s
             await asyncio.sleep(config.interval_s)
             lag = max(0.0, loop.time() - due)
-            where = stacks.take() if stacks is not None else {}
-            if stacks is not None:
-                stacks.beat()
+            samples = stacks.beat() if stacks is not None else None
             EVENT_LOOP_LAG.observe(lag)
             if lag > config.report_over_s:
+                where = most_seen(samples) if samples is not None else {}
                 log_event("event_loop_stall", ms=round(lag * 1000, 1), **where)
             for generation, pause in collector.drain():
                 GC_PAUSE.labels(str(generation)).observe(pause)
