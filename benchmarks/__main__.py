@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import client_overhead, fanout, perf, plot, retry_overhead, slot_write
+from benchmarks import adapter_read, client_overhead, fanout, perf, plot, retry_overhead, slot_write
 from benchmarks.common import embedded_server
 from benchmarks.isolation import IsolationConfig
 from benchmarks.report import Row, spread_row, table
@@ -138,6 +138,34 @@ def _slot_write_rows(sw: slot_write.SlotWriteFigures) -> list[Row]:
     ]
 
 
+def _adapter_read_rows(ar: adapter_read.AdapterReadFigures) -> list[Row]:
+    med = {m: Spread.of(v).median for m, v in ar.read_ms.items()}
+    loop = {m: Spread.of(v).median for m, v in ar.loop_max_ms.items()}
+    pinned = "pinned" if ar.pinned else "not pinned here (no CUDA)"
+    return [
+        spread_row(
+            "adapter read beside a busy step loop: one buffer / vLLM's per-tensor read",
+            ar.ratio("read_ms"),
+            ".3f",
+            "x",
+            "< 1 where vLLM pins",
+            f"{med['one_buffer']:.1f} vs {med['safetensors']:.1f} ms"
+            f" (idle {ar.idle_read_ms['one_buffer']:.1f} vs {ar.idle_read_ms['safetensors']:.1f});"
+            f" {ar.tensors} tensors, {ar.adapter_mb} MB, {pinned}; {len(ar.read_ms['safetensors'])}"
+            " rounds",
+        ),
+        spread_row(
+            "the step loop's longest iteration during an adapter read: one buffer / per-tensor",
+            ar.ratio("loop_max_ms"),
+            ".3f",
+            "x",
+            "",
+            f"{loop['one_buffer']:.1f} vs {loop['safetensors']:.1f} ms;"
+            f" p99 between reads {ar.loop_outside_p99_ms:.1f} ms",
+        ),
+    ]
+
+
 def main() -> int:
     """Run everything; on a failed sanity check write the raw figures, print no table."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
@@ -183,6 +211,9 @@ def _measure(quick: bool, results: dict[str, Any]) -> tuple[list[Row], perf.Perf
     sw = slot_write.run()
     results["slot_write"] = asdict(sw)
     rows += _slot_write_rows(sw)
+    ar = adapter_read.run()
+    results["adapter_read"] = asdict(ar)
+    rows += _adapter_read_rows(ar)
 
     with embedded_server(extra=["--max-loras", "8"]) as (url, model):
         prompt = _prompt(model)

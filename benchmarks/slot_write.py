@@ -28,14 +28,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from benchmarks.stats import Spread, median, percentile
+from benchmarks.stats import Spread
+from benchmarks.step_loop import interleaved
 
 METHODS = ("per_layer", "batched")
 ROUNDS = 5
@@ -61,42 +60,6 @@ class SlotWriteFigures:
         """batched / per-layer, round by round."""
         values: dict[str, list[float]] = getattr(self, figure)
         return Spread.of(b / a for a, b in zip(values["per_layer"], values["batched"]))
-
-
-class _StepLoopStandIn:
-    """A thread that holds the GIL as a step loop does: Python scheduling with
-    small tensor ops, then a wait for the device that lets the GIL go."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self._small = torch.zeros(64)
-        self._stop = threading.Event()
-        self.iterations: list[tuple[float, float]] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.perf_counter()
-            for _ in range(40):  # the scheduler's bookkeeping, input preparation
-                queue = {i: i for i in range(100)}
-                del queue
-                self._small.add_(1)
-            time.sleep(0.004)  # the forward on the device: the GIL is let go
-            self.iterations.append((started, time.perf_counter()))
-
-    def __enter__(self) -> _StepLoopStandIn:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def longest_within(self, start: float, end: float) -> float:
-        return max(
-            ((b - a) * 1000 for a, b in self.iterations if b > start and a < end), default=0.0
-        )
 
 
 def measure(device: str) -> SlotWriteFigures:
@@ -147,32 +110,15 @@ def measure(device: str) -> SlotWriteFigures:
         return run
 
     write = {"per_layer": synced(per_layer), "batched": synced(batched)}
-    figures = SlotWriteFigures(layers=len(layers), device=device)
-    for method in METHODS:
-        write[method]()  # first write: batched records, views cached
-        figures.idle_write_ms[method] = median([_timed(write[method]) for _ in range(10)])
-    windows: list[tuple[float, float]] = []
-    with _StepLoopStandIn() as loop:
-        time.sleep(0.2)
-        for round_ in range(ROUNDS):
-            order = METHODS if round_ % 2 == 0 else METHODS[::-1]
-            for method in order:
-                times, longest = [], 0.0
-                for _ in range(WRITES_PER_ROUND):
-                    time.sleep(0.05)
-                    start = time.perf_counter()
-                    write[method]()
-                    end = time.perf_counter()
-                    windows.append((start, end))
-                    times.append((end - start) * 1000)
-                    longest = max(longest, loop.longest_within(start, end))
-                figures.write_ms[method].append(median(times))
-                figures.loop_max_ms[method].append(longest)
-    outside = [
-        (b - a) * 1000 for a, b in loop.iterations if not any(b > s and a < e for s, e in windows)
-    ]
-    figures.loop_outside_p99_ms = percentile(outside, 99)
-    return figures
+    beside = interleaved(write, ROUNDS, WRITES_PER_ROUND)  # the first write records
+    return SlotWriteFigures(
+        write_ms=beside.call_ms,
+        loop_max_ms=beside.loop_max_ms,
+        idle_write_ms=beside.idle_ms,
+        loop_outside_p99_ms=beside.loop_outside_p99_ms,
+        layers=len(layers),
+        device=device,
+    )
 
 
 def _on_host(weights: tuple[Any, Any], pin: bool) -> tuple[Any, Any]:
@@ -186,12 +132,6 @@ def _on_host(weights: tuple[Any, Any], pin: bool) -> tuple[Any, Any]:
     return tuple(  # type: ignore[return-value]
         [host(t) for t in w] if isinstance(w, list) else host(w) for w in weights
     )
-
-
-def _timed(call: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    call()
-    return (time.perf_counter() - started) * 1000
 
 
 def run(device: str = "cpu") -> SlotWriteFigures:

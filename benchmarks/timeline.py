@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.timeline gpu_perf.json server.log`` prints, for each
 isolation run in the json, how many API event-loop stalls
-(``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`)
-and long garbage collections (``gc_pause``) fell inside the per-adapter
+(``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`),
+long garbage collections of the API process (``gc_pause``) and of vLLM's
+engine process (``engine_gc_pause``) fell inside the per-adapter
 swaps, inside the global pauses and outside both (counts, and rates per
 second of each), the stacks the loop was seen in during its stalls where
 the server ran with ``--stall-stacks``, and the event timeline
@@ -30,6 +31,8 @@ from typing import Any
 
 _EVENT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*skyrl_event (\{.*\})")
 
+_ENGINE_EVENT = re.compile(r"skyrl_event (\{\"event\": \"[a-z_]+\", \"at\": .*\})")
+
 Span = tuple[float, float]
 
 
@@ -44,15 +47,24 @@ class Event:
 
 
 def read_events(lines: Iterable[str], wall_minus_monotonic_s: float) -> list[Event]:
-    """The ``skyrl_event`` lines of a server log, on the benchmark's clock."""
+    """The ``skyrl_event`` lines of a server log, on the benchmark's clock.
+
+    The API process's lines carry their time in the line's stamp; the
+    engine process's (vLLM's format, to the second) in the event's ``at``.
+    """
     events = []
     for line in lines:
         match = _EVENT_LINE.match(line)
-        if match is None:
+        if match is not None:
+            wall = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            fields = json.loads(match.group(2))
+            at = wall.replace(tzinfo=datetime.UTC).timestamp()
+        elif (engine := _ENGINE_EVENT.search(line)) is not None:
+            fields = json.loads(engine.group(1))
+            at = fields.pop("at")
+        else:
             continue
-        wall = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
-        at = wall.replace(tzinfo=datetime.UTC).timestamp() - wall_minus_monotonic_s
-        events.append(Event(at, json.loads(match.group(2))))
+        events.append(Event(at - wall_minus_monotonic_s, fields))
     return events
 
 
@@ -158,6 +170,15 @@ def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
                 for kind, ms in found.items()
             )
             out.append(f"{label}: API {what} over 10 ms: {parts}")
+        engine = stall_summary(run, events, "engine_gc_pause")
+        out.append(
+            f"{label}: engine collections over 5 ms: "
+            + ", ".join(
+                f"{kind} {len(ms)} ({len(ms) / max(seconds[kind], 1e-9):.2f}/s,"
+                f" max {max(ms, default=0.0):.1f} ms)"
+                for kind, ms in engine.items()
+            )
+        )
         for kind, common in stall_stacks(run, events).items():
             out.append(f"{label}: most seen stacks of the loop's stalls, {kind}:")
             out.extend(f"  {n:4d}  {stack}" for n, stack in common)

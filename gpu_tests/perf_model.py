@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from benchmarks import vllm_layers
 from skyrl_lora.server.embedded import EmbeddedModel
-from skyrl_lora.server.embedded.builder import TARGET_MODULES, VOCAB_SIZE, build_tokenizer
+from skyrl_lora.server.embedded.builder import VOCAB_SIZE, build_tokenizer
 
 ADAPTERS = ("meow", "woof", "moo", "quack", "babble")
 
@@ -53,42 +53,6 @@ def build_perf_model(root: Path, rank: int = 16) -> EmbeddedModel:
 
 def write_random_adapter(model_dir: Path, out_dir: Path, rank: int, seed: int) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    shapes = {
-        "self_attn.q_proj": (hidden, hidden),
-        "self_attn.k_proj": (hidden, kv),
-        "self_attn.v_proj": (hidden, kv),
-        "self_attn.o_proj": (hidden, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
-    }
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()},
-        str(out_dir / "adapter_model.safetensors"),
+    return vllm_layers.write_random_adapter(
+        vllm_layers.DecoderShape.of_config(config), out_dir, rank, seed, str(model_dir)
     )
-    (out_dir / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "task_type": "CAUSAL_LM",
-                "r": rank,
-                "lora_alpha": 2 * rank,
-                "lora_dropout": 0.0,
-                "bias": "none",
-                "target_modules": list(TARGET_MODULES),
-                "base_model_name_or_path": str(model_dir),
-            }
-        )
-    )
-    return out_dir

@@ -87,7 +87,7 @@ class AdapterReader:
     """The engine process's end of one reader child process."""
 
     def __init__(self, pin_memory: bool) -> None:
-        self._pin_memory = pin_memory
+        self._allocate = tensor_pickle.host_buffers(pin_memory)
         self._lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix="skyrl-lora-reader-", dir=_buffer_dir())
         self._names = itertools.count()
@@ -147,11 +147,6 @@ class AdapterReader:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-
-    def _allocate(self, nbytes: int) -> Any:
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_memory)
 
     def _fail(self, why: str) -> None:
         logger.warning("skyrl-lora adapter reader off, loads run in the engine process: %s", why)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 
@@ -90,6 +91,44 @@ def disable_lora_pinning() -> None:
     """
     module: Any = importlib.import_module(_LORA_MODEL_MODULE)
     module.PIN_MEMORY = False
+
+
+class _RoutedSafetensors:
+    """Stands in for the ``safetensors`` module in vLLM's LoRA loader module.
+
+    ``safe_open(path, framework="pt")`` on the CPU asks ``open_file`` first;
+    anything it declines (None), and every other attribute, is safetensors' own.
+    """
+
+    def __init__(self, safetensors: Any, open_file: Callable[[str], Any | None]) -> None:
+        self._safetensors = safetensors
+        self._open_file = open_file
+
+    def safe_open(self, filename: Any, framework: str, device: Any = "cpu") -> Any:
+        if framework in ("pt", "torch") and str(device) == "cpu":
+            opened = self._open_file(str(filename))
+            if opened is not None:
+                return opened
+        return self._safetensors.safe_open(filename, framework=framework, device=device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._safetensors, name)
+
+
+def route_lora_file_opens(open_file: Callable[[str], Any | None]) -> None:
+    """Let ``open_file`` answer vLLM's adapter loader's ``safetensors.safe_open``.
+
+    0.26 and 0.32 both read ``adapter_model.safetensors`` through the
+    ``safetensors`` module imported by :data:`_LORA_MODEL_MODULE`, and use
+    ``keys()`` and ``get_tensor()`` of what it opens. ``open_file(path)``
+    returns a replacement or None for safetensors' own; it is called from
+    whatever thread loads, so it decides per thread. A later call replaces
+    an earlier one's ``open_file``.
+    """
+    module: Any = importlib.import_module(_LORA_MODEL_MODULE)
+    current = module.safetensors
+    original = current._safetensors if isinstance(current, _RoutedSafetensors) else current
+    module.safetensors = _RoutedSafetensors(original, open_file)
 
 
 def fold_lora_scalings(lora_model: Any) -> None:

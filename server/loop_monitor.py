@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -88,6 +88,46 @@ class _GcClock:
         """The (generation, seconds) of each collection since the last drain."""
         pauses, self._pauses = self._pauses, []
         return pauses
+
+
+class GcWatcher:
+    """Reports a process's long collections from a thread of its own, for a
+    process with no event loop of ours: vLLM's engine process, where a
+    collection holds the step loop, so every tenant's next token, as long.
+
+    ``report(generation, seconds)`` is called, on the watcher's thread, for
+    each collection over ``over_s``, within ``every_s`` of its end. One
+    wake-up every ``every_s``: the step loop does not notice.
+    """
+
+    def __init__(
+        self, report: Callable[[int, float], None], over_s: float = 0.005, every_s: float = 0.5
+    ) -> None:
+        self._clock = _GcClock()
+        self._report = report
+        self._over_s = over_s
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="skyrl-lora-gc", daemon=True)
+
+    def start(self) -> None:
+        gc.callbacks.append(self._clock)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        gc.callbacks.remove(self._clock)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        for generation, pause in self._clock.drain():
+            if pause > self._over_s:
+                self._report(generation, pause)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,19 +35,33 @@ STAGINGS = Counter(
     labelnames=["slot"],
 )
 
-#: ``process="engine"`` counts the stagings whose files were read on the
-#: engine process's own staging thread, sharing its GIL with the step loop
-#: (see ``server/adapter_reader.py``).
+#: How each staged version's files were read: ``read="reader"`` in the
+#: adapter reader process (``server/adapter_reader.py``), ``"one_buffer"`` on
+#: the engine process's staging thread in one call (``server/adapter_file.py``),
+#: ``"safetensors"`` there tensor by tensor; both of the latter share the
+#: engine process's GIL with the step loop.
 READS = Counter(
     "skyrl_adapter_reads",
-    "Adapter versions staged, by the process that read their files.",
-    labelnames=["process"],
+    "Adapter versions staged, by how their files were read.",
+    labelnames=["read"],
 )
+
+
+#: Events of vLLM's engine process, where only vLLM's own logger tree has a
+#: handler. Its lines carry vLLM's time stamp (to the second), so each event
+#: carries its own wall-clock ``at``.
+engine_event_logger = logging.getLogger("vllm.skyrl_lora.events")
 
 
 def log_event(event: str, **fields: Any) -> None:
     """One structured line: ``skyrl_event {"event": ..., ...}``."""
     event_logger.info("skyrl_event %s", json.dumps({"event": event, **fields}, default=str))
+
+
+def log_engine_event(event: str, **fields: Any) -> None:
+    """:func:`log_event` for vLLM's engine process, with ``at`` (``time.time()``)."""
+    line = json.dumps({"event": event, "at": round(time.time(), 4), **fields}, default=str)
+    engine_event_logger.info("skyrl_event %s", line)
 
 
 class GateCollector:

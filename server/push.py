@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import struct
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, BinaryIO, cast, get_args
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
+from skyrl_lora.server.adapter_file import read_header
 from skyrl_lora.server.engine import GatedEngine
 from skyrl_lora.types import SwapPolicy
 
@@ -159,21 +159,11 @@ def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> Pushe
 
 def check_safetensors(path: Path) -> None:
     """Refuse a truncated or corrupt safetensors file with a message, before vLLM reads it."""
-    size = path.stat().st_size
     with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise BadRequestError(f"{path.name} is truncated: {size} bytes")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise BadRequestError(f"{path.name} is truncated or corrupt: bad header length")
         try:
-            header = json.loads(f.read(header_len))
+            header, data_len = read_header(f, path.stat().st_size)
         except ValueError as exc:
-            raise BadRequestError(f"{path.name} has a corrupt header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise BadRequestError(f"{path.name} has a corrupt header")
-    data_len = size - 8 - header_len
+            raise BadRequestError(f"{path.name} is {exc}") from exc
     for name, meta in header.items():
         if name == "__metadata__":
             continue

@@ -11,7 +11,9 @@ Here the expensive part moves to a background thread of each worker:
 1. :meth:`LoRAStagingExtension.skyrl_stage_lora` (a ``collective_rpc`` call
    that only submits work and returns at once) builds vLLM's own
    ``LoRAModel`` for the request on a worker thread, with the worker's own
-   loader, so validation and layout are exactly vLLM's, and packs it for
+   loader, so validation and layout are exactly vLLM's (only its file read
+   is ours: one call into one buffer, pinned where vLLM pins, see
+   :mod:`skyrl_lora.server.adapter_file`), and packs it for
    the worker's layers (fused q/k/v and gate/up, scaling folded into B,
    pinned host copies) with the model manager's own packing. Where the
    adapter is paused and drained, the call first removes the version being
@@ -52,9 +54,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_lora.server import compat
-from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader, ReadTimes
-from skyrl_lora.server.observability import READS, STAGINGS, log_event
+from skyrl_lora.server import compat, tensor_pickle
+from skyrl_lora.server.adapter_file import OneBufferFile, UnsupportedFile
+from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader
+from skyrl_lora.server.loop_monitor import GcWatcher
+from skyrl_lora.server.observability import READS, STAGINGS, log_engine_event, log_event
 from skyrl_lora.server.slots import SlotPrefill
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
@@ -65,15 +69,31 @@ EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
 
 #: A staging's ``state`` (:meth:`_WorkerStaging.status`). A ready one also says
 #: whether it was written into a free engine slot (``in_slot``, see
-#: :mod:`skyrl_lora.server.slots`) and read by the reader process (``reader``);
-#: a failed one carries the ``error``.
+#: :mod:`skyrl_lora.server.slots`) and how its files were ``read`` (below); a
+#: failed one carries the ``error``.
 READY = "ready"
 PENDING = "pending"
 UNKNOWN = "unknown"
 FAILED = "failed"
 
+#: How a staging's files were read (a ready staging's ``read``): by the
+#: reader process (:mod:`.adapter_reader`), or on the engine process's
+#: staging thread in one call (:mod:`.adapter_file`) or by safetensors,
+#: tensor by tensor (a file the one-call reader leaves to it).
+READER = "reader"
+ONE_BUFFER = "one_buffer"
+SAFETENSORS = "safetensors"
+
 #: The longest the step loop waits for the GIL while a staging thread holds it.
 STAGING_SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A staging's result: vLLM's model, packed, and how its files were read."""
+
+    model: Any
+    read: str
 
 
 class _WorkerStaging:
@@ -94,8 +114,14 @@ class _WorkerStaging:
         #: Set on the staging thread while it loads: its reads go to the reader process.
         self._staging_thread = threading.local()
         self._routed_reads = self._route_reads_to_reader(lora_manager) if reader_process else None
+        #: Buffers for the staging thread's one-call reads, pinned where vLLM pins.
+        self._host_buffers = tensor_pickle.host_buffers(compat.lora_pin_memory())
+        try:
+            compat.route_lora_file_opens(self._open_in_one_buffer)
+        except (ImportError, AttributeError) as exc:  # a vLLM whose loader moved
+            logger.warning("skyrl-lora leaves adapter file reads to safetensors: %r", exc)
         #: Each staging's model and, where the reader process read it, its times.
-        self._staged: dict[int, concurrent.futures.Future[tuple[Any, ReadTimes | None]]] = {}
+        self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
         lora_manager._load_adapter = self._load_adapter
@@ -128,6 +154,20 @@ class _WorkerStaging:
         )
         setattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, routed)
         return routed
+
+    def _open_in_one_buffer(self, path: str) -> OneBufferFile | None:
+        """vLLM's loader's ``safe_open``: on the staging thread, one read into
+        one buffer (:mod:`skyrl_lora.server.adapter_file`); None elsewhere,
+        and for a file that reader leaves to safetensors."""
+        if not getattr(self._staging_thread, "loading", False):
+            return None
+        try:
+            opened = OneBufferFile(path, self._host_buffers)
+        except UnsupportedFile as exc:
+            logger.info("skyrl-lora reads %s with safetensors: %s", path, exc)
+            return None
+        self._staging_thread.one_buffer = True
+        return opened
 
     @property
     def slot_prefill(self) -> bool:
@@ -190,7 +230,7 @@ class _WorkerStaging:
             self.discard(lora_int_id)
             return {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
         in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
-        return {"state": READY, "in_slot": in_slot, "reader": future.result()[1] is not None}
+        return {"state": READY, "in_slot": in_slot, "read": future.result().read}
 
     def discard(self, lora_int_id: int) -> None:
         with self._lock:
@@ -198,15 +238,13 @@ class _WorkerStaging:
         if self._slots is not None:
             self._slots.release(lora_int_id)
 
-    def _timed_load(self, lora_request: Any) -> tuple[Any, ReadTimes | None]:
-        """Read, validate and pack one adapter (on the staging thread).
-
-        Returns the model and, where the reader process read it, its times.
-        """
+    def _timed_load(self, lora_request: Any) -> _Staged:
+        """Read, validate and pack one adapter (on the staging thread)."""
         started = time.perf_counter()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
         self._staging_thread.loading = True
+        self._staging_thread.one_buffer = False
         try:
             model = self._load_from_files(lora_request)
             loaded = time.perf_counter()
@@ -220,11 +258,12 @@ class _WorkerStaging:
             self._staging_thread.loading = False
             sys.setswitchinterval(switch_interval)
         done = time.perf_counter()
-        read = self._routed_reads.last_read if self._routed_reads is not None else None
-        where = "in this process"
-        if read is not None:
+        times = self._routed_reads.last_read if self._routed_reads is not None else None
+        read = READER if times else ONE_BUFFER if self._staging_thread.one_buffer else SAFETENSORS
+        where = f"in this process, {read}"
+        if times is not None:
             where = (
-                f"via the reader process {read.total_ms:.1f}, of which in it {read.child_ms:.1f}"
+                f"via the reader process {times.total_ms:.1f}, of which in it {times.child_ms:.1f}"
             )
         logger.info(
             "skyrl-lora staged adapter %s off the step loop in %.1f ms "
@@ -236,7 +275,7 @@ class _WorkerStaging:
             (packed - loaded) * 1000,
             f"{(done - packed) * 1000:.1f}" if in_slot else "none spare",
         )
-        return model, read
+        return _Staged(model, read)
 
     def _pack_unless_packed(self, model: Any) -> None:
         """The model manager's packing, skipped for a model packed while staged."""
@@ -269,8 +308,23 @@ class _WorkerStaging:
         with self._lock:
             future = self._staged.pop(lora_request.lora_int_id, None)
         if future is not None and future.done() and future.exception() is None:
-            return future.result()[0]
+            return future.result().model
         return self._load_from_files(lora_request)
+
+
+_engine_gc_watcher: GcWatcher | None = None
+
+
+def _watch_engine_collections() -> None:
+    """Start this process's :class:`GcWatcher` (once)."""
+    global _engine_gc_watcher
+    if _engine_gc_watcher is None:
+        _engine_gc_watcher = GcWatcher(
+            lambda generation, pause: log_engine_event(
+                "engine_gc_pause", generation=generation, ms=round(pause * 1000, 1)
+            )
+        )
+        _engine_gc_watcher.start()
 
 
 class LoRAStagingExtension:
@@ -300,7 +354,13 @@ class LoRAStagingExtension:
     def skyrl_start_staging(
         self, slot_prefill: bool = True, reader_process: bool = False
     ) -> dict[str, bool]:
-        """Set staging up (once, at the server's start); says which parts are on."""
+        """Set staging up (once, at the server's start); says which parts are on.
+
+        Also reports the engine process's long garbage collections
+        (``engine_gc_pause`` events): one holds the step loop, and so every
+        tenant's next token, as long as it runs.
+        """
+        _watch_engine_collections()
         stager = self._skyrl_stager(slot_prefill, reader_process)
         return {"slot_prefill": stager.slot_prefill, "reader_process": stager.reader_process}
 
@@ -392,16 +452,17 @@ class StagedLoRAEngine:
         started = loop.time()
         polls, ready = await self._stage(lora_request, replaces)
         in_slot = all(r["in_slot"] for r in ready)
-        by_reader = all(r["reader"] for r in ready)
+        reads = {r["read"] for r in ready}
+        read = reads.pop() if len(reads) == 1 else "mixed"
         STAGINGS.labels(slot="written" if in_slot else "none").inc()
-        READS.labels(process="reader" if by_reader else "engine").inc()
+        READS.labels(read=read).inc()
         log_event(
             "adapter_staged",
             lora_name=lora_request.lora_name,
             stage_ms=round((loop.time() - started) * 1000, 2),
             polls=polls,
             in_slot=in_slot,
-            reader=by_reader,
+            read=read,
             replaced=replaces,
         )
 

@@ -92,21 +92,39 @@ def load(skeleton: bytes, buffer: Any) -> Any:
     return _TensorUnpickler(io.BytesIO(skeleton), buffer).load()
 
 
+def host_buffers(pin_memory: bool) -> Callable[[int], Any]:
+    """An ``allocate(nbytes)`` for the readers here: uint8 host memory, pinned if asked
+    (one pinned allocation for a whole adapter, where a GPU copies from it)."""
+    import torch
+
+    def allocate(nbytes: int) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+
+    return allocate
+
+
 def read_buffer(path: str, nbytes: int, allocate: Callable[[int], Any]) -> Any:
-    """Read a buffer file into ``allocate(nbytes)`` (a uint8 tensor) with as few calls as it takes.
+    """Read a buffer file into ``allocate(nbytes)`` (a uint8 tensor) in as few calls as may be."""
+    buffer = allocate(nbytes)
+    with open(path, "rb", buffering=0) as file:
+        read_exactly(file, buffer, nbytes, path)
+    return buffer
+
+
+def read_exactly(
+    file: io.RawIOBase | io.BufferedIOBase, buffer: Any, nbytes: int, path: str
+) -> None:
+    """Fill the first ``nbytes`` of ``buffer`` (a uint8 tensor) from ``file``'s position.
 
     ``readinto`` releases the GIL for the whole read, so the engine's step
-    loop is not kept waiting by the copy.
+    loop is not kept waiting by the copy. Raises EOFError if the file ends first.
     """
-    buffer = allocate(nbytes)
     if nbytes == 0:
-        return buffer
+        return
     view = memoryview(buffer.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as file:
-        done = 0
-        while done < nbytes:
-            read = file.readinto(view[done:])
-            if not read:
-                raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
-            done += read
-    return buffer
+    done = 0
+    while done < nbytes:
+        read = file.readinto(view[done:nbytes])
+        if not read:
+            raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
+        done += read

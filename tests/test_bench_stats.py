@@ -216,6 +216,11 @@ def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
         event.format("11,500", '{"event": "event_loop_stall", "ms": 30.0}'),
         event.format("12,100", '{"event": "event_loop_stall", "ms": 11.0}'),
         event.format("10,200", '{"event": "gc_pause", "generation": 2, "ms": 14.0}'),
+        # vLLM's engine process: its stamp has no year or ms; the event has its own time.
+        "(EngineCore_DP0 pid=7) INFO 01-01 00:00:11 [staging.py:9] skyrl_event "
+        + json.dumps(
+            {"event": "engine_gc_pause", "at": offset + 10.25, "generation": 1, "ms": 6.5}
+        ),
     ]
     run = {
         "spread": {
@@ -226,7 +231,11 @@ def test_timeline_puts_server_stalls_in_the_windows_they_fell_in() -> None:
         }
     }
     events = timeline.read_events(log, offset)
-    assert [e.name for e in events] == ["pause"] + ["event_loop_stall"] * 3 + ["gc_pause"]
+    names = ["pause"] + ["event_loop_stall"] * 3 + ["gc_pause", "engine_gc_pause"]
+    assert [e.name for e in events] == names
+    assert events[-1].at == pytest.approx(10.25) and "at" not in events[-1].fields
+    engine = timeline.stall_summary(run, events, "engine_gc_pause")
+    assert engine == {"per_adapter": [6.5], "global": [], "outside": []}
     assert events[0].at == pytest.approx(10.1)
     summary = timeline.stall_summary(run, events)
     assert summary == {"per_adapter": [12.5], "global": [11.0], "outside": [30.0]}

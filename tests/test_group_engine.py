@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
@@ -58,11 +59,22 @@ def text(tokenizer: Any, result: SampleResponse) -> list[str]:
     return tokenizer.decode(result.sequences[0].tokens).split()
 
 
+async def one_buffer_reads(url: str) -> float:
+    """``skyrl_adapter_reads_total{read="one_buffer"}`` of one replica."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    prefix = 'skyrl_adapter_reads_total{read="one_buffer"} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
 async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -> None:
+    """...and each replica stages the adapter's file in one read (``server/adapter_file.py``)."""
     assert len(set(group.urls)) == 2
+    before = [await one_buffer_reads(url) for url in group.urls]
     async with RemoteInferenceClient(group.urls) as client:
         infos = await client.load_lora_adapter("g-meow", str(embedded_model.adapters["meow"]))
         assert [i.version for i in infos] == [1, 1]
+    assert [await one_buffer_reads(url) for url in group.urls] == [b + 1 for b in before]
 
 
 async def test_push_fans_out_to_every_replica(group, embedded_model, tokenizer) -> None:

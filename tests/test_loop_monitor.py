@@ -15,6 +15,7 @@ import pytest
 from skyrl_lora.server.loop_monitor import (
     EVENT_LOOP_LAG,
     GC_PAUSE,
+    GcWatcher,
     LoopMonitorConfig,
     monitoring,
     stack_of,
@@ -98,3 +99,30 @@ def test_stack_of_keeps_the_innermost_frames_outermost_first() -> None:
     assert len(stack) == 2
     assert stack[0].endswith(" test_stack_of_keeps_the_innermost_frames_outermost_first")
     assert stack[1].endswith(" inner")
+
+
+def test_gc_watcher_reports_long_collections_from_its_own_thread() -> None:
+    """The engine process's watcher: a full collection over the threshold is
+    reported (on the watcher's thread), a threshold above it is not."""
+    seen: list[tuple[int, float, str]] = []
+    watcher = GcWatcher(
+        lambda gen, s: seen.append((gen, s, threading.current_thread().name)),
+        over_s=0.0,
+        every_s=0.01,
+    )
+    strict = GcWatcher(lambda gen, s: seen.append((-1, s, "strict")), over_s=60.0, every_s=0.01)
+    watcher.start()
+    strict.start()
+    try:
+        garbage = [[i] for i in range(200_000)]
+        gc.collect()
+        del garbage
+        deadline = time.monotonic() + 5
+        while not any(gen == 2 for gen, _, _ in seen):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.01)
+    finally:
+        watcher.stop()
+        strict.stop()
+    assert all(gen >= 0 and thread == "skyrl-lora-gc" for gen, _, thread in seen)
+    assert gc.callbacks.count(watcher._clock) == 0

@@ -1,0 +1,114 @@
+"""A thread that stands in for vLLM's step loop, for benchmarks of work that
+shares the engine process's GIL with it (slot writes, adapter reads).
+
+About 2 ms of scheduling in Python with a small tensor op every few dozen
+microseconds, then 4 ms waiting for the device without the GIL. Its
+iterations that overlap the measured work are what the other tenants would
+feel as a longer inter-token gap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from benchmarks.stats import Spread, median, percentile
+
+
+class StepLoopStandIn:
+    """A thread that holds the GIL as a step loop does: Python scheduling with
+    small tensor ops, then a wait for the device that lets the GIL go."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._small = torch.zeros(64)
+        self._stop = threading.Event()
+        self.iterations: list[tuple[float, float]] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            for _ in range(40):  # the scheduler's bookkeeping, input preparation
+                queue = {i: i for i in range(100)}
+                del queue
+                self._small.add_(1)
+            time.sleep(0.004)  # the forward on the device: the GIL is let go
+            self.iterations.append((started, time.perf_counter()))
+
+    def __enter__(self) -> StepLoopStandIn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def longest_within(self, start: float, end: float) -> float:
+        return max(
+            ((b - a) * 1000 for a, b in self.iterations if b > start and a < end), default=0.0
+        )
+
+
+@dataclass
+class BesideTheLoop:
+    """Each method's calls timed beside :class:`StepLoopStandIn`, in rounds.
+
+    Per round and method: the median call time and the stand-in loop's longest
+    iteration during the calls; idle: the median call time without the loop;
+    and the loop's p99 iteration between calls (what the calls are judged against).
+    """
+
+    call_ms: dict[str, list[float]]
+    loop_max_ms: dict[str, list[float]]
+    idle_ms: dict[str, float]
+    loop_outside_p99_ms: float
+
+    def ratio(self, figure: str, method: str, baseline: str) -> Spread:
+        """``method`` / ``baseline`` of ``figure`` (``call_ms``, ``loop_max_ms``) by round."""
+        values: dict[str, list[float]] = getattr(self, figure)
+        return Spread.of(m / b for b, m in zip(values[baseline], values[method]))
+
+
+def interleaved(
+    calls: dict[str, Callable[[], None]], rounds: int, per_round: int, idle: int = 10
+) -> BesideTheLoop:
+    """Time ``calls`` idle, then beside the stand-in loop, alternating their
+    order round by round so neither always follows the other. Each call runs
+    once first, untimed (caches, recordings)."""
+    methods = list(calls)
+    idle_ms = {}
+    for method, call in calls.items():
+        call()
+        idle_ms[method] = median([_timed(call) for _ in range(idle)])
+    call_ms: dict[str, list[float]] = {m: [] for m in methods}
+    loop_max_ms: dict[str, list[float]] = {m: [] for m in methods}
+    windows: list[tuple[float, float]] = []
+    with StepLoopStandIn() as loop:
+        time.sleep(0.2)
+        for round_ in range(rounds):
+            for method in methods if round_ % 2 == 0 else methods[::-1]:
+                times, longest = [], 0.0
+                for _ in range(per_round):
+                    time.sleep(0.05)
+                    start = time.perf_counter()
+                    calls[method]()
+                    end = time.perf_counter()
+                    windows.append((start, end))
+                    times.append((end - start) * 1000)
+                    longest = max(longest, loop.longest_within(start, end))
+                call_ms[method].append(median(times))
+                loop_max_ms[method].append(longest)
+    outside = [
+        (b - a) * 1000 for a, b in loop.iterations if not any(b > s and a < e for s, e in windows)
+    ]
+    return BesideTheLoop(call_ms, loop_max_ms, idle_ms, percentile(outside, 99))
+
+
+def _timed(call: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1000
