@@ -185,6 +185,9 @@ class IsolationResult:
             "lone_no_swap_windows": list(rounds.lone),
             "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
             "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
+            "longest_gaps_during_swaps": longest_during_swaps(
+                self.windows, self.others, self.config.aftermath_s
+            ),
             "windows": [
                 {
                     "round": w.round,
@@ -300,6 +303,34 @@ def _stall(
             check_count("stall gaps", len(values), 1, f"token gaps in a {kind} window")
             tails.setdefault(kind, []).append(Tail.of(values))
     return {k: tails_spread(v) for k, v in tails.items()}
+
+
+def longest_during_swaps(
+    windows: list[Window], others: list[TenantRecord], aftermath_s: float, top: int = 12
+) -> list[dict[str, float]]:
+    """The ``top`` longest of the others' gaps during per-adapter swaps, each
+    placed in its swap: when the late token came, in ms after the swap's pause
+    call and after its resume's answer (negative: before the resume). The
+    tails say *how* long the others waited; this says in which part of a
+    swap (the hold, the staging and install, the resumed requests' return).
+    """
+    placed = []
+    for w in windows:
+        if w.mode != "per_adapter":
+            continue
+        for gap in (g for tenant in others for g in tenant.streams.gaps(w.start, w.end)):
+            for paused, resumed in w.swaps:
+                if gap.start < resumed + aftermath_s and gap.end > paused:
+                    placed.append(
+                        {
+                            "ms": round(gap.ms, 2),
+                            "round": w.round,
+                            "after_pause_ms": round((gap.end - paused) * 1000, 1),
+                            "after_resume_ms": round((gap.end - resumed) * 1000, 1),
+                        }
+                    )
+                    break
+    return sorted(placed, key=lambda g: -g["ms"])[:top]
 
 
 def _ratio_spread(windows: list[Window], mode: str, cfg: IsolationConfig) -> Spread:

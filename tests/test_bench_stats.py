@@ -304,3 +304,26 @@ def test_a_swap_owns_the_gaps_of_its_aftermath() -> None:
     before = _stall([window], [record], aftermath_s=0.0)
     assert before["per_adapter_during_swap"]["max"].median == pytest.approx(10, abs=0.5)
     assert before["per_adapter_outside_swap"]["max"].median == pytest.approx(60, abs=0.5)
+
+
+def test_longest_gaps_during_swaps_are_placed_in_their_swap() -> None:
+    from benchmarks.isolation import longest_during_swaps
+    from benchmarks.stream_process import TenantRecord
+    from benchmarks.streams import StreamLog
+
+    # One stream: tokens every 10 ms, but 40 ms late once in the hold of the
+    # first swap and 25 ms late once just after its resume; a 60 ms gap
+    # outside every swap (and its window) does not count.
+    times = [0.00, 0.01, 0.02, 0.06, 0.07, 0.08, 0.09, 0.10, 0.125, 0.135, 0.40, 0.41]
+    log = StreamLog("iso-b")
+    log.streams.append([(t, 1) for t in times])
+    others = [TenantRecord(log, None)]  # type: ignore[arg-type]
+    windows = [
+        Window(0, "per_adapter", 0.0, 0.2, 0.0, [(0.015, 0.1)]),
+        Window(0, "global", 0.2, 0.5, 0.0, [(0.3, 0.45)]),
+    ]
+    longest = longest_during_swaps(windows, others, aftermath_s=0.05, top=2)
+    assert longest == [
+        {"ms": 40.0, "round": 0, "after_pause_ms": 45.0, "after_resume_ms": -40.0},
+        {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0},
+    ]
