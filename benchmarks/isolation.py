@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks.common import TokenMeter, collector_paused, keep_sampling
 from benchmarks.stats import (
+    Gap,
     IsolationChecks,
     RoundBaselines,
     Spread,
@@ -305,32 +306,48 @@ def _stall(
     return {k: tails_spread(v) for k, v in tails.items()}
 
 
+#: Gaps ending this close together are one stall of many streams.
+SAME_STALL_S = 0.003
+
+
 def longest_during_swaps(
     windows: list[Window], others: list[TenantRecord], aftermath_s: float, top: int = 12
 ) -> list[dict[str, float]]:
-    """The ``top`` longest of the others' gaps during per-adapter swaps, each
-    placed in its swap: when the late token came, in ms after the swap's pause
-    call and after its resume's answer (negative: before the resume). The
-    tails say *how* long the others waited; this says in which part of a
-    swap (the hold, the staging and install, the resumed requests' return).
+    """The ``top`` longest stalls of the others' streams during per-adapter
+    swaps, each placed in its swap: when the late tokens came, in ms after the
+    swap's pause call and after its resume's answer (negative: before the
+    resume). Gaps that end within :data:`SAME_STALL_S` of a longer one are
+    one stall, counted in ``streams``: a stall of the whole engine or API
+    process holds every stream at once. The tails say *how* long the others
+    waited; this says in which part of a swap (the hold, the staging and
+    install, the resumed requests' return) and how widely.
     """
-    placed = []
+    placed: list[tuple[Gap, float, float, int]] = []
     for w in windows:
         if w.mode != "per_adapter":
             continue
         for gap in (g for tenant in others for g in tenant.streams.gaps(w.start, w.end)):
             for paused, resumed in w.swaps:
                 if gap.start < resumed + aftermath_s and gap.end > paused:
-                    placed.append(
-                        {
-                            "ms": round(gap.ms, 2),
-                            "round": w.round,
-                            "after_pause_ms": round((gap.end - paused) * 1000, 1),
-                            "after_resume_ms": round((gap.end - resumed) * 1000, 1),
-                        }
-                    )
+                    placed.append((gap, paused, resumed, w.round))
                     break
-    return sorted(placed, key=lambda g: -g["ms"])[:top]
+    stalls: list[dict[str, float]] = []
+    for gap, paused, resumed, round_ in sorted(placed, key=lambda p: -p[0].ms):
+        same = next((s for s in stalls if abs(s["_end"] - gap.end) <= SAME_STALL_S), None)
+        if same is not None:
+            same["streams"] += 1
+            continue
+        stalls.append(
+            {
+                "ms": round(gap.ms, 2),
+                "round": round_,
+                "after_pause_ms": round((gap.end - paused) * 1000, 1),
+                "after_resume_ms": round((gap.end - resumed) * 1000, 1),
+                "streams": 1,
+                "_end": gap.end,
+            }
+        )
+    return [{k: v for k, v in s.items() if k != "_end"} for s in stalls[:top]]
 
 
 def _ratio_spread(windows: list[Window], mode: str, cfg: IsolationConfig) -> Spread:

@@ -317,6 +317,7 @@ def test_longest_gaps_during_swaps_are_placed_in_their_swap() -> None:
     times = [0.00, 0.01, 0.02, 0.06, 0.07, 0.08, 0.09, 0.10, 0.125, 0.135, 0.40, 0.41]
     log = StreamLog("iso-b")
     log.streams.append([(t, 1) for t in times])
+    log.streams.append([(0.03, 1), (0.0605, 1)])  # held by the same stall: one more stream
     others = [TenantRecord(log, None)]  # type: ignore[arg-type]
     windows = [
         Window(0, "per_adapter", 0.0, 0.2, 0.0, [(0.015, 0.1)]),
@@ -324,6 +325,6 @@ def test_longest_gaps_during_swaps_are_placed_in_their_swap() -> None:
     ]
     longest = longest_during_swaps(windows, others, aftermath_s=0.05, top=2)
     assert longest == [
-        {"ms": 40.0, "round": 0, "after_pause_ms": 45.0, "after_resume_ms": -40.0},
-        {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0},
+        {"ms": 40.0, "round": 0, "after_pause_ms": 45.0, "after_resume_ms": -40.0, "streams": 2},
+        {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0, "streams": 1},
     ]
