@@ -75,12 +75,15 @@ def _inside(at: float, spans: Sequence[Span], slack_s: float = 0.002) -> bool:
 KINDS = ("per_adapter", "global", "outside")
 
 
-def _spans(run: dict[str, Any]) -> tuple[Span, list[Span], list[Span]]:
-    """The run's whole span, its per-adapter swaps and its global pauses."""
+def _spans(run: dict[str, Any], aftermath: bool = True) -> tuple[Span, list[Span], list[Span]]:
+    """The run's whole span, its per-adapter swaps and its global pauses, each
+    with the aftermath the benchmark gives it (``aftermath_s``: the resumed
+    requests' return belongs to the swap), unless ``aftermath`` is False."""
     windows = run["spread"]["windows"]
-    swaps = [tuple(s) for w in windows if w["mode"] == "per_adapter" for s in w["swaps"]]
-    pauses = [tuple(s) for w in windows if w["mode"] == "global" for s in w["swaps"]]
-    return (windows[0]["start"], windows[-1]["end"]), swaps, pauses  # type: ignore[return-value]
+    after = float(run["spread"].get("config", {}).get("aftermath_s", 0.0)) if aftermath else 0.0
+    swaps = [(s, e + after) for w in windows if w["mode"] == "per_adapter" for s, e in w["swaps"]]
+    pauses = [(s, e + after) for w in windows if w["mode"] == "global" for s, e in w["swaps"]]
+    return (windows[0]["start"], windows[-1]["end"]), swaps, pauses
 
 
 def classified(
@@ -142,13 +145,13 @@ def stall_stacks(
 
 def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
     """The events of the middle per-adapter swap, in ms after its pause call."""
-    _, swaps, _ = _spans(run)
+    _, swaps, _ = _spans(run, aftermath=False)
     if not swaps:
         return []
     start, end = swaps[len(swaps) // 2]
     lines = [f"one swap: {1000 * (end - start):.0f} ms from the pause call to the resume's answer"]
     for e in events:
-        if start - 0.01 <= e.at <= end + 0.05:
+        if start - 0.01 <= e.at <= end + 0.2:
             rest = {k: v for k, v in e.fields.items() if k != "event"}
             shown = json.dumps(rest)[:140]
             lines.append(f"  {1000 * (e.at - start):7.1f} ms  {e.name:18s} {shown}")
