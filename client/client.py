@@ -63,7 +63,7 @@ class RemoteInferenceClient:
         self.config = config or ClientConfig()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._transport = Transport(self.config, headers)
-        self.gates = AdapterGates()
+        self.gates = AdapterGates(self.config.resume_spacing_s, self.config.resume_window_s)
         if policy is None:
             if self.config.routing not in POLICIES:
                 raise ValueError(

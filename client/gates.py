@@ -21,7 +21,21 @@ def _wake(future: asyncio.Future[None]) -> None:
 
 
 class AdapterGates:
-    def __init__(self) -> None:
+    """Per-adapter gates; an opened gate lets its waiters go at a pace.
+
+    ``spacing_s``: the n-th waiter (in the order they came) is let go
+    ``n * spacing_s`` after the gate opens, at most ``window_s`` after it.
+    A client's retries of a paused adapter all wait here and would otherwise
+    reach the server in one burst at the resume: the server then parses and
+    validates every one of them at once on the event loop that streams
+    every other tenant's tokens, only to hold them at its own paced gate.
+    Let go at the server's pace, each arrives when the server admits it.
+    A waiter let go after the gate closed again waits again.
+    """
+
+    def __init__(self, spacing_s: float = 0.0, window_s: float = 0.0) -> None:
+        self._spacing_s = spacing_s
+        self._window_s = window_s
         self._lock = threading.Lock()
         self._closed: set[str] = set()
         self._waiters: defaultdict[
@@ -36,9 +50,13 @@ class AdapterGates:
         with self._lock:
             self._closed.discard(lora_name)
             waiters = self._waiters.pop(lora_name, [])
-        for loop, future in waiters:
+        for place, (loop, future) in enumerate(waiters):
+            delay = min(place * self._spacing_s, self._window_s)
             try:
-                loop.call_soon_threadsafe(_wake, future)
+                if delay > 0:
+                    loop.call_soon_threadsafe(loop.call_later, delay, _wake, future)
+                else:
+                    loop.call_soon_threadsafe(_wake, future)
             except RuntimeError:  # that loop is closed; nobody is waiting there any more
                 pass
 
@@ -47,18 +65,19 @@ class AdapterGates:
             return lora_name in self._closed
 
     async def wait_open(self, lora_name: str) -> None:
-        """Return at once if the gate is open, else when :meth:`open` is called."""
+        """Return at once if the gate is open, else once :meth:`open` lets this waiter go."""
         loop = asyncio.get_running_loop()
-        with self._lock:
-            if lora_name not in self._closed:
-                return
-            future: asyncio.Future[None] = loop.create_future()
-            entry = (loop, future)
-            self._waiters[lora_name].append(entry)
-        try:
-            await future
-        finally:
+        while True:
             with self._lock:
-                waiters = self._waiters.get(lora_name)
-                if waiters and entry in waiters:
-                    waiters.remove(entry)
+                if lora_name not in self._closed:
+                    return
+                future: asyncio.Future[None] = loop.create_future()
+                entry = (loop, future)
+                self._waiters[lora_name].append(entry)
+            try:
+                await future
+            finally:
+                with self._lock:
+                    waiters = self._waiters.get(lora_name)
+                    if waiters and entry in waiters:
+                        waiters.remove(entry)

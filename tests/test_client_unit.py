@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from aiohttp import web
@@ -182,6 +183,41 @@ def test_gates_across_event_loops_and_threads() -> None:
 async def _open_later(gates: AdapterGates) -> None:
     await asyncio.sleep(0.05)
     gates.open("a")
+
+
+async def test_an_opened_gate_lets_its_waiters_go_at_the_servers_pace() -> None:
+    """The n-th waiter goes n spacings after the open, none later than the
+    window; one let go after the gate closed again waits for the next open."""
+    gates = AdapterGates(spacing_s=0.02, window_s=0.05)
+    gates.close("a")
+    woke: list[tuple[int, float]] = []
+
+    async def waiter(n: int) -> None:
+        await gates.wait_open("a")
+        woke.append((n, time.monotonic()))
+
+    tasks = [asyncio.create_task(waiter(n)) for n in range(5)]
+    await asyncio.sleep(0.01)
+    opened = time.monotonic()
+    gates.open("a")
+    await asyncio.gather(*tasks)
+    after = {n: t - opened for n, t in woke}
+    assert [n for n, _ in woke][:3] == [0, 1, 2]
+    assert after[0] < 0.015
+    assert 0.015 <= after[1] < 0.035 and 0.035 <= after[2] < 0.055
+    assert 0.045 <= after[3] < 0.075 and 0.045 <= after[4] < 0.075  # the window's end
+
+    gates.close("a")
+    late = [asyncio.create_task(waiter(n)) for n in (10, 11)]
+    await asyncio.sleep(0.01)
+    gates.open("a")
+    await asyncio.sleep(0.005)
+    gates.close("a")  # paused again before the second is let go
+    await asyncio.sleep(0.05)
+    assert [n for n, _ in woke[5:]] == [10] and not late[1].done()
+    gates.open("a")
+    await asyncio.wait_for(late[1], 1)
+    assert [n for n, _ in woke[5:]] == [10, 11]
 
 
 async def test_typed_errors_carry_the_server_message() -> None:
