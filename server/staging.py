@@ -120,7 +120,7 @@ class _WorkerStaging:
             compat.route_lora_file_opens(self._open_in_one_buffer)
         except (ImportError, AttributeError) as exc:  # a vLLM whose loader moved
             logger.warning("skyrl-lora leaves adapter file reads to safetensors: %r", exc)
-        #: Each staging's model and, where the reader process read it, its times.
+        #: Each staging's result, by adapter id.
         self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
@@ -259,7 +259,11 @@ class _WorkerStaging:
             sys.setswitchinterval(switch_interval)
         done = time.perf_counter()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
-        read = READER if times else ONE_BUFFER if self._staging_thread.one_buffer else SAFETENSORS
+        read = SAFETENSORS
+        if times is not None:
+            read = READER
+        elif self._staging_thread.one_buffer:
+            read = ONE_BUFFER
         where = f"in this process, {read}"
         if times is not None:
             where = (
