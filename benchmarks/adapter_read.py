@@ -24,6 +24,7 @@ prints the figures as JSON.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -118,7 +119,7 @@ def measure() -> AdapterReadFigures:
             else 0.0,
         }
         beside = interleaved(
-            {m: (lambda m=m: read(m)) for m in METHODS},  # type: ignore[misc]
+            {m: functools.partial(read, m) for m in METHODS},
             ROUNDS,
             READS_PER_ROUND,
         )
