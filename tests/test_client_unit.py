@@ -186,9 +186,10 @@ async def _open_later(gates: AdapterGates) -> None:
 
 
 async def test_an_opened_gate_lets_its_waiters_go_at_the_servers_pace() -> None:
-    """The n-th waiter goes n spacings after the open, none later than the
-    window; one let go after the gate closed again waits for the next open."""
-    gates = AdapterGates(spacing_s=0.02, window_s=0.05)
+    """The n-th waiter goes n spacings after the open (never earlier), none
+    later than the window; a waiter let go after the gate closed again waits
+    for the next open."""
+    gates = AdapterGates(spacing_s=0.03, window_s=0.07)
     gates.close("a")
     woke: list[tuple[int, float]] = []
 
@@ -203,20 +204,21 @@ async def test_an_opened_gate_lets_its_waiters_go_at_the_servers_pace() -> None:
     await asyncio.gather(*tasks)
     after = {n: t - opened for n, t in woke}
     assert [n for n, _ in woke][:3] == [0, 1, 2]
-    assert after[0] < 0.015
-    assert 0.015 <= after[1] < 0.035 and 0.035 <= after[2] < 0.055
-    assert 0.045 <= after[3] < 0.075 and 0.045 <= after[4] < 0.075  # the window's end
+    # uvloop's and asyncio's timers may fire up to a millisecond early, never later by design
+    assert after[1] >= 0.028 and after[2] >= 0.058
+    assert after[3] >= 0.068 and after[4] >= 0.068  # the window's end, not 0.09 and 0.12
+    assert abs(after[4] - after[3]) < 0.015  # both at the window's end, in one timer pass
+    assert max(after.values()) < 0.07 + 0.2  # slack for a loaded machine
 
     gates.close("a")
     late = [asyncio.create_task(waiter(n)) for n in (10, 11)]
     await asyncio.sleep(0.01)
     gates.open("a")
-    await asyncio.sleep(0.005)
-    gates.close("a")  # paused again before the second is let go
-    await asyncio.sleep(0.05)
-    assert [n for n, _ in woke[5:]] == [10] and not late[1].done()
+    gates.close("a")  # paused again before either waiter ran
+    await asyncio.sleep(0.1)
+    assert len(woke) == 5 and not any(task.done() for task in late)
     gates.open("a")
-    await asyncio.wait_for(late[1], 1)
+    await asyncio.wait_for(asyncio.gather(*late), 1)
     assert [n for n, _ in woke[5:]] == [10, 11]
 
 
