@@ -40,6 +40,7 @@ from benchmarks.stats import (
     Tail,
     check_count,
     check_isolation,
+    overlaps,
     split_gaps,
     tails_spread,
 )
@@ -123,6 +124,8 @@ class IsolationResult:
     ratios: dict[str, Spread]
     baseline: Spread
     stall: dict[str, dict[str, Spread]]
+    #: The longest stalls during per-adapter swaps (:func:`longest_during_swaps`).
+    longest_stalls: list[dict[str, float]] = field(default_factory=list)
 
     def of(self, mode: str) -> list[Window]:
         return [w for w in self.windows if w.mode == mode]
@@ -186,9 +189,7 @@ class IsolationResult:
             "lone_no_swap_windows": list(rounds.lone),
             "swaps": {m: [len(w.swaps) for w in self.of(m)] for m in SWAP_MODES},
             "stall_ms": {k: {q: s.to_json() for q, s in v.items()} for k, v in self.stall.items()},
-            "longest_gaps_during_swaps": longest_during_swaps(
-                self.windows, self.others, self.config.aftermath_s
-            ),
+            "longest_gaps_during_swaps": self.longest_stalls,
             "windows": [
                 {
                     "round": w.round,
@@ -327,27 +328,27 @@ def longest_during_swaps(
         if w.mode != "per_adapter":
             continue
         for gap in (g for tenant in others for g in tenant.streams.gaps(w.start, w.end)):
-            for paused, resumed in w.swaps:
-                if gap.start < resumed + aftermath_s and gap.end > paused:
-                    placed.append((gap, paused, resumed, w.round))
-                    break
-    stalls: list[dict[str, float]] = []
+            swap = next((s for s in w.swaps if overlaps(gap, [(s[0], s[1] + aftermath_s)])), None)
+            if swap is not None:
+                placed.append((gap, *swap, w.round))
+    # Longest first: each gap either joins a longer stall that ended within
+    # SAME_STALL_S of it, or starts a stall of its own; once ``top`` stalls are
+    # started, a gap that joins none of them is shorter than all and is left out.
+    stalls: list[tuple[float, dict[str, float]]] = []
     for gap, paused, resumed, round_ in sorted(placed, key=lambda p: -p[0].ms):
-        same = next((s for s in stalls if abs(s["_end"] - gap.end) <= SAME_STALL_S), None)
+        same = next((s for end, s in stalls if abs(end - gap.end) <= SAME_STALL_S), None)
         if same is not None:
             same["streams"] += 1
-            continue
-        stalls.append(
-            {
+        elif len(stalls) < top:
+            stall = {
                 "ms": round(gap.ms, 2),
                 "round": round_,
                 "after_pause_ms": round((gap.end - paused) * 1000, 1),
                 "after_resume_ms": round((gap.end - resumed) * 1000, 1),
                 "streams": 1,
-                "_end": gap.end,
             }
-        )
-    return [{k: v for k, v in s.items() if k != "_end"} for s in stalls[:top]]
+            stalls.append((gap.end, stall))
+    return [stall for _, stall in stalls]
 
 
 def _ratio_spread(windows: list[Window], mode: str, cfg: IsolationConfig) -> Spread:
@@ -428,4 +429,5 @@ async def run(
         ratios={m: _ratio_spread(windows, m, cfg) for m in SWAP_MODES},
         baseline=Spread.of(w.others_rate for w in windows if w.mode == "no_swap"),
         stall=_stall(windows, others, cfg.aftermath_s),
+        longest_stalls=longest_during_swaps(windows, others, cfg.aftermath_s),
     )
