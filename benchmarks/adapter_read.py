@@ -30,13 +30,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import Spread, median
-from benchmarks.step_loop import interleaved
+from benchmarks.step_loop import interleaved, round_ratio, staging_switch_interval, timed_ms
 
 METHODS = ("safetensors", "one_buffer")
 ROUNDS = 5
@@ -61,8 +60,7 @@ class AdapterReadFigures:
 
     def ratio(self, figure: str) -> Spread:
         """one buffer / safetensors, round by round."""
-        values: dict[str, list[float]] = getattr(self, figure)
-        return Spread.of(b / a for a, b in zip(values["safetensors"], values["one_buffer"]))
+        return round_ratio(getattr(self, figure), "one_buffer", "safetensors")
 
 
 def measure() -> AdapterReadFigures:
@@ -76,7 +74,6 @@ def measure() -> AdapterReadFigures:
     from skyrl_lora.server import compat, tensor_pickle
     from skyrl_lora.server.adapter_file import OneBufferFile
     from skyrl_lora.server.embedded.builder import TARGET_MODULES
-    from skyrl_lora.server.staging import STAGING_SWITCH_INTERVAL_S
 
     torch.set_num_threads(1)
     pinned = compat.lora_pin_memory()
@@ -91,21 +88,19 @@ def measure() -> AdapterReadFigures:
         helper = PEFTHelper.from_local_dir(str(adapter), 2048)
 
         def read(method: str) -> Any:
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(STAGING_SWITCH_INTERVAL_S)
             one_buffer.on = method == "one_buffer"
             try:
-                return LoRAModel.from_local_checkpoint(
-                    str(adapter),
-                    set(TARGET_MODULES),
-                    helper,
-                    lora_model_id=1,
-                    device="cpu",
-                    dtype=torch.bfloat16,
-                )
+                with staging_switch_interval():
+                    return LoRAModel.from_local_checkpoint(
+                        str(adapter),
+                        set(TARGET_MODULES),
+                        helper,
+                        lora_model_id=1,
+                        device="cpu",
+                        dtype=torch.bfloat16,
+                    )
             finally:
                 one_buffer.on = False
-                sys.setswitchinterval(previous)
 
         def tensors() -> list[Any]:
             with safetensors.safe_open(str(data), framework="pt") as file:
@@ -113,8 +108,8 @@ def measure() -> AdapterReadFigures:
 
         loaded = tensors()
         parts = {
-            "tensors": median([_ms(tensors) for _ in range(10)]),
-            "pin": median([_ms(lambda: [t.pin_memory() for t in loaded]) for _ in range(10)])
+            "tensors": median([timed_ms(tensors) for _ in range(10)]),
+            "pin": median([timed_ms(lambda: [t.pin_memory() for t in loaded]) for _ in range(10)])
             if pinned
             else 0.0,
         }
@@ -133,12 +128,6 @@ def measure() -> AdapterReadFigures:
             adapter_mb=round(data.stat().st_size / 1e6, 1),
             pinned=pinned,
         )
-
-
-def _ms(call: Any) -> float:
-    started = time.perf_counter()
-    call()
-    return (time.perf_counter() - started) * 1000
 
 
 def run() -> AdapterReadFigures:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from benchmarks.stats import Spread
-from benchmarks.step_loop import interleaved
+from benchmarks.step_loop import interleaved, round_ratio, staging_switch_interval
 
 METHODS = ("per_layer", "batched")
 ROUNDS = 5
@@ -58,8 +58,7 @@ class SlotWriteFigures:
 
     def ratio(self, figure: str) -> Spread:
         """batched / per-layer, round by round."""
-        values: dict[str, list[float]] = getattr(self, figure)
-        return Spread.of(b / a for a, b in zip(values["per_layer"], values["batched"]))
+        return round_ratio(getattr(self, figure), "batched", "per_layer")
 
 
 def measure(device: str) -> SlotWriteFigures:
@@ -73,7 +72,6 @@ def measure(device: str) -> SlotWriteFigures:
         single_process_group,
     )
     from skyrl_lora.server.slot_batch import BatchedSlotWriter
-    from skyrl_lora.server.staging import STAGING_SWITCH_INTERVAL_S
 
     torch.set_num_threads(1)
     on_gpu = device != "cpu"
@@ -98,14 +96,10 @@ def measure(device: str) -> SlotWriteFigures:
 
     def synced(write: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:  # the prefill waits for its copies to land
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(STAGING_SWITCH_INTERVAL_S)
-            try:
+            with staging_switch_interval():
                 write()
                 if on_gpu:
                     torch.cuda.synchronize()
-            finally:
-                sys.setswitchinterval(previous)
 
         return run
 

@@ -9,9 +9,11 @@ feel as a longer inter-token gap.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from benchmarks.stats import Spread, median, percentile
@@ -67,10 +69,23 @@ class BesideTheLoop:
     idle_ms: dict[str, float]
     loop_outside_p99_ms: float
 
-    def ratio(self, figure: str, method: str, baseline: str) -> Spread:
-        """``method`` / ``baseline`` of ``figure`` (``call_ms``, ``loop_max_ms``) by round."""
-        values: dict[str, list[float]] = getattr(self, figure)
-        return Spread.of(m / b for b, m in zip(values[baseline], values[method]))
+
+def round_ratio(values: dict[str, list[float]], method: str, baseline: str) -> Spread:
+    """``method`` / ``baseline``, round by round, of per-round figures ``{method: [...]}``."""
+    return Spread.of(m / b for b, m in zip(values[baseline], values[method]))
+
+
+@contextmanager
+def staging_switch_interval() -> Iterator[None]:
+    """The interpreter's switch interval the server's staging thread runs with."""
+    from skyrl_lora.server.staging import STAGING_SWITCH_INTERVAL_S
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(STAGING_SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def interleaved(
@@ -83,7 +98,7 @@ def interleaved(
     idle_ms = {}
     for method, call in calls.items():
         call()
-        idle_ms[method] = median([_timed(call) for _ in range(idle)])
+        idle_ms[method] = median([timed_ms(call) for _ in range(idle)])
     call_ms: dict[str, list[float]] = {m: [] for m in methods}
     loop_max_ms: dict[str, list[float]] = {m: [] for m in methods}
     windows: list[tuple[float, float]] = []
@@ -108,7 +123,8 @@ def interleaved(
     return BesideTheLoop(call_ms, loop_max_ms, idle_ms, percentile(outside, 99))
 
 
-def _timed(call: Callable[[], None]) -> float:
+def timed_ms(call: Callable[[], object]) -> float:
+    """How long ``call()`` took, in ms."""
     started = time.perf_counter()
     call()
     return (time.perf_counter() - started) * 1000
