@@ -148,10 +148,12 @@ def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
     _, swaps, _ = _spans(run, aftermath=False)
     if not swaps:
         return []
-    start, end = swaps[len(swaps) // 2]
+    middle = len(swaps) // 2
+    start, end = swaps[middle]
+    until = _spans(run)[1][middle][1]  # the same swap with its aftermath
     lines = [f"one swap: {1000 * (end - start):.0f} ms from the pause call to the resume's answer"]
     for e in events:
-        if start - 0.01 <= e.at <= end + 0.2:
+        if start - 0.01 <= e.at <= until:
             rest = {k: v for k, v in e.fields.items() if k != "event"}
             shown = json.dumps(rest)[:140]
             lines.append(f"  {1000 * (e.at - start):7.1f} ms  {e.name:18s} {shown}")
@@ -165,23 +167,18 @@ def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
         if not run:
             continue
         seconds = seconds_by_kind(run)
-        for name, what in (("event_loop_stall", "event-loop stalls"), ("gc_pause", "collections")):
+        for name, what in (
+            ("event_loop_stall", "API event-loop stalls over 10 ms"),
+            ("gc_pause", "API collections over 10 ms"),
+            ("engine_gc_pause", "engine collections over 5 ms"),
+        ):
             found = stall_summary(run, events, name)
             parts = ", ".join(
                 f"{kind} {len(ms)} in {seconds[kind]:.1f} s"
                 f" ({len(ms) / max(seconds[kind], 1e-9):.2f}/s, max {max(ms, default=0.0):.1f} ms)"
                 for kind, ms in found.items()
             )
-            out.append(f"{label}: API {what} over 10 ms: {parts}")
-        engine = stall_summary(run, events, "engine_gc_pause")
-        out.append(
-            f"{label}: engine collections over 5 ms: "
-            + ", ".join(
-                f"{kind} {len(ms)} ({len(ms) / max(seconds[kind], 1e-9):.2f}/s,"
-                f" max {max(ms, default=0.0):.1f} ms)"
-                for kind, ms in engine.items()
-            )
-        )
+            out.append(f"{label}: {what}: {parts}")
         for kind, common in stall_stacks(run, events).items():
             out.append(f"{label}: most seen stacks of the loop's stalls, {kind}:")
             out.extend(f"  {n:4d}  {stack}" for n, stack in common)
