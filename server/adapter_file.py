@@ -28,6 +28,7 @@ with safetensors as before.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -65,10 +66,7 @@ def _entry(name: str, info: Any, data_bytes: int, torch: Any) -> tuple[Any, list
         begin, end = (int(offset) for offset in info["data_offsets"])
     except (KeyError, TypeError, ValueError) as exc:
         raise UnsupportedFile(f"tensor {name!r}: {exc!r} in {info!r}") from exc
-    count = 1
-    for size in shape:
-        count *= size
-    if not 0 <= begin <= end <= data_bytes or end - begin != count * dtype.itemsize:
+    if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
         raise UnsupportedFile(f"tensor {name!r}: offsets {begin}-{end} do not fit {info!r}")
     if begin % dtype.itemsize:
         raise UnsupportedFile(f"tensor {name!r} is not aligned for {info['dtype']}")

@@ -17,6 +17,7 @@ pickled by reference, as usual, and must be importable on both sides.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -80,10 +81,7 @@ class _TensorUnpickler(pickle.Unpickler):
         if kind != "tensor":
             raise pickle.UnpicklingError(f"unknown out-of-band object {kind!r}")
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         return self._buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
