@@ -317,7 +317,9 @@ def longest_during_swaps(
     """The ``top`` longest stalls of the others' streams during per-adapter
     swaps, each placed in its swap: when the late tokens came, in ms after the
     swap's pause call and after its resume's answer (negative: before the
-    resume). Gaps that end within :data:`SAME_STALL_S` of a longer one are
+    resume), and ``at`` on the benchmark's clock (for
+    :func:`benchmarks.timeline.longest_stalls`). Gaps that end within
+    :data:`SAME_STALL_S` of a longer one are
     one stall, counted in ``streams``: a stall of the whole engine or API
     process holds every stream at once. The tails say *how* long the others
     waited; this says in which part of a swap (the hold, the staging and
@@ -346,6 +348,7 @@ def longest_during_swaps(
                 "after_pause_ms": round((gap.end - paused) * 1000, 1),
                 "after_resume_ms": round((gap.end - resumed) * 1000, 1),
                 "streams": 1,
+                "at": round(gap.end, 4),  # the benchmark's monotonic clock, for the timeline
             }
             stalls.append((gap.end, stall))
     return [stall for _, stall in stalls]

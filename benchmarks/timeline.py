@@ -8,7 +8,9 @@ engine process (``engine_gc_pause``) fell inside the per-adapter
 swaps, inside the global pauses and outside both (counts, and rates per
 second of each), the stacks the loop was seen in during its stalls where
 the server ran with ``--stall-stacks``, and the event timeline
-of one swap (pause, snapshot, staging and install, resume). That tells a
+of one swap (pause, snapshot, staging and install, resume), and the
+longest stalls during swaps with the events and staging phases that ran
+meanwhile (:func:`longest_stalls`). That tells a
 stall of the API server's loop from one of the engine: the windows' token
 gaps show *that* the others waited, the timeline shows *where*.
 
@@ -160,6 +162,49 @@ def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
     return lines
 
 
+def _staging_phases(e: Event, end: float) -> str:
+    """An ``adapter_staging`` event's phases, in ms relative to ``end`` (they
+    ran back to back and the event's time is the staging's end)."""
+    at = e.at - float(e.fields["ms"]) / 1000
+    parts = []
+    for phase in ("read", "pack", "slot"):
+        ms = e.fields.get(f"{phase}_ms")
+        if ms is not None:
+            parts.append(f"{phase} {1000 * (at - end):+.0f}..{1000 * (at + ms / 1000 - end):+.0f}")
+            at += ms / 1000
+    return f"staging {e.fields.get('lora_name')} ({', '.join(parts)})"
+
+
+def longest_stalls(
+    run: dict[str, Any], events: Sequence[Event], before_s: float = 0.08
+) -> list[str]:
+    """The run's longest stalls during per-adapter swaps (the benchmark's
+    ``longest_gaps_during_swaps``), each with the server's events in the
+    ``before_s`` before it ended and the engine's stagings that overlapped
+    that time, in ms relative to the stall's end: what ran while the others
+    waited."""
+    lines = []
+    for stall in run["spread"].get("longest_gaps_during_swaps", []):
+        if "at" not in stall:  # recorded before stalls had a time
+            continue
+        end = float(stall["at"])
+        start = end - float(stall["ms"]) / 1000 - before_s
+        seen = []
+        for e in events:
+            if e.name == "adapter_staging":
+                if e.at - float(e.fields["ms"]) / 1000 <= end and e.at >= start:
+                    seen.append(_staging_phases(e, end))
+            elif start <= e.at <= end:
+                ms = f" {e.fields['ms']} ms" if "ms" in e.fields else ""
+                seen.append(f"{e.name}{ms} at {1000 * (e.at - end):+.0f}")
+        lines.append(
+            f"  {stall['ms']:6.1f} ms {stall['streams']:3.0f} streams  round {stall['round']:.0f}"
+            f"  {stall['after_pause_ms']:+7.1f} after pause {stall['after_resume_ms']:+7.1f}"
+            f" after resume  |  {'; '.join(seen) or '-'}"
+        )
+    return lines
+
+
 def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
     events = read_events(log_lines, figures["wall_minus_monotonic_s"])
     out = []
@@ -183,6 +228,9 @@ def report(figures: dict[str, Any], log_lines: Iterable[str]) -> list[str]:
             out.append(f"{label}: most seen stacks of the loop's stalls, {kind}:")
             out.extend(f"  {n:4d}  {stack}" for n, stack in common)
         out.extend(swap_timeline(run, events))
+        if stalls := longest_stalls(run, events):
+            out.append(f"{label}: the longest stalls during swaps, with what ran meanwhile:")
+            out.extend(stalls)
     return out
 
 

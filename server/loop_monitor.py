@@ -48,7 +48,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
-from skyrl_lora.server.observability import log_event
+from skyrl_lora.server.observability import log_engine_event, log_event
 
 #: Both histograms time the same kind of thing, a pause of the API process.
 _PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -128,6 +128,23 @@ class GcWatcher:
         for generation, pause in self._clock.drain():
             if pause > self._over_s:
                 self._report(generation, pause)
+
+
+_engine_gc_watcher: GcWatcher | None = None
+
+
+def watch_engine_collections() -> None:
+    """Log vLLM's engine process's collections over 5 ms as ``engine_gc_pause``
+    events (once per process; the staging extension calls it there, the one
+    place of ours that runs in that process)."""
+    global _engine_gc_watcher
+    if _engine_gc_watcher is None:
+        _engine_gc_watcher = GcWatcher(
+            lambda generation, pause: log_engine_event(
+                "engine_gc_pause", generation=generation, ms=round(pause * 1000, 1)
+            )
+        )
+        _engine_gc_watcher.start()
 
 
 @dataclass(frozen=True)

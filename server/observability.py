@@ -53,15 +53,19 @@ READS = Counter(
 engine_event_logger = logging.getLogger("vllm.skyrl_lora.events")
 
 
+def _log(to: logging.Logger, event: str, fields: dict[str, Any]) -> None:
+    to.info("skyrl_event %s", json.dumps({"event": event, **fields}, default=str))
+
+
 def log_event(event: str, **fields: Any) -> None:
     """One structured line: ``skyrl_event {"event": ..., ...}``."""
-    event_logger.info("skyrl_event %s", json.dumps({"event": event, **fields}, default=str))
+    _log(event_logger, event, fields)
 
 
 def log_engine_event(event: str, **fields: Any) -> None:
-    """:func:`log_event` for vLLM's engine process, with ``at`` (``time.time()``)."""
-    line = json.dumps({"event": event, "at": round(time.time(), 4), **fields}, default=str)
-    engine_event_logger.info("skyrl_event %s", line)
+    """:func:`log_event` for vLLM's engine process, with ``at`` (``time.time()``)
+    right after the name, where :mod:`benchmarks.timeline` looks for it."""
+    _log(engine_event_logger, event, {"at": round(time.time(), 4), **fields})
 
 
 class GateCollector:

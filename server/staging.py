@@ -57,7 +57,7 @@ from typing import Any
 from skyrl_lora.server import compat, tensor_pickle
 from skyrl_lora.server.adapter_file import OneBufferFile, UnsupportedFile
 from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader
-from skyrl_lora.server.loop_monitor import GcWatcher
+from skyrl_lora.server.loop_monitor import watch_engine_collections
 from skyrl_lora.server.observability import READS, STAGINGS, log_engine_event, log_event
 from skyrl_lora.server.slots import SlotPrefill
 
@@ -264,20 +264,17 @@ class _WorkerStaging:
             read = READER
         elif self._staging_thread.one_buffer:
             read = ONE_BUFFER
-        where = f"in this process, {read}"
-        if times is not None:
-            where = (
-                f"via the reader process {times.total_ms:.1f}, of which in it {times.child_ms:.1f}"
-            )
-        logger.info(
-            "skyrl-lora staged adapter %s off the step loop in %.1f ms "
-            "(read %.1f %s, pack %.1f, slot %s)",
-            lora_request.lora_name,
-            (done - started) * 1000,
-            (loaded - started) * 1000,
-            where,
-            (packed - loaded) * 1000,
-            f"{(done - packed) * 1000:.1f}" if in_slot else "none spare",
+        # An event, not a message: the timeline lines each phase up with the
+        # others' stalls (the event's ``at`` is its end; the phases run back to back).
+        log_engine_event(
+            "adapter_staging",
+            lora_name=lora_request.lora_name,
+            ms=round((done - started) * 1000, 2),
+            read=read,
+            read_ms=round((loaded - started) * 1000, 2),
+            reader_ms=None if times is None else round(times.child_ms, 2),
+            pack_ms=round((packed - loaded) * 1000, 2),
+            slot_ms=round((done - packed) * 1000, 2) if in_slot else None,
         )
         return _Staged(model, read)
 
@@ -301,10 +298,10 @@ class _WorkerStaging:
         finally:
             if self._slots is not None:  # an install that failed before claiming its slot
                 self._slots.release(lora_request.lora_int_id)
-            logger.info(
-                "skyrl-lora installed adapter %s in the step loop in %.1f ms",
-                lora_request.lora_name,
-                (time.perf_counter() - started) * 1000,
+            log_engine_event(
+                "adapter_install",
+                lora_name=lora_request.lora_name,
+                ms=round((time.perf_counter() - started) * 1000, 2),
             )
 
     def _load_adapter(self, lora_request: Any) -> Any:
@@ -314,21 +311,6 @@ class _WorkerStaging:
         if future is not None and future.done() and future.exception() is None:
             return future.result().model
         return self._load_from_files(lora_request)
-
-
-_engine_gc_watcher: GcWatcher | None = None
-
-
-def _watch_engine_collections() -> None:
-    """Start this process's :class:`GcWatcher` (once)."""
-    global _engine_gc_watcher
-    if _engine_gc_watcher is None:
-        _engine_gc_watcher = GcWatcher(
-            lambda generation, pause: log_engine_event(
-                "engine_gc_pause", generation=generation, ms=round(pause * 1000, 1)
-            )
-        )
-        _engine_gc_watcher.start()
 
 
 class LoRAStagingExtension:
@@ -364,7 +346,7 @@ class LoRAStagingExtension:
         (``engine_gc_pause`` events): one holds the step loop, and so every
         tenant's next token, as long as it runs.
         """
-        _watch_engine_collections()
+        watch_engine_collections()
         stager = self._skyrl_stager(slot_prefill, reader_process)
         return {"slot_prefill": stager.slot_prefill, "reader_process": stager.reader_process}
 

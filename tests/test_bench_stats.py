@@ -285,6 +285,58 @@ def test_timeline_rates_stalls_per_second_and_names_their_stacks() -> None:
     assert "outside 2 in 1.4 s (1.38/s" in report
 
 
+def test_timeline_shows_what_ran_during_the_longest_stalls() -> None:
+    offset = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+
+    def engine(event: str, at: float, **fields: object) -> str:
+        line = json.dumps({"event": event, "at": offset + at, **fields})
+        return f"(EngineCore_DP0 pid=7) INFO 01-01 00:00:10 [staging.py:9] skyrl_event {line}"
+
+    log = [
+        "2026-01-01 00:00:10,290 INFO skyrl_lora.events: skyrl_event "
+        + json.dumps({"event": "event_loop_stall", "ms": 15.0}),
+        # read 10.250-10.270, pack -10.275, slot -10.280: overlaps the first stall
+        engine(
+            "adapter_staging",
+            10.28,
+            lora_name="a@v2",
+            ms=30.0,
+            read="one_buffer",
+            read_ms=20.0,
+            reader_ms=None,
+            pack_ms=5.0,
+            slot_ms=5.0,
+        ),
+        engine(
+            "adapter_staging",
+            12.0,
+            lora_name="a@v3",
+            ms=30.0,
+            read="one_buffer",
+            read_ms=20.0,
+            reader_ms=None,
+            pack_ms=10.0,
+            slot_ms=None,
+        ),
+    ]
+    stall = {"round": 0, "after_pause_ms": 300.0, "after_resume_ms": -20.0, "streams": 8}
+    run = {
+        "spread": {
+            "longest_gaps_during_swaps": [
+                {"ms": 26.0, "at": 10.3, **stall},
+                {"ms": 20.0, "at": 11.0, **stall},
+                {"ms": 19.0, **stall},  # recorded before stalls had a time: left out
+            ]
+        }
+    }
+    lines = timeline.longest_stalls(run, timeline.read_events(log, offset))
+    assert len(lines) == 2
+    assert "26.0 ms   8 streams" in lines[0]
+    assert "event_loop_stall 15.0 ms at -10" in lines[0]
+    assert "staging a@v2 (read -50..-30, pack -30..-25, slot -25..-20)" in lines[0]
+    assert "a@v3" not in lines[0] and lines[1].endswith("|  -")
+
+
 def test_a_swap_owns_the_gaps_of_its_aftermath() -> None:
     """The swapper's resumed requests re-prefill right after the resume: a gap
     then is the swap's (``aftermath_s``), a gap later is outside it."""
@@ -325,6 +377,8 @@ def test_longest_gaps_during_swaps_are_placed_in_their_swap() -> None:
     ]
     longest = longest_during_swaps(windows, others, aftermath_s=0.05, top=2)
     assert longest == [
-        {"ms": 40.0, "round": 0, "after_pause_ms": 45.0, "after_resume_ms": -40.0, "streams": 2},
-        {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0, "streams": 1},
+        {"ms": 40.0, "round": 0, "after_pause_ms": 45.0, "after_resume_ms": -40.0, "streams": 2}
+        | {"at": 0.06},
+        {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0, "streams": 1}
+        | {"at": 0.125},
     ]
