@@ -67,6 +67,8 @@ class GatedEngine:
         finally:
             self.gate.release(admission)
             self._retire_if_drained(lora_name, admission.version)
+        if admission.answer_after_s:  # ended by a pause or abort: answer at its pace
+            await asyncio.sleep(admission.answer_after_s)
 
     async def generate(
         self,

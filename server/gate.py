@@ -12,7 +12,9 @@ ends. That gives two guarantees without any grace sleep:
   so a request is either held or visible to the abort: none can slip through
   and run on half-swapped weights.
 
-After a resume the gate also paces the adapter's backlog back in
+The answers of the requests a pause ends are let go at a pace
+(:class:`AnswerPacing`), so building them does not hold the API server's
+event loop all at once. After a resume the gate also paces the adapter's backlog back in
 (:class:`ResumePacing`): the requests a pause aborted all come back at once
 and must re-prefill under the new weights, and let in together they make one
 long engine step in which no other tenant gets a token.
@@ -68,6 +70,33 @@ class ResumePacing:
 DEFAULT_RESUME_PACING = ResumePacing()
 
 
+@dataclass(frozen=True)
+class AnswerPacing:
+    """How the requests one pause (or abort) ended are answered.
+
+    The abort ends them all in one engine output, so every one of their
+    handlers becomes ready in the same turn of the API server's event loop,
+    and building and sending their answers (partial samples, or an
+    aborted stream's last chunk) holds the loop that streams every other
+    tenant's tokens: an event-loop stall of 13-32 ms right after each pause
+    on an H100 with 16 requests aborted. Each one's answer is instead let
+    go ``spacing_s`` after the previous one (its place in the abort times
+    ``spacing_s``, at most ``window_s``), after its admission has ended, so
+    the drain, and with it the pause, is not lengthened: only the aborted
+    requests' partial answers come up to ``window_s`` later, and they are
+    retried after the resume anyway.
+    """
+
+    spacing_s: float = 0.001
+    window_s: float = 0.02
+
+    def delay_s(self, place: int) -> float:
+        return min(place * self.spacing_s, self.window_s)
+
+
+DEFAULT_ANSWER_PACING = AnswerPacing()
+
+
 @dataclass
 class Admission:
     """One request's pass through the gate, held until its stream ends."""
@@ -77,6 +106,9 @@ class Admission:
     version: int
     admitted_at: float = field(default_factory=time.monotonic)
     ended: bool = False
+    #: Set when a pause or abort ended it: how long after its end to answer
+    #: (:class:`AnswerPacing`).
+    answer_after_s: float = 0.0
 
 
 @dataclass
@@ -125,9 +157,11 @@ class AdapterGate:
         self,
         version_of: Callable[[str], int],
         pacing: ResumePacing | None = DEFAULT_RESUME_PACING,
+        answer_pacing: AnswerPacing | None = DEFAULT_ANSWER_PACING,
     ) -> None:
         self._version_of = version_of
         self._pacing = pacing
+        self._answer_pacing = answer_pacing
         self._states: dict[str, _AdapterState] = {}
         self.counters = GateCounters()
 
@@ -264,6 +298,9 @@ class AdapterGate:
         # the few-ms targets and the 5 ms re-abort timer.
         started = time.monotonic()
         targets = list(state.in_flight.values())
+        if self._answer_pacing is not None:
+            for place, admission in enumerate(targets):
+                admission.answer_after_s = self._answer_pacing.delay_s(place)
         remaining = targets
         resend_at = started
         while remaining:

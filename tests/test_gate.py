@@ -6,7 +6,12 @@ import asyncio
 
 import pytest
 
-from skyrl_lora.server.gate import DEFAULT_RESUME_PACING, AdapterGate, ResumePacing
+from skyrl_lora.server.gate import (
+    DEFAULT_RESUME_PACING,
+    AdapterGate,
+    AnswerPacing,
+    ResumePacing,
+)
 
 
 class FakeEngine:
@@ -246,3 +251,29 @@ async def test_a_pause_during_pacing_holds_the_waiting_requests() -> None:
     gate.resume("a")
     rest = await asyncio.gather(*waiting[1:])
     assert [a.version for a in rest] == [2, 2]
+
+
+async def test_the_requests_a_pause_ends_are_answered_at_a_pace() -> None:
+    """Each ended request learns how long after its end to answer: its place
+    in the abort times the spacing, capped; the other adapter's are untouched."""
+    pacing = AnswerPacing(spacing_s=0.002, window_s=0.003)
+    gate = AdapterGate(version_of=lambda name: 1, answer_pacing=pacing)
+    ended = [await gate.admit("a", f"a{i}") for i in range(3)]
+    other = await gate.admit("b", "b0")
+
+    async def abort(ids) -> None:
+        for admission in ended:
+            if admission.request_id in ids:
+                gate.release(admission)
+
+    await gate.pause("a", abort)
+    assert [a.answer_after_s for a in ended] == [0.0, 0.002, 0.003]
+    assert other.answer_after_s == 0.0
+    unpaced = AdapterGate(version_of=lambda name: 1, answer_pacing=None)
+    lone = await unpaced.admit("a", "x")
+    await unpaced.abort("a", lambda ids: _release(unpaced, lone))
+    assert lone.answer_after_s == 0.0
+
+
+async def _release(gate: AdapterGate, admission) -> None:
+    gate.release(admission)

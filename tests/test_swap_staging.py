@@ -9,6 +9,7 @@ engine's half (the worker extension and the staged install) is proven in
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from skyrl_lora.errors import BadRequestError
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.engine import GatedEngine
-from skyrl_lora.server.gate import AdapterGate
+from skyrl_lora.server.gate import DEFAULT_ANSWER_PACING, AdapterGate
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,32 @@ async def test_a_reload_under_the_callers_pause_lets_the_engine_drop_the_current
     engine.resume("a")
     assert fake.replaced == [None, v2_id] and v1_id != v2_id
     assert engine.registry.version("a") == 3
+
+
+async def test_the_requests_a_pause_ends_answer_at_a_pace_after_the_drain(loaded) -> None:
+    """A pause's aborted requests end together; their handlers go on (build
+    and send the partial answer) one spacing apart, and the pause does not
+    wait for that."""
+    engine, fake, _ = loaded
+    ended = {f"r{i}": asyncio.Event() for i in range(3)}
+
+    async def abort(request_ids: list[str]) -> None:
+        for rid in request_ids:
+            ended[rid].set()
+
+    fake.abort = abort  # type: ignore[method-assign]
+    answered: dict[str, float] = {}
+
+    async def request(rid: str) -> None:
+        async with engine.admitted("a", rid):
+            await ended[rid].wait()
+        answered[rid] = time.monotonic()
+
+    tasks = [asyncio.create_task(request(rid)) for rid in ended]
+    await asyncio.sleep(0.01)
+    await engine.pause("a")
+    paused = time.monotonic()
+    await asyncio.gather(*tasks)
+    spacing = DEFAULT_ANSWER_PACING.spacing_s
+    assert answered["r0"] <= paused < answered["r2"]
+    assert answered["r2"] - answered["r0"] >= 2 * spacing * 0.9

@@ -45,7 +45,15 @@ def _install():
         loop.call_later(float(os.environ["PB_PROFILE_MS"]) / 1000, prof.disable)
         state["n"] += 1
         return await original(self, lora_name)
-    _engine.GatedEngine.pause = pause
+    if float(os.environ["PB_PROFILE_MS"]) > 0:
+        _engine.GatedEngine.pause = pause
+    if os.environ.get("PB_ANSWER_PACING") == "0":
+        from skyrl_lora.server import gate as _gate
+        init = _gate.AdapterGate.__init__
+        def unpaced(self, *args, **kwargs):
+            kwargs["answer_pacing"] = None
+            init(self, *args, **kwargs)
+        _gate.AdapterGate.__init__ = unpaced
     def dump():
         if state["n"]:
             prof.dump_stats(os.environ["PB_PROFILE_OUT"])
@@ -105,10 +113,13 @@ async def main() -> None:
                     pass
                 await asyncio.sleep(1)
             stop = asyncio.Event()
-            gaps: list[float] = []
+            gaps: list[tuple[float, float]] = []  # (end, length) of the other tenant's token gaps
+            swapper_open = asyncio.Event()  # the client's gate: retries of a paused adapter wait here
+            swapper_open.set()
 
             async def swapper_loop() -> None:
                 while not stop.is_set():
+                    await swapper_open.wait()
                     body = {"prompt_token_ids": prompt, "lora_name": swapper,
                             "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 1.0}}
                     async with http.post(url + "/skyrl/v1/sample", json=body) as r:
@@ -125,40 +136,51 @@ async def main() -> None:
                         async for _ in r.content:
                             now = time.perf_counter()
                             if last is not None:
-                                gaps.append(now - last)
+                                gaps.append((now, now - last))
                             last = now
 
             tasks = [asyncio.create_task(swapper_loop()) for _ in range(IN_FLIGHT)]
             tasks += [asyncio.create_task(other_stream()) for _ in range(4)]
             await asyncio.sleep(5)
             pause_ms = []
+            pauses = []
             for _ in range(PAUSES):
                 await asyncio.sleep(0.7)
                 t0 = time.perf_counter()
+                swapper_open.clear()
                 async with http.post(url + "/skyrl/v1/pause", json={"lora_name": swapper}) as r:
                     await r.read()
                 pause_ms.append((time.perf_counter() - t0) * 1000)
+                pauses.append(t0)
                 await asyncio.sleep(0.3)
                 async with http.post(url + "/skyrl/v1/resume", json={"lora_name": swapper}) as r:
                     await r.read()
+                swapper_open.set()
             stop.set()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             pause_ms.sort()
-            print(f"pause ms p50 {pause_ms[len(pause_ms)//2]:.1f} max {pause_ms[-1]:.1f}")
+            after = sorted(max((g for end, g in gaps if p < end < p + 0.15), default=0) * 1000 for p in pauses)
+            calm = sorted(max((g for end, g in gaps if p + 0.4 < end < p + 0.55), default=0) * 1000 for p in pauses)
+            print(f"pause ms p50 {pause_ms[len(pause_ms)//2]:.1f} max {pause_ms[-1]:.1f}; "
+                  f"the other tenant's longest gap within 150 ms after a pause: median {after[len(after)//2]:.1f} "
+                  f"max {after[-1]:.1f} ms; in 150 ms without a swap: median {calm[len(calm)//2]:.1f} max {calm[-1]:.1f} ms")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+    stalls = [l for l in open(OUT / "server.log") if "event_loop_stall" in l]
+    print(f"{len(stalls)} loop stalls over 10 ms logged")
+    if not (OUT / "pause.prof").exists():
+        return
     import pstats
 
     with open(OUT / "profile.txt", "w") as f:
         stats = pstats.Stats(str(OUT / "pause.prof"), stream=f)
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(60)
-    stalls = [l for l in open(OUT / "server.log") if "event_loop_stall" in l]
-    print(f"{len(stalls)} loop stalls logged; profile in {OUT / 'profile.txt'}")
+    print(f"profile in {OUT / 'profile.txt'}")
 
 
 if __name__ == "__main__":
