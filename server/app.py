@@ -26,7 +26,13 @@ from skyrl_lora.server import compat, loop_monitor, observability, staging
 from skyrl_lora.server.adapters import AdapterRegistry
 from skyrl_lora.server.auth import AuthMiddleware, KeyStore
 from skyrl_lora.server.engine import GatedEngine, admitted_versions
-from skyrl_lora.server.gate import DEFAULT_RESUME_PACING, AdapterGate, ResumePacing
+from skyrl_lora.server.gate import (
+    DEFAULT_ANSWER_PACING,
+    DEFAULT_RESUME_PACING,
+    AdapterGate,
+    AnswerPacing,
+    ResumePacing,
+)
 from skyrl_lora.server.push import DEFAULT_MAX_ADAPTER_BYTES
 from skyrl_lora.server.routes import build_router, error_response
 from skyrl_lora.server.sample import Sampler
@@ -74,6 +80,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_false",
         help="let a resumed adapter's requests back in all at once instead of 2 per 10 ms "
         "for 0.25 s (their re-prefill then stalls the other tenants for one long step)",
+    )
+    group.add_argument(
+        "--no-answer-pacing",
+        dest="answer_pacing",
+        action="store_false",
+        help="answer the requests a pause aborts all at once instead of 1 ms apart "
+        "(building their answers then holds the event loop that streams every tenant)",
     )
     group.add_argument(
         "--no-slot-prefill",
@@ -125,6 +138,11 @@ def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
 def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:
     """The gate's pacing after a resume (``--no-resume-pacing`` turns it off)."""
     return DEFAULT_RESUME_PACING if getattr(args, "resume_pacing", True) else None
+
+
+def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
+    """The gate's pacing of a pause's answers (``--no-answer-pacing`` turns it off)."""
+    return DEFAULT_ANSWER_PACING if getattr(args, "answer_pacing", True) else None
 
 
 class AdapterVersionHeader:
@@ -187,7 +205,11 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     registry.adopt_static()
     gated = GatedEngine(
         engine_client,
-        AdapterGate(version_of=registry.version, pacing=resume_pacing(args)),
+        AdapterGate(
+            version_of=registry.version,
+            pacing=resume_pacing(args),
+            answer_pacing=answer_pacing(args),
+        ),
         registry,
         max_loras=compat.max_loras(engine_client),
     )

@@ -54,7 +54,9 @@ class GatedEngine:
         through a reload runs on the new version, one whose adapter was
         unloaded meanwhile fails cleanly, and one admitted before a
         ``finish_old`` load keeps its version to the end. When the last
-        request of a replaced version ends, that version is retired.
+        request of a replaced version ends, that version is retired. A
+        request a pause or abort ended leaves after its answer's pace
+        (:class:`~skyrl_lora.server.gate.AnswerPacing`), once released.
         """
         self.registry.get(lora_name)
         admission = await self.gate.admit(lora_name, request_id)

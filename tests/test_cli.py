@@ -46,6 +46,15 @@ def test_resume_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
     assert pacing == (DEFAULT_RESUME_PACING if paced else None)
 
 
+@pytest.mark.parametrize(("flags", "paced"), [([], True), (["--no-answer-pacing"], False)])
+def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) -> None:
+    from skyrl_lora.server.app import answer_pacing, parse_server_args
+    from skyrl_lora.server.gate import DEFAULT_ANSWER_PACING
+
+    pacing = answer_pacing(parse_server_args(["--model", "unused", *flags]))
+    assert pacing == (DEFAULT_ANSWER_PACING if paced else None)
+
+
 @pytest.mark.parametrize(("flags", "prefill"), [([], True), (["--no-slot-prefill"], False)])
 def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -> None:
     from skyrl_lora.server.app import parse_server_args
