@@ -78,7 +78,7 @@ class AnswerPacing:
     handlers becomes ready in the same turn of the API server's event loop,
     and building and sending their answers (partial samples, or an
     aborted stream's last chunk) holds the loop that streams every other
-    tenant's tokens: an event-loop stall of 13-32 ms right after each pause
+    tenant's tokens: an event-loop stall of 11-32 ms right after each pause
     on an H100 with 16 requests aborted. Each one's answer is instead let
     go ``spacing_s`` after the previous one (its place in the abort times
     ``spacing_s``, at most ``window_s``), after its admission has ended, so
