@@ -162,10 +162,15 @@ def swap_timeline(run: dict[str, Any], events: Sequence[Event]) -> list[str]:
     return lines
 
 
+def _staging_start(e: Event) -> float:
+    """When an ``adapter_staging`` event's staging began (its time is the end)."""
+    return e.at - float(e.fields["ms"]) / 1000
+
+
 def _staging_phases(e: Event, end: float) -> str:
     """An ``adapter_staging`` event's phases, in ms relative to ``end`` (they
-    ran back to back and the event's time is the staging's end)."""
-    at = e.at - float(e.fields["ms"]) / 1000
+    ran back to back)."""
+    at = _staging_start(e)
     parts = []
     for phase in ("read", "pack", "slot"):
         ms = e.fields.get(f"{phase}_ms")
@@ -192,7 +197,7 @@ def longest_stalls(
         seen = []
         for e in events:
             if e.name == "adapter_staging":
-                if e.at - float(e.fields["ms"]) / 1000 <= end and e.at >= start:
+                if _staging_start(e) <= end and e.at >= start:
                     seen.append(_staging_phases(e, end))
             elif start <= e.at <= end:
                 ms = f" {e.fields['ms']} ms" if "ms" in e.fields else ""

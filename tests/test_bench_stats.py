@@ -292,32 +292,13 @@ def test_timeline_shows_what_ran_during_the_longest_stalls() -> None:
         line = json.dumps({"event": event, "at": offset + at, **fields})
         return f"(EngineCore_DP0 pid=7) INFO 01-01 00:00:10 [staging.py:9] skyrl_event {line}"
 
+    read = {"ms": 30.0, "read": "one_buffer", "read_ms": 20.0, "reader_ms": None}
     log = [
         "2026-01-01 00:00:10,290 INFO skyrl_lora.events: skyrl_event "
         + json.dumps({"event": "event_loop_stall", "ms": 15.0}),
         # read 10.250-10.270, pack -10.275, slot -10.280: overlaps the first stall
-        engine(
-            "adapter_staging",
-            10.28,
-            lora_name="a@v2",
-            ms=30.0,
-            read="one_buffer",
-            read_ms=20.0,
-            reader_ms=None,
-            pack_ms=5.0,
-            slot_ms=5.0,
-        ),
-        engine(
-            "adapter_staging",
-            12.0,
-            lora_name="a@v3",
-            ms=30.0,
-            read="one_buffer",
-            read_ms=20.0,
-            reader_ms=None,
-            pack_ms=10.0,
-            slot_ms=None,
-        ),
+        engine("adapter_staging", 10.28, lora_name="a@v2", pack_ms=5.0, slot_ms=5.0, **read),
+        engine("adapter_staging", 12.0, lora_name="a@v3", pack_ms=10.0, slot_ms=None, **read),
     ]
     stall = {"round": 0, "after_pause_ms": 300.0, "after_resume_ms": -20.0, "streams": 8}
     run = {

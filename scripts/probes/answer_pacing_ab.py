@@ -4,23 +4,9 @@ alternated, a fresh server each.
 
 Usage, from the repository root: .venv/bin/python scripts/probes/answer_pacing_ab.py
 """
-import asyncio, json, sys
-sys.path.insert(0, ".")
-from benchmarks.__main__ import _prompt, cpu_shape
-from benchmarks.common import embedded_server
-from benchmarks import isolation
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from isolation_ab import isolation_row  # noqa: E402
 
 for label, flags in [("paced", []), ("at once", ["--no-answer-pacing"])] * 2:
-    with embedded_server(extra=["--max-loras", "8", *flags]) as (url, model):
-        res = asyncio.run(isolation.run(url, model, _prompt(model), cpu_shape(False).isolation))
-        j = res.to_json()
-        st = j["stall_ms"]
-        row = dict(label=label, ratio=round(j["others_ratio"]["per_adapter"]["median"], 3),
-                   pooled=round(j["others_ratio_pooled"]["per_adapter"], 3),
-                   base=(round(j["others_tok_s_no_swap"]["min"]), round(j["others_tok_s_no_swap"]["max"])),
-                   during_p99=round(st["per_adapter_during_swap"]["p99"]["median"], 1),
-                   outside_p99=round(st["per_adapter_outside_swap"]["p99"]["median"], 1),
-                   during_max=round(st["per_adapter_during_swap"]["max"]["median"], 1),
-                   outside_max=round(st["per_adapter_outside_swap"]["max"]["median"], 1),
-                   longest_after_pause_ms=[g["after_pause_ms"] for g in j["longest_gaps_during_swaps"][:6]])
-        print(json.dumps(row), flush=True)
+    isolation_row(label, flags, "after_pause_ms")
