@@ -36,6 +36,7 @@ from skyrl_lora.server.gate import (
 from skyrl_lora.server.push import DEFAULT_MAX_ADAPTER_BYTES
 from skyrl_lora.server.routes import build_router, error_response
 from skyrl_lora.server.sample import Sampler
+from skyrl_lora.server.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from skyrl_lora.types import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "instead of on the staging thread beforehand",
     )
     group.add_argument(
+        "--no-staging-yield",
+        dest="staging_yield",
+        action="store_false",
+        help="let a staging run its Python without naps while the engine steps (the other "
+        "tenants' steps then wait on it for the GIL; an idle engine never naps either way)",
+    )
+    group.add_argument(
         "--adapter-reader",
         action="store_true",
         help="read staged adapter files in a reader process of their own, off the engine "
@@ -145,6 +153,11 @@ def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
     return DEFAULT_ANSWER_PACING if getattr(args, "answer_pacing", True) else None
 
 
+def staging_yield(args: argparse.Namespace) -> StagingYield | None:
+    """How a staging naps while the engine steps (``--no-staging-yield`` turns it off)."""
+    return DEFAULT_STAGING_YIELD if getattr(args, "staging_yield", True) else None
+
+
 class AdapterVersionHeader:
     """Tags vLLM's own (non-streaming) responses with the adapter version used.
 
@@ -191,6 +204,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         staging.StagingConfig(
             slot_prefill=getattr(args, "slot_prefill", True),
             reader_process=getattr(args, "adapter_reader", False),
+            staging_yield=staging_yield(args),
         ),
     )
     if getattr(args, "enable_lora", False):
@@ -225,6 +239,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_staging=lora_engine.available,
         adapter_slot_prefill=lora_engine.slot_prefill,
         adapter_reader_process=lora_engine.reader_process,
+        adapter_staging_yield=lora_engine.staging_yield,
     )
     app.include_router(
         build_router(gated, Sampler(gated, max_model_len), info, args.max_adapter_bytes)

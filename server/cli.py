@@ -24,7 +24,7 @@ usage: skyrl-lora serve [--embedded] [--no-ray] [skyrl-lora flags] [vllm serve f
 
 skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir,
 --max-adapter-bytes, --no-resume-pacing, --no-answer-pacing, --no-slot-prefill,
---adapter-reader, --stall-stacks) and every `vllm serve` flag follow.
+--no-staging-yield, --adapter-reader, --stall-stacks) and every `vllm serve` flag follow.
 """
 
 

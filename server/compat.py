@@ -131,6 +131,51 @@ def route_lora_file_opens(open_file: Callable[[str], Any | None]) -> None:
     module.safetensors = _RoutedSafetensors(original, open_file)
 
 
+class _HookedCall:
+    """``original``, with ``hook()`` run before each call (placed again, the hook is replaced)."""
+
+    def __init__(self, original: Callable[..., Any], hook: Callable[[], None]) -> None:
+        self.original = original
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.hook()
+        return self.original(*args, **kwargs)
+
+
+def _hook_before(owner: Any, name: str, hook: Callable[[], None]) -> bool:
+    """Run ``hook`` before every call of ``owner.name`` (a module's function or
+    an instance's method); False where ``owner`` has no such attribute."""
+    current = getattr(owner, name, None)
+    if current is None:
+        return False
+    original = current.original if isinstance(current, _HookedCall) else current
+    setattr(owner, name, _HookedCall(original, hook))
+    return True
+
+
+def call_before_lora_name_parses(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before each tensor name vLLM's adapter loader parses.
+
+    0.26 and 0.32 call ``parse_fine_tuned_lora_name``, imported into
+    :data:`_LORA_MODEL_MODULE`, once or twice per tensor of the adapter read.
+    """
+    _hook_before(importlib.import_module(_LORA_MODEL_MODULE), "parse_fine_tuned_lora_name", hook)
+
+
+def call_before_lora_layer_lookups(model_manager: Any, hook: Callable[[], None]) -> None:
+    """Run ``hook`` before each layer the model manager looks up in an adapter:
+    its packing (:data:`LORA_PACKING_METHOD`) does once per sub-layer it fuses
+    (0.26 and 0.32: ``_get_lora_layer_weights``)."""
+    _hook_before(model_manager, "_get_lora_layer_weights", hook)
+
+
+def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool:
+    """Run ``hook`` as the worker's model runner begins each step
+    (``execute_model``, 0.26 and 0.32); False where it has none."""
+    return _hook_before(model_runner, "execute_model", hook)
+
+
 def fold_lora_scalings(lora_model: Any) -> None:
     """Fold every layer's scaling into its B, as vLLM's ``optimize`` does, in
     one tensor call per distinct scaling (an adapter usually has one).

@@ -46,6 +46,13 @@ READS = Counter(
     labelnames=["read"],
 )
 
+#: Naps a staging took to give the GIL back to a busy step loop
+#: (``server/staging_yield.py``): none while the engine is idle.
+STAGING_NAPS = Counter(
+    "skyrl_adapter_staging_naps",
+    "Naps adapter stagings took to let the engine's step loop run alone.",
+)
+
 
 #: Events of vLLM's engine process, where only vLLM's own logger tree has a
 #: handler. Its lines carry vLLM's time stamp (to the second), so each event

@@ -34,7 +34,8 @@ Here the expensive part moves to a background thread of each worker:
 The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
 default) each time it wants the GIL back, so a staging runs with a short
-one (:data:`STAGING_SWITCH_INTERVAL_S`).
+one (:data:`STAGING_SWITCH_INTERVAL_S`), and, while the engine steps, in
+short slices with naps between them (:mod:`skyrl_lora.server.staging_yield`).
 
 The extension is injected with vLLM's ``--worker-extension-cls`` (see
 :func:`skyrl_lora.server.compat.add_worker_extension`); everything else in
@@ -51,15 +52,27 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from skyrl_lora.server import compat, tensor_pickle
 from skyrl_lora.server.adapter_file import OneBufferFile, UnsupportedFile
 from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader
 from skyrl_lora.server.loop_monitor import watch_engine_collections
-from skyrl_lora.server.observability import READS, STAGINGS, log_engine_event, log_event
+from skyrl_lora.server.observability import (
+    READS,
+    STAGING_NAPS,
+    STAGINGS,
+    log_engine_event,
+    log_event,
+)
 from skyrl_lora.server.slots import SlotPrefill
+from skyrl_lora.server.staging_yield import (
+    DEFAULT_STAGING_YIELD,
+    StagingYield,
+    YieldPoints,
+    install_yield_points,
+)
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
 #: logger tree has a handler: a child of it puts our timings in vLLM's log.
@@ -69,8 +82,9 @@ EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
 
 #: A staging's ``state`` (:meth:`_WorkerStaging.status`). A ready one also says
 #: whether it was written into a free engine slot (``in_slot``, see
-#: :mod:`skyrl_lora.server.slots`) and how its files were ``read`` (below); a
-#: failed one carries the ``error``.
+#: :mod:`skyrl_lora.server.slots`), how its files were ``read`` (below) and how
+#: many ``naps`` it took (:mod:`skyrl_lora.server.staging_yield`); a failed one
+#: carries the ``error``.
 READY = "ready"
 PENDING = "pending"
 UNKNOWN = "unknown"
@@ -90,10 +104,11 @@ STAGING_SWITCH_INTERVAL_S = 0.0005
 
 @dataclass(frozen=True)
 class _Staged:
-    """A staging's result: vLLM's model, packed, and how its files were read."""
+    """A staging's result: vLLM's model, packed, how its files were read, its naps."""
 
     model: Any
     read: str
+    naps: int
 
 
 class _WorkerStaging:
@@ -105,6 +120,8 @@ class _WorkerStaging:
         device: Any = None,
         slot_prefill: bool = True,
         reader_process: bool = False,
+        staging_yield: StagingYield | None = None,
+        model_runner: Any = None,
     ) -> None:
         self._manager = lora_manager
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -138,6 +155,13 @@ class _WorkerStaging:
             if slot_prefill and self._pack is not None and SlotPrefill.supports(model_manager)
             else None
         )
+        #: Where the staging thread naps while the engine steps (None: it never does).
+        self.yield_points = YieldPoints(staging_yield)
+        if staging_yield is not None and not install_yield_points(
+            self.yield_points, model_manager, model_runner
+        ):
+            logger.warning("skyrl-lora cannot see this worker's steps: stagings never nap")
+            self.yield_points.config = None
 
     def _route_reads_to_reader(self, lora_manager: Any) -> ReaderRoutedLoader | None:
         """Hand the staging thread's file reads to a reader process (:mod:`.adapter_reader`)."""
@@ -176,6 +200,10 @@ class _WorkerStaging:
     @property
     def reader_process(self) -> bool:
         return self._routed_reads is not None
+
+    @property
+    def staging_yield(self) -> bool:
+        return self.yield_points.config is not None
 
     def stage(self, lora_request: Any, replaces: int | None = None) -> None:
         """Start building ``lora_request``'s model on the staging thread (runs in the step loop).
@@ -230,7 +258,8 @@ class _WorkerStaging:
             self.discard(lora_int_id)
             return {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
         in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
-        return {"state": READY, "in_slot": in_slot, "read": future.result().read}
+        staged = future.result()
+        return {"state": READY, "in_slot": in_slot, "read": staged.read, "naps": staged.naps}
 
     def discard(self, lora_int_id: int) -> None:
         with self._lock:
@@ -246,13 +275,14 @@ class _WorkerStaging:
         self._staging_thread.loading = True
         self._staging_thread.one_buffer = False
         try:
-            model = self._load_from_files(lora_request)
-            loaded = time.perf_counter()
-            if self._pack is not None:
-                compat.fold_lora_scalings(model)  # batched: the pack's own folds are no-ops
-                self._pack(model)
-                self._packed.add(model)
-            packed = time.perf_counter()
+            with self.yield_points.yielding() as naps:
+                model = self._load_from_files(lora_request)
+                loaded = time.perf_counter()
+                if self._pack is not None:
+                    compat.fold_lora_scalings(model)  # batched: the pack's own folds are no-ops
+                    self._pack(model)
+                    self._packed.add(model)
+                packed = time.perf_counter()
             in_slot = self._slots is not None and self._slots.write(model)
         finally:
             self._staging_thread.loading = False
@@ -275,8 +305,10 @@ class _WorkerStaging:
             reader_ms=None if times is None else round(times.child_ms, 2),
             pack_ms=round((packed - loaded) * 1000, 2),
             slot_ms=round((done - packed) * 1000, 2) if in_slot else None,
+            naps=naps.count,
+            nap_ms=naps.slept_ms,
         )
-        return _Staged(model, read)
+        return _Staged(model, read, naps.count)
 
     def _pack_unless_packed(self, model: Any) -> None:
         """The model manager's packing, skipped for a model packed while staged."""
@@ -323,10 +355,14 @@ class LoRAStagingExtension:
     _skyrl_staging: _WorkerStaging | None = None
 
     def _skyrl_stager(
-        self, slot_prefill: bool = True, reader_process: bool = False
+        self,
+        slot_prefill: bool = True,
+        reader_process: bool = False,
+        staging_yield: dict[str, float] | None = None,
     ) -> _WorkerStaging:
         if self._skyrl_staging is None:
-            manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+            model_runner = getattr(self, "model_runner", None)
+            manager = getattr(model_runner, "lora_manager", None)
             if manager is None:
                 raise RuntimeError("LoRA is not enabled on this worker (--enable-lora)")
             self._skyrl_staging = _WorkerStaging(
@@ -334,21 +370,31 @@ class LoRAStagingExtension:
                 getattr(self, "device", None),
                 slot_prefill=slot_prefill,
                 reader_process=reader_process,
+                staging_yield=None if staging_yield is None else StagingYield(**staging_yield),
+                model_runner=model_runner,
             )
         return self._skyrl_staging
 
     def skyrl_start_staging(
-        self, slot_prefill: bool = True, reader_process: bool = False
+        self,
+        slot_prefill: bool = True,
+        reader_process: bool = False,
+        staging_yield: dict[str, float] | None = None,
     ) -> dict[str, bool]:
         """Set staging up (once, at the server's start); says which parts are on.
 
-        Also reports the engine process's long garbage collections
+        ``staging_yield`` holds :class:`StagingYield`'s fields (None: stagings
+        never nap). Also reports the engine process's long garbage collections
         (``engine_gc_pause`` events): one holds the step loop, and so every
         tenant's next token, as long as it runs.
         """
         watch_engine_collections()
-        stager = self._skyrl_stager(slot_prefill, reader_process)
-        return {"slot_prefill": stager.slot_prefill, "reader_process": stager.reader_process}
+        stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield)
+        return {
+            "slot_prefill": stager.slot_prefill,
+            "reader_process": stager.reader_process,
+            "staging_yield": stager.staging_yield,
+        }
 
     def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request), replaces)
@@ -383,6 +429,9 @@ class StagingConfig:
     #: default: the extra copy cost more swap time on an H100 than the
     #: GIL it frees bought the other tenants (README, "Adapter reader").
     reader_process: bool = False
+    #: While the engine steps, the staging thread runs in short slices with
+    #: naps between them (:mod:`skyrl_lora.server.staging_yield`); None: it never naps.
+    staging_yield: StagingYield | None = DEFAULT_STAGING_YIELD
 
 
 class StagingError(Exception):
@@ -404,6 +453,7 @@ class StagedLoRAEngine:
         self.available = False
         self.slot_prefill = False
         self.reader_process = False
+        self.staging_yield = False
 
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
@@ -413,10 +463,12 @@ class StagedLoRAEngine:
                 "skyrl_start_staging",
                 self._config.slot_prefill,
                 self._config.reader_process,
+                None if self._config.staging_yield is None else asdict(self._config.staging_yield),
             )
             self.available = True
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
+            self.staging_yield = all(p["staging_yield"] for p in parts)
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)
             self.available = False
@@ -440,8 +492,10 @@ class StagedLoRAEngine:
         in_slot = all(r["in_slot"] for r in ready)
         reads = {r["read"] for r in ready}
         read = reads.pop() if len(reads) == 1 else "mixed"
+        naps = max(r["naps"] for r in ready)
         STAGINGS.labels(slot="written" if in_slot else "none").inc()
         READS.labels(read=read).inc()
+        STAGING_NAPS.inc(naps)
         log_event(
             "adapter_staged",
             lora_name=lora_request.lora_name,
@@ -449,6 +503,7 @@ class StagedLoRAEngine:
             polls=polls,
             in_slot=in_slot,
             read=read,
+            naps=naps,
             replaced=replaces,
         )
 

@@ -216,6 +216,9 @@ class ServerInfo(_Wire):
     #: Whether staging reads adapter files in a process of its own, off the
     #: engine process's GIL (see ``skyrl_lora.server.adapter_reader``).
     adapter_reader_process: bool = False
+    #: Whether a staging gives the GIL back to the engine's step loop in naps
+    #: while the engine steps (see ``skyrl_lora.server.staging_yield``).
+    adapter_staging_yield: bool = False
 
 
 class ErrorDetail(_Wire):

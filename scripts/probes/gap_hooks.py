@@ -10,6 +10,9 @@ list that a daemon thread writes out once ``$GAP_OUT/dump`` appears:
   w     t0 t1 body                   API server: ASGI body write of /v1/completions (before / after send)
   gc    t0 dur gen                   any process: a collection over 1 ms
   lag   t0 dur                       API server: event-loop lateness over 2 ms (sampled every 2 ms)
+  stage t0 dur mode                  engine: one adapter staging, with the staging-yield mode it ran
+                                     under ($GAP_YIELD_MODES, e.g. "off,0.5/1": cycled per staging,
+                                     slice/nap in ms; the server must start with staging yield on)
 
 ``time.monotonic`` is CLOCK_MONOTONIC: one clock for every process.
 """
@@ -188,7 +191,42 @@ def _patch_app() -> None:
     skyapp.build_skyrl_app = wrapped
 
 
+def _patch_staging() -> None:
+    """Cycle the staging-yield modes of $GAP_YIELD_MODES, one per staging (a within-run A/B)."""
+    modes = [m for m in os.environ.get("GAP_YIELD_MODES", "").split(",") if m]
+    from skyrl_lora.server import staging
+    from skyrl_lora.server.staging_yield import StagingYield
+
+    configs = []
+    for mode in modes:
+        if mode == "off":
+            configs.append(None)
+        else:
+            slice_ms, nap_ms = (float(x) for x in mode.split("/"))
+            configs.append(StagingYield(slice_s=slice_ms / 1000, nap_s=nap_ms / 1000))
+    load = staging._WorkerStaging._timed_load
+    count = [0]
+
+    def cycled(self, lora_request):  # type: ignore[no-untyped-def]
+        mode = "default"
+        if not hasattr(self, "_gap_yield_on"):  # its yield points are in place
+            self._gap_yield_on = self.yield_points.config is not None
+        if configs and self._gap_yield_on:
+            i = count[0] % len(configs)
+            count[0] += 1
+            self.yield_points.config = configs[i]
+            mode = modes[i]
+        t0 = time.monotonic()
+        try:
+            return load(self, lora_request)
+        finally:
+            _rec(("stage", t0, time.monotonic() - t0, mode))
+
+    staging._WorkerStaging._timed_load = cycled
+
+
 def install() -> None:
+    _patch_staging()
     _patch_engine_core()
     _patch_output_processor()
     _patch_app()

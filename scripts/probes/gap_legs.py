@@ -268,6 +268,36 @@ def analyze(client_chunks: list, phases: dict) -> None:
                 gcs = [r for p, r in by["gc"] if p == pid and lo <= r[1] < hi and keep(r[1])]
                 if gcs:
                     print(f"  gc pid {pid}: {len(gcs)} over 1 ms, max {max(r[2] for r in gcs) * 1000:.1f} ms, gens {sorted({r[3] for r in gcs})}")
+    stagings_by_mode(client_chunks, by)
+
+
+def stagings_by_mode(client_chunks: list, by: dict) -> None:
+    """Per staging-yield mode ($GAP_YIELD_MODES): the staging's length, the engine's
+    longest step and the others' longest client gap overlapping it; and the same
+    for a window as long 0.5 s later (no swap running: the control)."""
+    stages = [r for _, r in by["stage"]]
+    if not stages:
+        return
+    per_request = defaultdict(list)
+    for cid, t, n in client_chunks:
+        per_request[cid].append(t)
+    gaps = sorted((a, b) for ts in per_request.values() for a, b in zip(sorted(ts), sorted(ts)[1:]) if b > a)
+    steps = [(r[1], r[1] + r[2]) for _, r in by["step"]]
+
+    def longest(spans, lo, hi):
+        return max(((b - a) * 1000 for a, b in spans if b > lo and a < hi), default=float("nan"))
+
+    rows = defaultdict(list)
+    for _, t0, dur, mode in stages:
+        if dur > 0:
+            rows[mode].append((dur * 1000, longest(steps, t0, t0 + dur), longest(gaps, t0, t0 + dur),
+                               longest(steps, t0 + 0.5, t0 + 0.5 + dur), longest(gaps, t0 + 0.5, t0 + 0.5 + dur)))
+    print("\n== stagings by yield mode (ms: median / max over stagings)")
+    print(f"  {'mode':8s} {'n':>3s}  {'staging':>13s}  {'engine step':>13s}  {'client gap':>13s}  |  control: {'step':>13s}  {'gap':>13s}")
+    for mode, vals in rows.items():
+        cols = list(zip(*vals))
+        fmt = lambda xs: f"{statistics.median(xs):5.1f} / {max(xs):5.1f}"  # noqa: E731
+        print(f"  {mode:8s} {len(vals):3d}  {fmt(cols[0])}  {fmt(cols[1])}  {fmt(cols[2])}  |  control: {fmt(cols[3])}  {fmt(cols[4])}")
 
 
 def main() -> None:
