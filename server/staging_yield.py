@@ -38,9 +38,9 @@ class StagingYield:
     """How a staging shares the GIL with a busy step loop."""
 
     #: The longest the staging thread runs between two naps while the engine steps.
-    slice_s: float = 0.0005
+    slice_s: float = 0.00025
     #: How long each nap lets the step loop run alone.
-    nap_s: float = 0.001
+    nap_s: float = 0.0015
     #: The engine counts as stepping this long after a step began.
     busy_within_s: float = 0.05
 
