@@ -100,23 +100,29 @@ def interleaved(
         call()
         idle_ms[method] = median([timed_ms(call) for _ in range(idle)])
     call_ms: dict[str, list[float]] = {m: [] for m in methods}
-    loop_max_ms: dict[str, list[float]] = {m: [] for m in methods}
-    windows: list[tuple[float, float]] = []
+    #: Each round's call windows by method; the loop's iterations are judged
+    #: once it has stopped, so the one still running as a call ends, the
+    #: iteration the call stretched most, is counted too.
+    round_windows: dict[str, list[list[tuple[float, float]]]] = {m: [] for m in methods}
     with StepLoopStandIn() as loop:
         time.sleep(0.2)
         for round_ in range(rounds):
             for method in methods if round_ % 2 == 0 else methods[::-1]:
-                times, longest = [], 0.0
+                times, spans = [], []
                 for _ in range(per_round):
                     time.sleep(0.05)
                     start = time.perf_counter()
                     calls[method]()
                     end = time.perf_counter()
-                    windows.append((start, end))
+                    spans.append((start, end))
                     times.append((end - start) * 1000)
-                    longest = max(longest, loop.longest_within(start, end))
                 call_ms[method].append(median(times))
-                loop_max_ms[method].append(longest)
+                round_windows[method].append(spans)
+    loop_max_ms = {
+        m: [max(loop.longest_within(s, e) for s, e in spans) for spans in rounds_]
+        for m, rounds_ in round_windows.items()
+    }
+    windows = [w for rounds_ in round_windows.values() for spans in rounds_ for w in spans]
     outside = [
         (b - a) * 1000 for a, b in loop.iterations if not any(b > s and a < e for s, e in windows)
     ]

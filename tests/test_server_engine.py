@@ -316,6 +316,36 @@ async def test_reload_with_requests_in_flight_pauses_itself(engine_server, http)
     assert after["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 5
 
 
+async def staging_naps(http: aiohttp.ClientSession, server: EngineServer) -> float:
+    """``skyrl_adapter_staging_naps_total`` from ``/metrics``."""
+    async with http.get(server.url + "/metrics") as resp:
+        text = await resp.text()
+    (line,) = [x for x in text.splitlines() if x.startswith("skyrl_adapter_staging_naps_total ")]
+    return float(line.split()[1])
+
+
+async def test_a_staging_naps_while_the_engine_steps_never_when_idle(engine_server, http) -> None:
+    """The yield points sit in the installed vLLM's adapter loader and the step
+    hook on the worker's model runner: a reload beside another tenant's
+    running requests naps, one with the engine idle does not (an idle swap
+    costs what it did), and both install the weights they read."""
+    info = await get(http, engine_server, "/skyrl/v1/server_info")
+    assert info["adapter_staging_yield"] is True
+    await load(http, engine_server, "naps", "meow")
+    await asyncio.sleep(0.2)  # the engine's last step is long past
+    idle = await staging_naps(http, engine_server)
+    await load(http, engine_server, "naps", "woof")
+    assert await staging_naps(http, engine_server) == idle
+    running = [asyncio.create_task(sample(http, engine_server, "moo")) for _ in range(2)]
+    await wait_until_running(http, engine_server, "moo", 2)
+    await load(http, engine_server, "naps", "quack")
+    assert await staging_naps(http, engine_server) > idle
+    for result in await asyncio.gather(*running):  # the other tenant is untouched
+        assert result["sequences"][0]["tokens"] == [engine_server.word_id("moo")] * LONG
+    out = await sample(http, engine_server, "naps", max_tokens=5)
+    assert out["sequences"][0]["tokens"] == [engine_server.word_id("quack")] * 5
+
+
 async def test_vllm_routes_are_gated_and_tagged(engine_server, http) -> None:
     await load(http, engine_server, "openai", "quack")
     body = {"model": "openai", "prompt": "hello", "max_tokens": 5, "temperature": 0}
