@@ -55,6 +55,15 @@ def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
     assert pacing == (DEFAULT_ANSWER_PACING if paced else None)
 
 
+@pytest.mark.parametrize(("flags", "naps"), [([], True), (["--no-staging-yield"], False)])
+def test_staging_naps_are_on_unless_turned_off(flags: list[str], naps: bool) -> None:
+    from skyrl_lora.server.app import parse_server_args, staging_yield
+    from skyrl_lora.server.staging_yield import DEFAULT_STAGING_YIELD
+
+    config = staging_yield(parse_server_args(["--model", "unused", *flags]))
+    assert config == (DEFAULT_STAGING_YIELD if naps else None)
+
+
 @pytest.mark.parametrize(("flags", "prefill"), [([], True), (["--no-slot-prefill"], False)])
 def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -> None:
     from skyrl_lora.server.app import parse_server_args

@@ -65,14 +65,15 @@ def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> It
     store = tmp_path_factory.mktemp("dev-store")
     argv = embedded_server_argv(
         embedded_model,
-        # Slot prefill and the reader process off here: the session's server
-        # runs with both on, so CI covers both ways.
+        # Slot prefill, the reader process and the staging naps off here: the
+        # session's server runs with all three on, so CI covers both ways.
         extra=[
             "--api-keys",
             str(config / "keys.json"),
             "--adapter-root",
             str(store),
             "--no-slot-prefill",
+            "--no-staging-yield",
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env={**CPU_ENV, **DEV_ENV}))
@@ -184,8 +185,9 @@ async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServ
     assert out.adapter_version == 2
 
 
-async def test_slot_prefill_and_the_reader_can_be_turned_off(dev_server: DevServer) -> None:
+async def test_slot_prefill_the_reader_and_naps_can_be_turned_off(dev_server: DevServer) -> None:
     status, info = await dev_server.call("GET", "/skyrl/v1/server_info", ADMIN_KEY, None)
     assert status == 200, info
     assert info["adapter_staging"] is True and info["adapter_slot_prefill"] is False
     assert info["adapter_reader_process"] is False
+    assert info["adapter_staging_yield"] is False
