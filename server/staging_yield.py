@@ -35,7 +35,14 @@ from skyrl_lora.server import compat
 
 @dataclass(frozen=True)
 class StagingYield:
-    """How a staging shares the GIL with a busy step loop."""
+    """How a staging shares the GIL with a busy step loop.
+
+    The defaults come from the H100 A/Bs (``docs/gpu/gap_legs_yield_*.txt``):
+    with 0.5 ms slices and 1 ms naps the others' longest step during a
+    staging still reached 31 ms; with 0.25 ms and 1.5 ms it was 20.7 ms in
+    two runs (15-16 ms in windows without a swap, 64-65 ms without naps),
+    while the staging under load took about three times as long.
+    """
 
     #: The longest the staging thread runs between two naps while the engine steps.
     slice_s: float = 0.00025
