@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import adapter_read, client_overhead, fanout, perf, plot, retry_overhead, slot_write
-from benchmarks.common import embedded_server
 from benchmarks.isolation import IsolationConfig
 from benchmarks.report import Row, spread_row, table
 from benchmarks.retry_overhead import RetryOverhead
 from benchmarks.stats import Spread, UntrustworthyRunError
+from skyrl_lora.server.cluster.local import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_UNTRUSTWORTHY = 3

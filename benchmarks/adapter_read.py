@@ -13,7 +13,7 @@ stand-in step loop of :mod:`benchmarks.step_loop`:
 * ``safetensors``: vLLM's read as it ships (``get_tensor`` per tensor, then
   ``pin_memory`` per tensor where vLLM pins);
 * ``one_buffer``: the same call with its file opened by
-  :class:`skyrl_lora.server.adapter_file.OneBufferFile`, as the server's
+  :class:`skyrl_lora.server.weights.adapter_file.OneBufferFile`, as the server's
   staging thread does.
 
 It also splits vLLM's own read, idle: the tensors out of safetensors, and
@@ -71,9 +71,10 @@ def measure() -> AdapterReadFigures:
     from vllm.lora.peft_helper import PEFTHelper
 
     from benchmarks.vllm_layers import DecoderShape, write_random_adapter
-    from skyrl_lora.server import compat, tensor_pickle
-    from skyrl_lora.server.adapter_file import OneBufferFile
+    from skyrl_lora.server import compat
     from skyrl_lora.server.embedded.builder import TARGET_MODULES
+    from skyrl_lora.server.weights import tensor_pickle
+    from skyrl_lora.server.weights.adapter_file import OneBufferFile
 
     torch.set_num_threads(1)
     pinned = compat.lora_pin_memory()

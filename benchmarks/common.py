@@ -9,30 +9,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from skyrl_lora.client import RemoteInferenceClient
-
-
-@contextmanager
-def embedded_server(extra: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
-    """A skyrl-lora server in a Ray actor on the embedded model; yields (url, model)."""
-    import ray
-
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
-    from skyrl_lora.server.embedded import ensure_embedded_model
-    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
-
-    model = ensure_embedded_model()
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
-    handle, url = start_server_actor(
-        embedded_server_argv(model, extra=extra), ActorOptions(env=CPU_ENV)
-    )
-    try:
-        yield url, model
-    finally:
-        ray.get(handle.shutdown.remote(), timeout=120)
 
 
 @contextmanager

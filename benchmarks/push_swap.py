@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import TokenMeter, embedded_server
+from benchmarks.common import TokenMeter
 from benchmarks.report import Row, spread_row, table
 from benchmarks.stats import Spread, check_count, median
 from benchmarks.swap_time import build_rank_adapters
 from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.server.cluster.local import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("no_swap", "finish_old", "abort_resume", "global")

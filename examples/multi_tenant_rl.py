@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import embedded_server
 from examples.rl.engine_rate import EngineTokenCounter
 from examples.rl.learner import LearnerConfig, LearnerProcess
 from examples.rl.report import ModeRun, plot, reward_rows, summarize, table, write_json
 from examples.rl.tenant import LoopConfig, PauseMode, TenantLog, random_prompts, run_tenant
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.rl_accounting import OffPolicyConfig, staleness_counts
+from skyrl_lora.server.cluster.local import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
 TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}

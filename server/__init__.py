@@ -1,6 +1,19 @@
 """The skyrl-lora server: vLLM's OpenAI server plus per-adapter pause.
 
-Importing this package is cheap; the modules that need vLLM import it
-themselves, so ``skyrl_lora.server.embedded`` (the tiny model builder) and
+Layers, lowest first; each imports only from those below it::
+
+    cli, demo, __main__         entry points: ``skyrl-lora serve | demo | build-model``
+    cluster/                    Ray: the server actor, replica groups, replay of a replica
+    http/                       the HTTP surface: app, /skyrl/v1 routes, keys, sample, push
+    tinker/                     the Tinker SDK's sampling surface, mounted by http/
+    engine/                     the gate in front of vLLM's ``generate`` and the gated engine
+    weights/                    adapter versions: registry, files, staging, engine slots
+    compat, observability,      the one door to vLLM, metrics and event lines, the
+    loop_monitor, reaper,       event-loop watch, process cleanup and the embedded
+    presets, embedded/          model's flags and builder
+
+``tests/test_import_layers.py`` checks the order and that nothing imports in
+a cycle. Importing this package is cheap: the modules that need vLLM import
+it themselves, so ``skyrl_lora.server.embedded`` (the tiny model builder) and
 the CLI's help work before the engine is loaded.
 """

@@ -2,7 +2,7 @@
 
 import sys
 
-from skyrl_lora.server.cli import main
+from .cli import main
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this module
     sys.exit(main())

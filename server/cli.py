@@ -9,11 +9,12 @@ this process instead (for machines without Ray, and for debugging).
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+
+from .observability import log_to_stderr
 
 #: Flags ``serve`` handles itself, before vLLM's parser sees the rest.
 SERVE_USAGE = """\
@@ -34,7 +35,7 @@ def _serve_help() -> int:
     The full parser is vLLM's, so this imports vLLM (a few seconds) but
     builds nothing; argparse's own ``--help`` exit is turned into a return code.
     """
-    from skyrl_lora.server.app import parse_server_args
+    from .http.app import parse_server_args
 
     print(SERVE_USAGE, flush=True)
     try:
@@ -50,8 +51,8 @@ def _serve(raw_argv: Sequence[str]) -> int:
         return _serve_help()
     env: dict[str, str] = {}
     if "--embedded" in argv:
-        from skyrl_lora.server.embedded import ensure_embedded_model
-        from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+        from .embedded import ensure_embedded_model
+        from .presets import CPU_ENV, embedded_server_argv
 
         argv.remove("--embedded")
         port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
@@ -66,7 +67,7 @@ def _serve(raw_argv: Sequence[str]) -> int:
 
     import ray
 
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+    from .cluster.actor import ActorOptions, start_server_actor
 
     ray.init(ignore_reinit_error=True)
     handle, url = start_server_actor(argv, ActorOptions(env=env))
@@ -84,7 +85,7 @@ def _serve_here(argv: Sequence[str], env: dict[str, str]) -> int:
     import asyncio
     import os
 
-    from skyrl_lora.server.app import RunningServer, parse_server_args, serve
+    from .http.app import RunningServer, parse_server_args, serve
 
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -97,7 +98,7 @@ def _serve_here(argv: Sequence[str], env: dict[str, str]) -> int:
 
 
 def _build_model(argv: Sequence[str]) -> int:
-    from skyrl_lora.server.embedded import ensure_embedded_model
+    from .embedded import ensure_embedded_model
 
     model = ensure_embedded_model()
     print(f"model: {model.model_dir}")
@@ -107,7 +108,7 @@ def _build_model(argv: Sequence[str]) -> int:
 
 
 def _demo(argv: Sequence[str]) -> int:
-    from skyrl_lora.server.demo import main as demo_main
+    from .demo import main as demo_main
 
     return demo_main(argv)
 
@@ -124,28 +125,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log_to_stderr()
     return COMMANDS[argv[0]](argv[1:])
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def log_to_stderr() -> None:
-    """Our own handler on the ``skyrl_lora`` logger, not only the root's.
-
-    vLLM reconfigures logging while it builds the engine, after which records
-    that propagate to the root logger stopped reaching stderr: the pause,
-    load and staging event lines went missing. A handler of our own does not
-    depend on what happens to the root logger.
-    """
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    formatter = logging.Formatter(LOG_FORMAT)
-    ours = logging.getLogger("skyrl_lora")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(formatter)
-        ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ SWAPS = ("woof", "quack")  # tenant-a's weights after the first and second swap
 
 @dataclass
 class TenantProgress:
+    started: int = 0
     done: int = 0
     tokens: int = 0
     results: list[SampleResponse] = field(default_factory=list)
@@ -39,6 +40,7 @@ async def _sample_tenant(
     progress: TenantProgress,
 ) -> None:
     async def one() -> None:
+        progress.started += 1
         result = await client.sample_with_retry(
             prompt,
             sampling_params={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
@@ -105,10 +107,10 @@ async def _show_progress(
         cells = []
         for tenant, p in progress.items():
             a = listing[tenant]
-            state = "PAUSED" if a.paused else "running"
+            state = "PAUSED" if a.paused else "serving"
             cells.append(
-                f"{tenant}: v{a.version} {state:7} {p.done}/{samples} done "
-                f"{a.in_flight} in flight {a.held} held"
+                f"{tenant} v{a.version} {state}: {p.started - p.done} running, "
+                f"{p.done}/{samples} done ({a.in_flight} in engine, {a.held} held)"
             )
         print(f"[{time.monotonic() - started:5.1f}s] " + " | ".join(cells), flush=True)
         try:
@@ -174,24 +176,16 @@ def main(argv: Sequence[str] = ()) -> int:
 
     from transformers import AutoTokenizer
 
-    from skyrl_lora.server.embedded import ensure_embedded_model
+    from .embedded import ensure_embedded_model
 
     model = ensure_embedded_model()
     tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
     if args.url:
         return asyncio.run(run(args.url, model, tokenizer, args.samples, args.max_tokens))
 
-    import ray
-
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
-    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
+    from .cluster.local import embedded_server
 
     print("Starting a skyrl-lora server on the embedded model (about 40 s on CPU)...", flush=True)
-    ray.init(include_dashboard=False, log_to_driver=False)
-    handle, url = start_server_actor(embedded_server_argv(model), ActorOptions(env=CPU_ENV))
-    print(f"Server ready at {url}\n", flush=True)
-    try:
+    with embedded_server() as (url, _):
+        print(f"Server ready at {url}\n", flush=True)
         return asyncio.run(run(url, model, tokenizer, args.samples, args.max_tokens))
-    finally:
-        ray.get(handle.shutdown.remote())
-        ray.shutdown()

@@ -48,7 +48,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
-from skyrl_lora.server.observability import log_engine_event, log_event
+from .observability import log_engine_event, log_event
 
 #: Both histograms time the same kind of thing, a pause of the API process.
 _PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -11,12 +11,13 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from skyrl_lora.server.gate import AdapterGate
+if TYPE_CHECKING:  # the gate is read at scrape time; importing it here would invert the layers
+    from .engine.gate import AdapterGate
 
 event_logger = logging.getLogger("skyrl_lora.events")
 
@@ -27,7 +28,7 @@ PAUSE_TO_ABORTED = Histogram(
 )
 
 #: ``slot="none"`` counts the installs that vLLM copies into a slot in its
-#: step loop, stalling every tenant for that long (see ``server/slots.py``).
+#: step loop, stalling every tenant for that long (see ``server/weights/slots.py``).
 STAGINGS = Counter(
     "skyrl_adapter_stagings",
     "Adapter versions staged off the step loop, by whether the staging also "
@@ -36,8 +37,8 @@ STAGINGS = Counter(
 )
 
 #: How each staged version's files were read: ``read="reader"`` in the
-#: adapter reader process (``server/adapter_reader.py``), ``"one_buffer"`` on
-#: the engine process's staging thread in one call (``server/adapter_file.py``),
+#: adapter reader process (``server/weights/adapter_reader.py``), ``"one_buffer"`` on
+#: the engine process's staging thread in one call (``server/weights/adapter_file.py``),
 #: ``"safetensors"`` there tensor by tensor; both of the latter share the
 #: engine process's GIL with the step loop.
 READS = Counter(
@@ -47,7 +48,7 @@ READS = Counter(
 )
 
 #: Naps a staging took to give the GIL back to a busy step loop
-#: (``server/staging_yield.py``): none while the engine is idle.
+#: (``server/weights/staging_yield.py``): none while the engine is idle.
 STAGING_NAPS = Counter(
     "skyrl_adapter_staging_naps",
     "Naps adapter stagings took to let the engine's step loop run alone.",
@@ -114,3 +115,25 @@ class GateCollector:
 
 def register(gate: AdapterGate) -> None:
     REGISTRY.register(GateCollector(gate))  # type: ignore[arg-type]
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_to_stderr() -> None:
+    """Our own handler on the ``skyrl_lora`` logger, not only the root's.
+
+    vLLM reconfigures logging while it builds the engine, after which records
+    that propagate to the root logger stopped reaching stderr: the pause,
+    load and staging event lines went missing. A handler of our own does not
+    depend on what happens to the root logger.
+    """
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    formatter = logging.Formatter(LOG_FORMAT)
+    ours = logging.getLogger("skyrl_lora")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(formatter)
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from skyrl_lora.server.embedded import EmbeddedModel
+from .embedded import EmbeddedModel
 
 #: Environment for CPU vLLM on small machines: a 1 GiB KV cache is plenty for
 #: the tiny model and leaves room for several replicas on one host.

@@ -207,17 +207,17 @@ class ServerInfo(_Wire):
     vllm_version: str
     eos_token_id: int | None
     #: Whether adapter weights are read and prepared off the engine's step
-    #: loop (see ``skyrl_lora.server.staging``); False means every load
+    #: loop (see ``skyrl_lora.server.weights.staging``); False means every load
     #: stalls all tenants for as long as it takes.
     adapter_staging: bool = False
     #: Whether staging also writes the adapter into a free engine slot, leaving
     #: the step loop only the bookkeeping of the install.
     adapter_slot_prefill: bool = False
     #: Whether staging reads adapter files in a process of its own, off the
-    #: engine process's GIL (see ``skyrl_lora.server.adapter_reader``).
+    #: engine process's GIL (see ``skyrl_lora.server.weights.adapter_reader``).
     adapter_reader_process: bool = False
     #: Whether a staging gives the GIL back to the engine's step loop in naps
-    #: while the engine steps (see ``skyrl_lora.server.staging_yield``).
+    #: while the engine steps (see ``skyrl_lora.server.weights.staging_yield``).
     adapter_staging_yield: bool = False
 
 

@@ -70,7 +70,7 @@ def engine_server(
 ) -> Iterator[EngineServer]:
     """The session's server, as in production: API keys on, adapter paths confined
     to the embedded model's folder and one scratch folder the tests write to."""
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+    from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
     config = tmp_path_factory.mktemp("server-config")
@@ -105,7 +105,7 @@ def engine_server(
 @contextmanager
 def replica_group(embedded_model: Any) -> Iterator[Any]:
     """Two healing CPU replicas of the embedded model (for a module's group fixture)."""
-    from skyrl_lora.server.group import GroupConfig, ServerGroup
+    from skyrl_lora.server.cluster.group import GroupConfig, ServerGroup
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
     config = GroupConfig(

@@ -1,4 +1,4 @@
-"""The one-call adapter file read (``skyrl_lora.server.adapter_file``) against
+"""The one-call adapter file read (``skyrl_lora.server.weights.adapter_file``) against
 safetensors and vLLM's real loader.
 
 What must hold: every tensor is the one safetensors reads, bit for bit, in
@@ -26,9 +26,10 @@ lora_model = pytest.importorskip("vllm.lora.lora_model")
 peft_helper = pytest.importorskip("vllm.lora.peft_helper")
 from safetensors.torch import save_file  # noqa: E402
 
-from skyrl_lora.server import compat, tensor_pickle  # noqa: E402
-from skyrl_lora.server.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
-from skyrl_lora.server.staging import ONE_BUFFER, READY, _WorkerStaging  # noqa: E402
+from skyrl_lora.server import compat  # noqa: E402
+from skyrl_lora.server.weights import tensor_pickle  # noqa: E402
+from skyrl_lora.server.weights.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
+from skyrl_lora.server.weights.staging import ONE_BUFFER, READY, _WorkerStaging  # noqa: E402
 
 _HOST = tensor_pickle.host_buffers(pin_memory=False)
 

@@ -1,4 +1,4 @@
-"""The adapter reader process (``skyrl_lora.server.adapter_reader``) with vLLM's real loader.
+"""The adapter reader process (``server/weights/adapter_reader.py``) with vLLM's real loader.
 
 The reader runs vLLM's ``LoRAModel.from_local_checkpoint`` in a child
 process and hands the model back in one buffer. What must hold: the model is
@@ -23,8 +23,9 @@ torch = pytest.importorskip("torch")
 lora_model = pytest.importorskip("vllm.lora.lora_model")
 peft_helper = pytest.importorskip("vllm.lora.peft_helper")
 
-from skyrl_lora.server import compat, tensor_pickle  # noqa: E402
-from skyrl_lora.server.adapter_reader import (  # noqa: E402
+from skyrl_lora.server import compat  # noqa: E402
+from skyrl_lora.server.weights import tensor_pickle  # noqa: E402
+from skyrl_lora.server.weights.adapter_reader import (  # noqa: E402
     AdapterReader,
     ReaderRoutedLoader,
     ReaderUnavailable,

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from skyrl_lora.server.auth import (
+from skyrl_lora.server.http.auth import (
     PUSH_NAME_WINDOW,
     TENANT_ROUTES,
     ApiKey,

@@ -19,7 +19,7 @@ def segment(tokens: list[int]) -> SampledSequence:
 
 
 def test_stop_string_across_boundary_cuts_the_new_segment(tokenizer) -> None:
-    from skyrl_lora.server.sample import _cut_at_boundary_stop
+    from skyrl_lora.server.http.sample import _cut_at_boundary_stop
 
     prefix = ids(tokenizer, "hello meow")
     new = ids(tokenizer, "woof moo quack")
@@ -30,7 +30,7 @@ def test_stop_string_across_boundary_cuts_the_new_segment(tokenizer) -> None:
 
 
 def test_stop_string_inside_the_prefix_or_segment_alone_is_not_a_boundary_match(tokenizer) -> None:
-    from skyrl_lora.server.sample import _cut_at_boundary_stop
+    from skyrl_lora.server.http.sample import _cut_at_boundary_stop
 
     prefix = ids(tokenizer, "hello meow")
     new = ids(tokenizer, "woof moo quack")

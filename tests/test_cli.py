@@ -39,8 +39,8 @@ def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(flag: str, extra: li
 
 @pytest.mark.parametrize(("flags", "paced"), [([], True), (["--no-resume-pacing"], False)])
 def test_resume_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) -> None:
-    from skyrl_lora.server.app import parse_server_args, resume_pacing
-    from skyrl_lora.server.gate import DEFAULT_RESUME_PACING
+    from skyrl_lora.server.engine.gate import DEFAULT_RESUME_PACING
+    from skyrl_lora.server.http.app import parse_server_args, resume_pacing
 
     pacing = resume_pacing(parse_server_args(["--model", "unused", *flags]))
     assert pacing == (DEFAULT_RESUME_PACING if paced else None)
@@ -48,8 +48,8 @@ def test_resume_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
 
 @pytest.mark.parametrize(("flags", "paced"), [([], True), (["--no-answer-pacing"], False)])
 def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) -> None:
-    from skyrl_lora.server.app import answer_pacing, parse_server_args
-    from skyrl_lora.server.gate import DEFAULT_ANSWER_PACING
+    from skyrl_lora.server.engine.gate import DEFAULT_ANSWER_PACING
+    from skyrl_lora.server.http.app import answer_pacing, parse_server_args
 
     pacing = answer_pacing(parse_server_args(["--model", "unused", *flags]))
     assert pacing == (DEFAULT_ANSWER_PACING if paced else None)
@@ -57,8 +57,8 @@ def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
 
 @pytest.mark.parametrize(("flags", "naps"), [([], True), (["--no-staging-yield"], False)])
 def test_staging_naps_are_on_unless_turned_off(flags: list[str], naps: bool) -> None:
-    from skyrl_lora.server.app import parse_server_args, staging_yield
-    from skyrl_lora.server.staging_yield import DEFAULT_STAGING_YIELD
+    from skyrl_lora.server.http.app import parse_server_args, staging_yield
+    from skyrl_lora.server.weights.staging_yield import DEFAULT_STAGING_YIELD
 
     config = staging_yield(parse_server_args(["--model", "unused", *flags]))
     assert config == (DEFAULT_STAGING_YIELD if naps else None)
@@ -66,14 +66,14 @@ def test_staging_naps_are_on_unless_turned_off(flags: list[str], naps: bool) -> 
 
 @pytest.mark.parametrize(("flags", "prefill"), [([], True), (["--no-slot-prefill"], False)])
 def test_slot_prefill_is_on_unless_turned_off(flags: list[str], prefill: bool) -> None:
-    from skyrl_lora.server.app import parse_server_args
+    from skyrl_lora.server.http.app import parse_server_args
 
     assert parse_server_args(["--model", "unused", *flags]).slot_prefill is prefill
 
 
 @pytest.mark.parametrize(("flags", "reader"), [([], False), (["--adapter-reader"], True)])
 def test_the_reader_process_is_off_unless_turned_on(flags: list[str], reader: bool) -> None:
-    from skyrl_lora.server.app import parse_server_args
+    from skyrl_lora.server.http.app import parse_server_args
 
     assert parse_server_args(["--model", "unused", *flags]).adapter_reader is reader
 
@@ -89,6 +89,6 @@ def test_the_reader_process_is_off_unless_turned_on(flags: list[str], reader: bo
 def test_the_cpu_adapter_cache_has_room_for_new_versions(
     flags: list[str], cpu_loras: int | None
 ) -> None:
-    from skyrl_lora.server.app import parse_server_args
+    from skyrl_lora.server.http.app import parse_server_args
 
     assert parse_server_args(["--model", "unused", *flags]).max_cpu_loras == cpu_loras

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from skyrl_lora.server.gate import (
+from skyrl_lora.server.engine.gate import (
     DEFAULT_RESUME_PACING,
     AdapterGate,
     AnswerPacing,

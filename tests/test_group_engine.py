@@ -68,7 +68,7 @@ async def one_buffer_reads(url: str) -> float:
 
 
 async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -> None:
-    """...and each replica stages the adapter's file in one read (``server/adapter_file.py``)."""
+    """...and each replica stages the adapter's file in one read (``weights/adapter_file.py``)."""
     assert len(set(group.urls)) == 2
     before = [await one_buffer_reads(url) for url in group.urls]
     async with RemoteInferenceClient(group.urls) as client:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from skyrl_lora.server.app import no_delay
+from skyrl_lora.server.http.app import no_delay
 
 
 class _Recorder(asyncio.Protocol):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from skyrl_lora.server.group import GroupConfig, ServerGroup, _keep_pushed_files, _serves
-from skyrl_lora.server.replay import (
+from skyrl_lora.server.cluster.group import GroupConfig, ServerGroup, _keep_pushed_files, _serves
+from skyrl_lora.server.cluster.replay import (
     AdapterState,
     PathSource,
     PushedSource,

@@ -21,7 +21,7 @@ import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import PermissionDeniedError
-from skyrl_lora.server.auth import OPEN_PATHS, TENANT_ROUTES
+from skyrl_lora.server.http.auth import OPEN_PATHS, TENANT_ROUTES
 from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.engine
@@ -53,7 +53,7 @@ class DevServer:
 @pytest.fixture(scope="module")
 def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> Iterator[DevServer]:
     """The issue's set-up: a tenant key scoped to ``meow`` that may also use the base model."""
-    from skyrl_lora.server.actor import ActorOptions, start_server_actor
+    from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
     config = tmp_path_factory.mktemp("dev-config")

@@ -1,4 +1,4 @@
-"""Slot writes off the step loop (``skyrl_lora.server.slots``), on a stand-in manager.
+"""Slot writes off the step loop (``skyrl_lora.server.weights.slots``), on a stand-in manager.
 
 ``_Manager`` behaves like vLLM's ``LRUCacheLoRAModelManager`` where the
 prefill depends on it: first free slot, LRU eviction when every slot is
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from skyrl_lora.server.slots import SlotPrefill
+from skyrl_lora.server.weights.slots import SlotPrefill
 
 
 @dataclass(frozen=True)

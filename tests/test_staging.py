@@ -1,4 +1,4 @@
-"""Worker-side adapter staging (``skyrl_lora.server.staging``) on its own.
+"""Worker-side adapter staging (``skyrl_lora.server.weights.staging``) on its own.
 
 The loader is a stand-in for vLLM's ``_load_adapter``: what is tested here is
 our bookkeeping (staged models are handed out once, failures carry the
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.staging import (
+from skyrl_lora.server.weights.staging import (
     FAILED,
     PENDING,
     READY,

@@ -3,7 +3,7 @@ summarised as one JSON row: shared by the A/B probes here."""
 import asyncio, json, sys
 sys.path.insert(0, ".")
 from benchmarks.__main__ import _prompt, cpu_shape
-from benchmarks.common import embedded_server
+from skyrl_lora.server.cluster.local import embedded_server
 from benchmarks import isolation
 
 

@@ -34,7 +34,7 @@ MAX_TOKENS = 128
 HOOK = r'''
 import cProfile, os, pstats, atexit
 def _install():
-    from skyrl_lora.server import engine as _engine
+    from skyrl_lora.server.engine import gated as _engine
     prof = cProfile.Profile()
     state = {"n": 0}
     original = _engine.GatedEngine.pause
@@ -48,7 +48,7 @@ def _install():
     if float(os.environ["PB_PROFILE_MS"]) > 0:
         _engine.GatedEngine.pause = pause
     if os.environ.get("PB_ANSWER_PACING") == "0":
-        from skyrl_lora.server import gate as _gate
+        from skyrl_lora.server.engine import gate as _gate
         init = _gate.AdapterGate.__init__
         def unpaced(self, *args, **kwargs):
             kwargs["answer_pacing"] = None

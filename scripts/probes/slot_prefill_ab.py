@@ -5,7 +5,7 @@ Usage, from the repository root: .venv/bin/python scripts/probes/slot_prefill_ab
 import asyncio, json, sys
 sys.path.insert(0, ".")
 from benchmarks.__main__ import _prompt, cpu_shape
-from benchmarks.common import embedded_server
+from skyrl_lora.server.cluster.local import embedded_server
 from benchmarks import isolation
 
 for label, flags in [("on", []), ("off", ["--no-slot-prefill"]), ("on", []), ("off", ["--no-slot-prefill"])]:

@@ -1,6 +1,6 @@
 """The embedded default model: built here, deterministically, with no download."""
 
-from skyrl_lora.server.embedded.builder import (
+from .builder import (
     ADAPTER_WORDS,
     BABBLE,
     BUILD_VERSION,

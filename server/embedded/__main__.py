@@ -4,7 +4,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from skyrl_lora.server.embedded import ensure_embedded_model
+from . import ensure_embedded_model
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument(

@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from skyrl_lora.server.tensor_pickle import read_exactly
+from .tensor_pickle import read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {

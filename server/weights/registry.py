@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from skyrl_lora.errors import AdapterNotFoundError, BadRequestError, ConflictError
-from skyrl_lora.server.observability import log_event
+
+from ..observability import log_event
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from skyrl_lora.errors import PermissionDeniedError, ServerError
-from skyrl_lora.server import compat
-from skyrl_lora.server.auth import ApiKey, request_key
-from skyrl_lora.server.engine import GatedEngine
-from skyrl_lora.server.push import PUSH_FORM_SCHEMA, load_pushed, receive_push
-from skyrl_lora.server.sample import Sampler
 from skyrl_lora.types import (
     AbortResponse,
     AdapterInfo,
@@ -27,6 +22,12 @@ from skyrl_lora.types import (
     SampleResponse,
     ServerInfo,
 )
+
+from .. import compat
+from ..engine.gated import GatedEngine
+from .auth import ApiKey, request_key
+from .push import PUSH_FORM_SCHEMA, load_pushed, receive_push
+from .sample import Sampler
 
 PREFIX = "/skyrl/v1"
 

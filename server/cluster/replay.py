@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from skyrl_lora.errors import ConflictError
-from skyrl_lora.server.engine import GatedEngine
-from skyrl_lora.server.push import FILES, load_pushed, write_pushed_files
+
+from ..engine.gated import GatedEngine
+from ..http.push import FILES, load_pushed, write_pushed_files
 
 #: How a pushed version's ``source_path`` reads in the registry.
 PUSHED_PREFIX = "push:sha256="
@@ -52,7 +53,7 @@ class PushedSource:
     """Weights that were pushed as bytes: ``files`` is a Ray ``ObjectRef`` of
     ``{file name: bytes}``; without one, they are fetched from ``origin``, the
     actor of a replica that serves this version (see
-    :meth:`~skyrl_lora.server.actor.ServerActor.adapter_files`)."""
+    :meth:`~skyrl_lora.server.cluster.actor.ServerActor.adapter_files`)."""
 
     sha256: str
     files: Any = None

@@ -11,8 +11,6 @@ import uuid
 from typing import Any
 
 from skyrl_lora.errors import BadRequestError, InternalServerError
-from skyrl_lora.server import compat
-from skyrl_lora.server.engine import GatedEngine
 from skyrl_lora.types import (
     SampledSequence,
     SampleRequest,
@@ -20,6 +18,9 @@ from skyrl_lora.types import (
     StopReason,
     VersionRange,
 )
+
+from .. import compat
+from ..engine.gated import GatedEngine
 
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -10,7 +10,7 @@ and then loaded exactly like a path load: same gate, versions, metrics and
 event lines. Whatever fails, the folder is removed and the previous version
 keeps serving.
 
-The Ray path (:meth:`skyrl_lora.server.actor.ServerActor.push_adapter`)
+The Ray path (:meth:`skyrl_lora.server.cluster.actor.ServerActor.push_adapter`)
 hands the same files over as bytes from the object store and shares
 :func:`load_pushed` with the HTTP route.
 """
@@ -28,9 +28,10 @@ from typing import Any, BinaryIO, cast, get_args
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
-from skyrl_lora.server.adapter_file import read_header
-from skyrl_lora.server.engine import GatedEngine
 from skyrl_lora.types import SwapPolicy
+
+from ..engine.gated import GatedEngine
+from ..weights.adapter_file import read_header
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -13,14 +13,14 @@ Here the expensive part moves to a background thread of each worker:
    ``LoRAModel`` for the request on a worker thread, with the worker's own
    loader, so validation and layout are exactly vLLM's (only its file read
    is ours: one call into one buffer, pinned where vLLM pins, see
-   :mod:`skyrl_lora.server.adapter_file`), and packs it for
+   :mod:`skyrl_lora.server.weights.adapter_file`), and packs it for
    the worker's layers (fused q/k/v and gate/up, scaling folded into B,
    pinned host copies) with the model manager's own packing. Where the
    adapter is paused and drained, the call first removes the version being
    replaced, so a server with every slot in use still has one to write
    (:meth:`_WorkerStaging._drop_replaced`).
 2. Where an engine LoRA slot is free, the staging thread also copies the
-   packed model into it (:mod:`skyrl_lora.server.slots`): no request reads
+   packed model into it (:mod:`skyrl_lora.server.weights.slots`): no request reads
    a slot before an adapter is active in it.
 3. The API server polls :meth:`LoRAStagingExtension.skyrl_lora_staged` (a
    dictionary look-up per call) until the model is ready or failed.
@@ -35,7 +35,7 @@ The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
 default) each time it wants the GIL back, so a staging runs with a short
 one (:data:`STAGING_SWITCH_INTERVAL_S`), and, while the engine steps, in
-short slices with naps between them (:mod:`skyrl_lora.server.staging_yield`).
+short slices with naps between them (:mod:`skyrl_lora.server.weights.staging_yield`).
 
 The extension is injected with vLLM's ``--worker-extension-cls`` (see
 :func:`skyrl_lora.server.compat.add_worker_extension`); everything else in
@@ -55,19 +55,20 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from skyrl_lora.server import compat, tensor_pickle
-from skyrl_lora.server.adapter_file import OneBufferFile, UnsupportedFile
-from skyrl_lora.server.adapter_reader import AdapterReader, ReaderRoutedLoader
-from skyrl_lora.server.loop_monitor import watch_engine_collections
-from skyrl_lora.server.observability import (
+from .. import compat
+from ..loop_monitor import watch_engine_collections
+from ..observability import (
     READS,
     STAGING_NAPS,
     STAGINGS,
     log_engine_event,
     log_event,
 )
-from skyrl_lora.server.slots import SlotPrefill
-from skyrl_lora.server.staging_yield import (
+from . import tensor_pickle
+from .adapter_file import OneBufferFile, UnsupportedFile
+from .adapter_reader import AdapterReader, ReaderRoutedLoader
+from .slots import SlotPrefill
+from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
     YieldPoints,
@@ -78,12 +79,12 @@ from skyrl_lora.server.staging_yield import (
 #: logger tree has a handler: a child of it puts our timings in vLLM's log.
 logger = logging.getLogger("vllm.skyrl_lora.staging")
 
-EXTENSION_QUALNAME = "skyrl_lora.server.staging.LoRAStagingExtension"
+EXTENSION_QUALNAME = "skyrl_lora.server.weights.staging.LoRAStagingExtension"
 
 #: A staging's ``state`` (:meth:`_WorkerStaging.status`). A ready one also says
 #: whether it was written into a free engine slot (``in_slot``, see
-#: :mod:`skyrl_lora.server.slots`), how its files were ``read`` (below) and how
-#: many ``naps`` it took (:mod:`skyrl_lora.server.staging_yield`); a failed one
+#: :mod:`skyrl_lora.server.weights.slots`), how its files were ``read`` (below) and how
+#: many ``naps`` it took (:mod:`skyrl_lora.server.weights.staging_yield`); a failed one
 #: carries the ``error``.
 READY = "ready"
 PENDING = "pending"
@@ -181,7 +182,7 @@ class _WorkerStaging:
 
     def _open_in_one_buffer(self, path: str) -> OneBufferFile | None:
         """vLLM's loader's ``safe_open``: on the staging thread, one read into
-        one buffer (:mod:`skyrl_lora.server.adapter_file`); None elsewhere,
+        one buffer (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere,
         and for a file that reader leaves to safetensors."""
         if not getattr(self._staging_thread, "loading", False):
             return None
@@ -422,15 +423,16 @@ class StagingConfig:
     max_poll_s: float = 0.002
     timeout_s: float = 600.0
     #: Copy staged adapters into a free engine slot on the staging thread
-    #: (:mod:`skyrl_lora.server.slots`); off, vLLM copies in the step loop.
+    #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
-    #: Read adapter files in a process of their own (:mod:`skyrl_lora.server.adapter_reader`);
-    #: off, the staging thread reads them in the engine process. Off by
+    #: Read adapter files in a process of their own
+    #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
+    #: thread reads them in the engine process. Off by
     #: default: the extra copy cost more swap time on an H100 than the
     #: GIL it frees bought the other tenants (README, "Adapter reader").
     reader_process: bool = False
     #: While the engine steps, the staging thread runs in short slices with
-    #: naps between them (:mod:`skyrl_lora.server.staging_yield`); None: it never naps.
+    #: naps between them (:mod:`skyrl_lora.server.weights.staging_yield`); None: it never naps.
     staging_yield: StagingYield | None = DEFAULT_STAGING_YIELD
 
 

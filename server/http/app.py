@@ -22,22 +22,24 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skyrl_lora.errors import EngineUnavailableError, ServerError
-from skyrl_lora.server import compat, loop_monitor, observability, staging
-from skyrl_lora.server.adapters import AdapterRegistry
-from skyrl_lora.server.auth import AuthMiddleware, KeyStore
-from skyrl_lora.server.engine import GatedEngine, admitted_versions
-from skyrl_lora.server.gate import (
+from skyrl_lora.types import ServerInfo
+
+from .. import compat, loop_monitor, observability
+from ..engine.gate import (
     DEFAULT_ANSWER_PACING,
     DEFAULT_RESUME_PACING,
     AdapterGate,
     AnswerPacing,
     ResumePacing,
 )
-from skyrl_lora.server.push import DEFAULT_MAX_ADAPTER_BYTES
-from skyrl_lora.server.routes import build_router, error_response
-from skyrl_lora.server.sample import Sampler
-from skyrl_lora.server.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
-from skyrl_lora.types import ServerInfo
+from ..engine.gated import GatedEngine, admitted_versions
+from ..weights import staging
+from ..weights.registry import AdapterRegistry
+from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
+from .auth import AuthMiddleware, KeyStore
+from .push import DEFAULT_MAX_ADAPTER_BYTES
+from .routes import build_router, error_response
+from .sample import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "--api-keys",
         type=Path,
         default=None,
-        help="JSON file of API keys scoped to adapters (see skyrl_lora.server.auth); "
+        help="JSON file of API keys scoped to adapters (see skyrl_lora.server.http.auth); "
         "without it the server is open",
     )
     group.add_argument(

@@ -9,7 +9,7 @@ A supervisor thread asks every replica for its adapter state once per
 ``health_interval_s`` (:meth:`ServerActor.state`, which fails when the actor
 died or its engine did). The answers keep the group's record of what the
 group serves: per adapter, the newest version any replica serves, its source
-and whether it is paused (:func:`~skyrl_lora.server.replay.newest`). A
+and whether it is paused (:func:`~skyrl_lora.server.cluster.replay.newest`). A
 replica that fails the check is replaced by a new actor in its placement
 group, on the same port, which replays the record before its HTTP server
 accepts anything; clients find it again through their health re-check.
@@ -19,7 +19,7 @@ two rounds in a row: a reload or a resume it missed (a fan-out that reached
 it while it was starting). Versions are counted per replica, so one missed
 reload would otherwise leave a replica's version numbers one behind for
 good. A missed pause is left alone (see
-:func:`~skyrl_lora.server.replay.restore`).
+:func:`~skyrl_lora.server.cluster.replay.restore`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
-from skyrl_lora.server.actor import ServerActor
-from skyrl_lora.server.observability import log_event
-from skyrl_lora.server.replay import (
+from skyrl_lora.types import AdapterInfo, SwapPolicy
+
+from ..observability import log_event
+from .actor import ServerActor
+from .replay import (
     PUSHED_PREFIX,
     AdapterState,
     PushedSource,
     merge,
     newest,
 )
-from skyrl_lora.types import AdapterInfo, SwapPolicy
 
 logger = logging.getLogger(__name__)
 

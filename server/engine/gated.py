@@ -14,11 +14,12 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from skyrl_lora.server import compat
-from skyrl_lora.server.adapters import AdapterRecord, AdapterRegistry, PreparedVersion
-from skyrl_lora.server.gate import AdapterGate, DrainResult
-from skyrl_lora.server.observability import PAUSE_TO_ABORTED, log_event
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
+
+from .. import compat
+from ..observability import PAUSE_TO_ABORTED, log_event
+from ..weights.registry import AdapterRecord, AdapterRegistry, PreparedVersion
+from .gate import AdapterGate, DrainResult
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
 #: its argument is the ``replaces`` id the registry passes on to the engine.
@@ -56,7 +57,7 @@ class GatedEngine:
         ``finish_old`` load keeps its version to the end. When the last
         request of a replaced version ends, that version is retired. A
         request a pause or abort ended leaves after its answer's pace
-        (:class:`~skyrl_lora.server.gate.AnswerPacing`), once released.
+        (:class:`~skyrl_lora.server.engine.gate.AnswerPacing`), once released.
         """
         self.registry.get(lora_name)
         admission = await self.gate.admit(lora_name, request_id)

@@ -3,7 +3,7 @@
 Ray places the actor (and, on GPU clusters, its GPUs) and owns its lifetime;
 the actor runs vLLM's engine and our HTTP server on its own event loop and
 reports the URL clients should use. Multi-server deployments start several
-of these (see :mod:`skyrl_lora.server.group`, which also rebuilds one that
+of these (see :mod:`skyrl_lora.server.cluster.group`, which also rebuilds one that
 died: :meth:`ServerActor.state` is its health check, ``start(restore=...)``
 replays the group's adapters before the server takes traffic).
 """
@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_lora.errors import ServerUnavailableError
-from skyrl_lora.server.app import RunningServer, parse_server_args, serve
-from skyrl_lora.server.cli import log_to_stderr
-from skyrl_lora.server.engine import GatedEngine
-from skyrl_lora.server.push import load_pushed, write_pushed_files
-from skyrl_lora.server.replay import (
+from skyrl_lora.types import AdapterInfo, SwapPolicy
+
+from ..engine.gated import GatedEngine
+from ..http.app import RunningServer, parse_server_args, serve
+from ..http.push import load_pushed, write_pushed_files
+from ..observability import log_to_stderr
+from .replay import (
     AdapterState,
     RestoreReport,
     merge,
@@ -31,7 +33,6 @@ from skyrl_lora.server.replay import (
     served_state,
     snapshot_files,
 )
-from skyrl_lora.types import AdapterInfo, SwapPolicy
 
 
 class ServerActor:
@@ -71,7 +72,8 @@ class ServerActor:
         self._task = asyncio.create_task(
             serve(args, on_ready=on_ready, stop=self._stop, before_serving=before_serving)
         )
-        await asyncio.wait([self._task, ready], return_when=asyncio.FIRST_COMPLETED)
+        started: list[asyncio.Future[Any]] = [self._task, ready]
+        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             await self._task  # re-raises the start-up error
             raise RuntimeError("server exited before it was ready")

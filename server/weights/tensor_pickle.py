@@ -1,6 +1,6 @@
 """Pickle an object whose torch tensors travel out of band, in one flat buffer.
 
-The adapter reader process (:mod:`skyrl_lora.server.adapter_reader`) hands
+The adapter reader process (:mod:`skyrl_lora.server.weights.adapter_reader`) hands
 vLLM's ``LoRAModel`` to the engine process. Pickling it whole would copy
 every tensor through the pipe in small chunks, each chunk taking the engine
 process's GIL again; torch's own sharing opens one shared-memory file per

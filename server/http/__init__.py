@@ -1,0 +1,7 @@
+"""The HTTP surface: vLLM's OpenAI app with our routes, keys and sample added.
+
+Owns the app and its start-up (``app``), the ``/skyrl/v1`` routes
+(``routes``), API keys scoped to adapters (``auth``), the token-in ``sample``
+route (``sample``) and adapter uploads (``push``). May import ``engine``,
+``weights``, ``tinker`` and the server's top-level modules.
+"""
