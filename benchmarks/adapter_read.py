@@ -5,7 +5,7 @@ The staging thread reads a new adapter version with vLLM's own
 ``LoRAModel.from_local_checkpoint`` while the step loop keeps serving the
 other tenants, in one process, under one GIL. On an H100 that read took
 20 ms idle and 36-45 ms at the median under load (113 ms at worst) for a
-rank-16 adapter of the GPU perf model (stop 24's staging logs), the largest
+rank-16 adapter of the GPU perf model (staging logs of 1bfa1da, 2026-11-23), the largest
 part of a swap. This times vLLM's read of such an adapter (16 decoder
 layers, hidden 2048, 224 bf16 tensors, 18.6 MB) two ways, beside the
 stand-in step loop of :mod:`benchmarks.step_loop`:

@@ -4,7 +4,7 @@ against one call into one pinned buffer, beside a busy step loop.
 Runs :mod:`benchmarks.adapter_read` where vLLM pins adapters (a rank-16
 adapter of the perf model's shape, 224 tensors). On the H100 vLLM's read of
 that adapter took 20 ms idle and 36-45 ms at the median under load in the
-real engine (stop 24's staging logs), the largest part of a swap. Writes
+real engine (staging logs of 1bfa1da, 2026-11-23), the largest part of a swap. Writes
 ``adapter_read.json`` to ``$OUT`` and ``docs/gpu/``. Takes about 20 s, no server.
 """
 

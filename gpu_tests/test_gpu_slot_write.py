@@ -4,7 +4,7 @@ Runs :mod:`benchmarks.slot_write` with the stacked tensors on the GPU and
 the adapter in pinned host memory, as the engine holds them (vLLM's layers,
 the perf model's shape, rank 16). On the H100 vLLM's per-layer write of
 that adapter took 12 ms idle and 39-41 ms under load in the real engine
-(stop 22's staging log), most of it tensor-call overhead and GIL
+(staging log of a9b1106, 2026-11-23), most of it tensor-call overhead and GIL
 hand-overs; the batched write makes two calls. Writes ``slot_write.json``
 to ``$OUT`` and ``docs/gpu/``. Takes about 15 s, no server.
 """

@@ -135,7 +135,7 @@ def _fmt_s(value: float | None) -> str:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-    """The summary table (markdown, so it pastes into the README as is)."""
+    """The summary table (markdown, so it pastes into docs/rl.md as is)."""
     target = summary["target"]
     lines = [
         f"| mode | tenant | reward first -> last | time (step) to {target} "

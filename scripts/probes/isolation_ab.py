@@ -1,5 +1,5 @@
 """The CPU benchmark's 3-tenant isolation part on a fresh embedded server,
-summarised as one JSON row: shared by the A/B probes here."""
+summarised as one JSON row (used by staging_yield_ab.py)."""
 import asyncio, json, sys
 sys.path.insert(0, ".")
 from benchmarks.__main__ import _prompt, cpu_shape
