@@ -429,7 +429,7 @@ class StagingConfig:
     #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
     #: thread reads them in the engine process. Off by
     #: default: the extra copy cost more swap time on an H100 than the
-    #: GIL it frees bought the other tenants (README, "Adapter reader").
+    #: GIL it frees bought the other tenants (docs/design.md, "Adapter reader").
     reader_process: bool = False
     #: While the engine steps, the staging thread runs in short slices with
     #: naps between them (:mod:`skyrl_lora.server.weights.staging_yield`); None: it never naps.
