@@ -33,10 +33,11 @@ from ..engine.gate import (
     ResumePacing,
 )
 from ..engine.gated import GatedEngine, admitted_versions
+from ..tinker.routes import tinker_router
 from ..weights import staging
 from ..weights.registry import AdapterRegistry
 from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
-from .auth import AuthMiddleware, KeyStore
+from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .routes import build_router, error_response
 from .sample import Sampler
@@ -243,9 +244,10 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_reader_process=lora_engine.reader_process,
         adapter_staging_yield=lora_engine.staging_yield,
     )
-    app.include_router(
-        build_router(gated, Sampler(gated, max_model_len), info, args.max_adapter_bytes)
-    )
+    sampler = Sampler(gated, max_model_len)
+    app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes))
+    # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
+    app.include_router(tinker_router(sampler.sample, gated, info, lambda r: request_key(r.scope)))
 
     async def skyrl_error(_: Any, exc: Exception) -> Any:
         assert isinstance(exc, ServerError)

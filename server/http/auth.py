@@ -41,6 +41,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from skyrl_lora.errors import AuthenticationError, PermissionDeniedError, ServerError
 from skyrl_lora.types import ErrorBody, ErrorDetail
 
+from ..tinker.routes import PREFIX as TINKER_PREFIX
+from ..tinker.routes import is_tinker_route
+
 #: Routes anyone may call: liveness for orchestrators.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 #: Where the middleware leaves the authenticated key for the routes.
@@ -54,6 +57,7 @@ class Access(Enum):
     DATA = "data"  # names an adapter (or the base model) in its body
     CONTROL = "control"  # names one of the caller's adapters in ``lora_name``
     PUSH = "push"  # multipart upload naming one of the caller's adapters
+    TINKER = "tinker"  # the Tinker SDK's routes: each checks the key's scope itself
 
 
 #: The tenant allowlist, by (method, path). Anything not here is admin-only.
@@ -148,11 +152,11 @@ class AuthMiddleware:
         try:
             key = self._authenticate(scope)
             access = route_access(key, scope["method"], scope["path"])
-            if access is not None and access is not Access.READ:
+            if access is not None and access not in (Access.READ, Access.TINKER):
                 body, receive = await _peek_body(receive, access is Access.PUSH)
                 self._authorize(key, scope, access, body)
         except ServerError as exc:
-            await _send_error(send, exc)
+            await _send_error(send, exc, tinker=scope["path"].startswith(TINKER_PREFIX + "/"))
             return
         scope[SCOPE_KEY] = key
         await self.app(scope, receive, send)
@@ -160,9 +164,17 @@ class AuthMiddleware:
     def _authenticate(self, scope: Scope) -> ApiKey:
         headers = dict(scope.get("headers", []))
         auth = headers.get(b"authorization", b"").decode(errors="replace")
-        if not auth.lower().startswith("bearer "):
-            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        key = self.keys.lookup(auth[7:].strip())
+        # The Tinker SDK sends ``X-API-Key: tml-<key>`` (it insists on the prefix).
+        tinker = headers.get(b"x-api-key", b"").decode(errors="replace").strip()
+        if auth.lower().startswith("bearer "):
+            key = self.keys.lookup(auth[7:].strip())
+        elif tinker:
+            key = self.keys.lookup(tinker.removeprefix("tml-")) or self.keys.lookup(tinker)
+        else:
+            raise AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>' "
+                "(the Tinker SDK: api_key='tml-<key>')"
+            )
         if key is None:
             raise AuthenticationError("unknown API key")
         return key
@@ -207,6 +219,8 @@ def route_access(key: ApiKey, method: str, path: str) -> Access | None:
         )
     if key.admin:
         return None
+    if is_tinker_route(method, path):
+        return Access.TINKER
     access = TENANT_ROUTES.get((method, path))
     if access is None:
         raise PermissionDeniedError(f"{method} {path} needs an admin key")
@@ -274,9 +288,12 @@ def _multipart_field(scope: Scope, prefix: bytes, name: str) -> str | None:
     return None
 
 
-async def _send_error(send: Send, exc: ServerError) -> None:
-    body = ErrorBody(error=ErrorDetail(type=exc.error_type, message=exc.message))
-    payload = body.model_dump_json().encode()
+async def _send_error(send: Send, exc: ServerError, *, tinker: bool = False) -> None:
+    if tinker:  # the shape the Tinker SDK reads
+        payload = json.dumps({"error": exc.message, "category": "user"}).encode()
+    else:
+        body = ErrorBody(error=ErrorDetail(type=exc.error_type, message=exc.message))
+        payload = body.model_dump_json().encode()
     await send(
         {
             "type": "http.response.start",
