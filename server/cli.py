@@ -4,17 +4,32 @@
 actor and keeps it up until interrupted; ``--embedded`` fills in the flags
 for the embedded tiny model and its adapters, and ``--no-ray`` serves in
 this process instead (for machines without Ray, and for debugging).
+
+SIGTERM and SIGINT stop ``serve`` cleanly in both modes: the engine's
+requests are aborted, open requests get a few seconds to be answered, the
+engine and every process the server started are stopped, and the exit
+status is 0. A second signal, or a stop that takes longer than
+:data:`FORCED_EXIT_AFTER_S`, exits at once with status 1; the reaper
+(:mod:`skyrl_lora.server.reaper`) then stops what is left, as it does when
+``serve`` is killed outright.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .observability import log_to_stderr
+
+logger = logging.getLogger(__name__)
+
+#: Seconds after the first SIGTERM/SIGINT before ``serve`` gives up on a clean stop.
+FORCED_EXIT_AFTER_S = 25.0
 
 #: Flags ``serve`` handles itself, before vLLM's parser sees the rest.
 SERVE_USAGE = """\
@@ -68,17 +83,55 @@ def _serve(raw_argv: Sequence[str]) -> int:
     import ray
 
     from .cluster.actor import ActorOptions, start_server_actor
+    from .reaper import start_reaper
 
-    ray.init(ignore_reinit_error=True)
-    handle, url = start_server_actor(argv, ActorOptions(env=env))
-    print(f"skyrl-lora server ready at {url}", flush=True)
+    # Ray's own processes (started by ray.init below) go with us, however we end.
+    reaper = start_reaper()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    ray.get(handle.shutdown.remote())
-    ray.shutdown()
+    try:
+        ray.init(ignore_reinit_error=True)
+        on_signals(stop.set)  # after ray.init, which installs a SIGTERM handler of its own
+        handle, url = start_server_actor(argv, ActorOptions(env=env))
+        print(f"skyrl-lora server ready at {url}", flush=True)
+        stop.wait()
+        ray.get(handle.shutdown.remote())
+        ray.shutdown()
+    finally:
+        if reaper is not None:
+            reaper.close()
     return 0
+
+
+def on_signals(stop: Callable[[], object]) -> None:
+    """SIGTERM/SIGINT call ``stop`` once; a second one, or a stop that hangs, exits now.
+
+    Works for threads and event loops alike: ``stop`` must only be safe to
+    call from a signal handler (``threading.Event.set``, or
+    ``loop.call_soon_threadsafe``).
+    """
+    signals: list[int] = []
+
+    def handle(sig: int, _frame: object) -> None:
+        signals.append(sig)
+        name = signal.Signals(sig).name
+        if len(signals) > 1:
+            logger.warning("second signal (%s): exiting without a clean stop", name)
+            os._exit(1)
+        logger.info("%s: stopping the server", name)
+        timer = threading.Timer(FORCED_EXIT_AFTER_S, _forced_exit)
+        timer.daemon = True
+        timer.start()
+        stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _forced_exit() -> None:
+    logger.warning(
+        "the server did not stop in %.0f s: exiting without a clean stop", FORCED_EXIT_AFTER_S
+    )
+    os._exit(1)
 
 
 def _serve_here(argv: Sequence[str], env: dict[str, str]) -> int:
@@ -93,7 +146,13 @@ def _serve_here(argv: Sequence[str], env: dict[str, str]) -> int:
     def ready(running: RunningServer) -> None:
         print(f"skyrl-lora server ready at {running.url}", flush=True)
 
-    asyncio.run(serve(parse_server_args(argv), on_ready=ready))
+    async def serve_until_stopped() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        on_signals(lambda: loop.call_soon_threadsafe(stop.set))
+        await serve(parse_server_args(argv), on_ready=ready, stop=stop)
+
+    asyncio.run(serve_until_stopped())
     return 0
 
 

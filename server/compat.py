@@ -298,6 +298,15 @@ async def pause_engine_keep(engine_client: Any) -> None:
         await engine_client.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
 
 
+async def abort_all_requests(engine_client: Any) -> int:
+    """Abort every request the engine tracks (a stopping server); returns how many."""
+    processor = getattr(engine_client, "output_processor", None)
+    request_ids = list(getattr(processor, "request_states", {}))
+    if request_ids:
+        await engine_client.abort(request_ids)
+    return len(request_ids)
+
+
 def max_loras(engine_client: Any) -> int:
     """How many adapters one engine batch can hold (``--max-loras``)."""
     lora_config = getattr(engine_client.vllm_config, "lora_config", None)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from ..engine.gate import (
     ResumePacing,
 )
 from ..engine.gated import GatedEngine, admitted_versions
+from ..reaper import start_reaper
 from ..tinker.routes import tinker_router
 from ..weights import staging
 from ..weights.registry import AdapterRegistry
@@ -43,6 +45,11 @@ from .routes import build_router, error_response
 from .sample import Sampler
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a stopping server gives its open requests after aborting the
+#: engine's: enough for their (partial) answers to be written; requests
+#: still held by a paused adapter are cut off then.
+SHUTDOWN_GRACE_S = 5.0
 
 VERSION_HEADER = "x-skyrl-adapter-version"
 
@@ -273,6 +280,20 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     return app, gated
 
 
+class _SignalFreeServer(uvicorn.Server):
+    """uvicorn's server without its own SIGINT/SIGTERM handlers.
+
+    uvicorn re-raises a signal it caught once its shutdown is done: SIGTERM
+    then killed the process before the engine was stopped, orphaning vLLM's
+    engine processes, and SIGINT raised KeyboardInterrupt (exit status 1).
+    Whoever runs :func:`serve` owns the signals and sets its ``stop`` event.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def serve(
     args: argparse.Namespace,
     *,
@@ -280,11 +301,31 @@ async def serve(
     stop: asyncio.Event | None = None,
     before_serving: Callable[[GatedEngine], Awaitable[None]] | None = None,
 ) -> None:
-    """Run the server until ``stop`` is set (or uvicorn exits on a signal).
+    """Run the server until ``stop`` is set, then stop it and everything it started.
 
     ``before_serving`` runs once the engine and app are up but before the
     HTTP server accepts anything (a rebuilt replica replays its adapters).
+    Stopping aborts the engine's requests (their callers get what was
+    generated so far, as after a pause), gives open requests
+    :data:`SHUTDOWN_GRACE_S` to be answered, shuts the engine down, and
+    lets the reaper (:mod:`skyrl_lora.server.reaper`) stop any process the
+    server started that is still running, also if this process is killed.
     """
+    reaper = await asyncio.to_thread(start_reaper)
+    try:
+        await _serve(args, on_ready=on_ready, stop=stop, before_serving=before_serving)
+    finally:
+        if reaper is not None:
+            await asyncio.to_thread(reaper.close)
+
+
+async def _serve(
+    args: argparse.Namespace,
+    *,
+    on_ready: Callable[[RunningServer], Awaitable[None] | None] | None,
+    stop: asyncio.Event | None,
+    before_serving: Callable[[GatedEngine], Awaitable[None]] | None,
+) -> None:
     listen_address, sock = compat.setup_server(args)
     port = sock.getsockname()[1]
     url = f"http://{_client_host(args.host)}:{port}"
@@ -297,10 +338,11 @@ async def serve(
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=30,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
         )
         config.load()
         config.http_protocol_class = no_delay(config.http_protocol_class)
-        server = uvicorn.Server(config)
+        server = _SignalFreeServer(config)
         # vLLM's handler of a failed generate reads the server from here (to
         # stop it if the engine died); without it the client got an
         # AttributeError as its 500 instead of vLLM's error.
@@ -320,6 +362,9 @@ async def serve(
         monitor = loop_monitor.LoopMonitorConfig(stall_stacks=getattr(args, "stall_stacks", False))
         async with loop_monitor.monitoring(monitor):
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not serve_task.done():
+            aborted = await compat.abort_all_requests(engine_client)
+            logger.info("skyrl-lora server stopping: aborted %d engine request(s)", aborted)
         server.should_exit = True
         await serve_task
     sock.close()
