@@ -10,10 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from tests.conftest import (  # noqa: F401
     http,
     tokenizer,
 )
+from tests.serve_process import ServeProcess, start_serve
 
 
 def _missing() -> str | None:
@@ -56,47 +56,27 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 GPU_FLAGS = ["--gpu-memory-utilization", os.environ.get("SKYRL_GPU_MEM", "0.35")]
 
 
+#: The servers started here, by pid, so that stop_server can take down their trees.
+_STARTED: dict[int, ServeProcess] = {}
+
+
 def start_server(
     argv: Sequence[str], log_name: str, timeout: float = 540
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start ``skyrl-lora serve --no-ray`` and wait for its ready line."""
-    log_dir = os.environ.get("OUT") or "/tmp"
-    log = open(os.path.join(log_dir, f"{log_name}.log"), "w")  # noqa: SIM115 (lives with the process)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "skyrl_lora.server", "serve", "--no-ray", *argv],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-            continue
-        if "server ready at" in line:
-            # Keep draining stdout (vLLM logs there) into the log: a full pipe
-            # would block the server's next write and hang every request.
-            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
-            return proc, line.rsplit(" ", 1)[-1].strip()
-    proc.kill()
-    raise TimeoutError(f"server not ready after {timeout} s; see {log.name}")
-
-
-def _drain(stream: Any, log: Any) -> None:
-    for line in stream:
-        log.write(line)
-    log.flush()
+    """Start ``skyrl-lora serve --no-ray`` in a session of its own and wait for its ready line."""
+    log_dir = Path(os.environ.get("OUT") or "/tmp")
+    server = start_serve(["--no-ray", *argv], log_dir / f"{log_name}.log", timeout_s=timeout)
+    _STARTED[server.proc.pid] = server
+    return server.proc, server.url
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
+    """SIGTERM, then SIGKILL to the process group and every process it started."""
+    server = _STARTED.pop(proc.pid)
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        server.stop(timeout_s=60)
+    finally:
+        server.kill_all()
 
 
 @pytest.fixture(scope="session")
