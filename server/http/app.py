@@ -118,7 +118,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="read staged adapter files in a reader process of their own, off the engine "
         "process's GIL, instead of on its staging thread (costs a copy: on an H100 a "
-        "rank-16 swap took 93 ms instead of 53; see the README)",
+        "rank-16 swap took 93 ms instead of 53; see docs/design.md)",
     )
     group.add_argument(
         "--stall-stacks",
