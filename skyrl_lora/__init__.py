@@ -14,6 +14,7 @@ from skyrl_lora.errors import (
     ConflictError,
     FanOutError,
     InternalServerError,
+    LeaseNotFoundError,
     PayloadTooLargeError,
     PermissionDeniedError,
     RequestTimeoutError,
@@ -21,6 +22,7 @@ from skyrl_lora.errors import (
     ServerError,
     ServerUnavailableError,
     SkyRLLoraError,
+    VersionGoneError,
 )
 from skyrl_lora.types import (
     SampledSequence,
@@ -38,6 +40,7 @@ __all__ = [
     "ConflictError",
     "FanOutError",
     "InternalServerError",
+    "LeaseNotFoundError",
     "PayloadTooLargeError",
     "PermissionDeniedError",
     "RequestTimeoutError",
@@ -50,5 +53,6 @@ __all__ = [
     "ServerUnavailableError",
     "SkyRLLoraError",
     "StopReason",
+    "VersionGoneError",
     "VersionRange",
 ]

@@ -98,6 +98,26 @@ class ConflictError(ServerError):
     error_type = "conflict"
 
 
+class VersionGoneError(ServerError):
+    """A sample pinned to an adapter version (``lora_version``) that is no longer held.
+
+    A pinned version is served while it is current, while requests that
+    started on it still drain under ``finish_old``, or while a lease keeps
+    it. A pinned sample never moves to another version on its own: the
+    caller decides whether to sample the current version instead.
+    """
+
+    status = 410
+    error_type = "version_gone"
+
+
+class LeaseNotFoundError(ServerError):
+    """No lease has this id (it expired, was released, or never existed here)."""
+
+    status = 404
+    error_type = "lease_not_found"
+
+
 class PayloadTooLargeError(ServerError):
     """The request body is larger than the server accepts (``--max-adapter-bytes``)."""
 
@@ -131,6 +151,8 @@ _BY_TYPE: dict[str, type[ServerError]] = {
         PermissionDeniedError,
         AdapterNotFoundError,
         ConflictError,
+        VersionGoneError,
+        LeaseNotFoundError,
         PayloadTooLargeError,
         EngineUnavailableError,
         InternalServerError,
@@ -154,6 +176,8 @@ def error_class_for(status: int, error_type: str | None) -> type[ServerError]:
         return AdapterNotFoundError
     if status == 409:
         return ConflictError
+    if status == 410:
+        return VersionGoneError
     if status == 413:
         return PayloadTooLargeError
     if 400 <= status < 500:
