@@ -419,7 +419,7 @@ async def run(
         finally:
             stop.set()
             with contextlib.suppress(Exception):
-                await client.resume_generation()
+                await client.resume_all()
             await sampling
         others = [await streamer.stop() for streamer in streamers]
     for w in windows:

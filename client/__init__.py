@@ -3,13 +3,20 @@
 from skyrl_lora.client.client import RemoteInferenceClient
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.metrics import ClientMetricsSnapshot
 from skyrl_lora.client.push import InMemoryAdapter
+from skyrl_lora.client.results import AbortResult, FanOutResult, LoadResult, PauseResult
 from skyrl_lora.errors import RetryLimitError
 
 __all__ = [
+    "AbortResult",
     "AdapterGates",
     "ClientConfig",
+    "ClientMetricsSnapshot",
+    "FanOutResult",
     "InMemoryAdapter",
+    "LoadResult",
+    "PauseResult",
     "RemoteInferenceClient",
     "RetryLimitError",
 ]

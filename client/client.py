@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot
 from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
+from skyrl_lora.client.results import AbortResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
 from skyrl_lora.errors import FanOutError, RetryLimitError, ServerUnavailableError
-from skyrl_lora.stitching import SequenceStitcher
+from skyrl_lora.stitching import SequenceStitcher, resumed_seed
 from skyrl_lora.types import (
     AbortResponse,
     AdapterInfo,
@@ -73,6 +78,9 @@ class RemoteInferenceClient:
             policy = POLICIES[self.config.routing]()
         self.replicas = ReplicaSet(self.urls, policy, self._probe, self.config.recheck_after)
         self._info: dict[str, ServerInfo] = {}
+        self._metrics = ClientMetrics()
+        #: Names this client's hold of the global pause (see :meth:`pause_all`).
+        self.holder = f"client-{uuid.uuid4().hex[:12]}"
 
     async def __aenter__(self) -> RemoteInferenceClient:
         return self
@@ -82,6 +90,10 @@ class RemoteInferenceClient:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
+
+    def metrics(self) -> ClientMetricsSnapshot:
+        """Counters of this client's samples: resubmits, resumed work, held time, errors."""
+        return self._metrics.snapshot()
 
     # -- low level ---------------------------------------------------------
     async def _call(
@@ -189,7 +201,17 @@ class RemoteInferenceClient:
         request = _sample_request(
             prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
         )
-        return (await self._sample_on(request))[1]
+        with self._counted():
+            return (await self._sample_on(request))[1]
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self._metrics.errors[type(exc).__name__] += 1
+            raise
+        self._metrics.samples += 1
 
     async def sample_with_retry(
         self,
@@ -211,6 +233,10 @@ class RemoteInferenceClient:
         request = _sample_request(
             prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
         )
+        with self._counted():
+            return await self._sample_to_completion(request)
+
+    async def _sample_to_completion(self, request: SampleRequest) -> SampleResponse:
         url, first = await self._sample_on(request)
         info = await self.server_info(url)
         params = request.sampling_params
@@ -236,58 +262,94 @@ class RemoteInferenceClient:
         )
 
     async def _resume(self, url: str, original: SampleRequest, stitcher: SequenceStitcher) -> None:
-        """Resubmit one aborted sequence until it is finished."""
+        """Resubmit one aborted sequence until it is finished.
+
+        A seeded sample's resubmission gets a seed derived from the original
+        and the tokens so far (:func:`~skyrl_lora.stitching.resumed_seed`),
+        so it does not replay the first segment's random draws.
+        """
         while not stitcher.done:
-            if stitcher.segments > self.config.max_resubmits:
-                raise RetryLimitError(f"sequence aborted {stitcher.segments - 1} times; giving up")
+            if stitcher.attempts > self.config.max_resubmits:
+                raise RetryLimitError(f"sequence aborted {stitcher.attempts - 1} times; giving up")
             if original.lora_name is not None:
+                held = time.monotonic()
                 await self.gates.wait_open(original.lora_name)
+                self._metrics.held_seconds += time.monotonic() - held
+            params = original.sampling_params
             request = original.model_copy(
                 update={
                     "prompt_token_ids": [*original.prompt_token_ids, *stitcher.tokens],
                     "num_samples": 1,
-                    "sampling_params": original.sampling_params.model_copy(
-                        update={"max_tokens": stitcher.remaining}
+                    "sampling_params": params.model_copy(
+                        update={
+                            "max_tokens": stitcher.remaining,
+                            "seed": resumed_seed(params.seed, len(stitcher.tokens)),
+                        }
                     ),
                     "prompt_logprobs": False,
                     "generated_prefix_len": len(stitcher.tokens),
                 }
             )
+            self._metrics.resubmits += 1
+            before = len(stitcher.tokens)
             url, response = await self._sample_on(request, prefer=url)
             stitcher.add_segment(response.sequences[0], response.adapter_version)
+            if len(stitcher.tokens) > before:
+                self._metrics.resumed_segments += 1
+                self._metrics.resumed_tokens += len(stitcher.tokens) - before
 
     # -- control -----------------------------------------------------------
-    async def pause_generation(self, lora_name: str | None = None) -> list[PauseResponse]:
-        """Pause one adapter everywhere, or (no name) every server in keep mode.
+    async def pause_generation(self, lora_name: str | None) -> PauseResult:
+        """Pause one adapter on every server: hold its new requests, abort those in flight.
 
-        With a name, the client's own gate closes first, so retries of that
-        adapter from this client wait here rather than queueing at servers.
+        The client's own gate closes first, so retries of that adapter from
+        this client wait here rather than queueing at servers. The name is
+        required: ``lora_name=None`` spelled out is :meth:`pause_all`, which
+        pauses every tenant. One result: ``aborted`` in all, the slowest
+        ``drain_seconds``, each replica's answer inside.
         """
-        if lora_name is not None:
-            self.gates.close(lora_name)
+        if lora_name is None:
+            return await self.pause_all()
+        self.gates.close(lora_name)
         try:
-            return await self._control(f"{API}/pause", {"lora_name": lora_name}, PauseResponse)
+            body = {"lora_name": lora_name}
+            return PauseResult(await self._control(f"{API}/pause", body, PauseResponse))
         except BaseException:
-            if lora_name is not None:
-                self.gates.open(lora_name)
+            self.gates.open(lora_name)
             raise
 
-    async def resume_generation(self, lora_name: str | None = None) -> list[PauseResponse]:
-        """Resume on every server, then open the client's gate."""
+    async def resume_generation(self, lora_name: str | None) -> PauseResult:
+        """Resume one adapter on every server, then open the client's gate
+        (``lora_name=None`` spelled out is :meth:`resume_all`)."""
+        if lora_name is None:
+            return await self.resume_all()
         try:
-            return await self._control(f"{API}/resume", {"lora_name": lora_name}, PauseResponse)
+            body = {"lora_name": lora_name}
+            return PauseResult(await self._control(f"{API}/resume", body, PauseResponse))
         finally:
-            if lora_name is not None:
-                self.gates.open(lora_name)
+            self.gates.open(lora_name)
 
-    async def abort_lora_requests(self, lora_name: str) -> list[AbortResponse]:
-        return await self._control(
-            f"{API}/abort_lora_requests", {"lora_name": lora_name}, AbortResponse
-        )
+    async def pause_all(self) -> PauseResult:
+        """vLLM's global keep-mode pause on every server: every tenant's requests freeze.
+
+        Held in this client's name (:attr:`holder`): a server resumes only
+        when every client that paused it has called :meth:`resume_all`.
+        """
+        body = {"lora_name": None, "holder": self.holder}
+        return PauseResult(await self._control(f"{API}/pause", body, PauseResponse))
+
+    async def resume_all(self) -> PauseResult:
+        """Release this client's global pause; a server resumes once nobody holds it."""
+        body = {"lora_name": None, "holder": self.holder}
+        return PauseResult(await self._control(f"{API}/resume", body, PauseResponse))
+
+    async def abort_lora_requests(self, lora_name: str) -> AbortResult:
+        body = {"lora_name": lora_name}
+        return AbortResult(await self._control(f"{API}/abort_lora_requests", body, AbortResponse))
 
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, *, swap_policy: SwapPolicy = "abort_resume"
-    ) -> list[AdapterInfo]:
+    ) -> LoadResult:
         """Load (or reload in place, bumping the version) on every server.
 
         The path is read by each server: use :meth:`push_lora_adapter` where
@@ -295,7 +357,7 @@ class RemoteInferenceClient:
         requests in flight finish on the old version instead of aborting them.
         """
         body = {"lora_name": lora_name, "lora_path": lora_path, "swap_policy": swap_policy}
-        return await self._control(f"{API}/adapters/load", body, AdapterInfo)
+        return LoadResult(await self._control(f"{API}/adapters/load", body, AdapterInfo))
 
     async def push_lora_adapter(
         self,
@@ -303,7 +365,7 @@ class RemoteInferenceClient:
         adapter: str | os.PathLike[str] | InMemoryAdapter,
         *,
         swap_policy: SwapPolicy = "abort_resume",
-    ) -> list[AdapterInfo]:
+    ) -> LoadResult:
         """Send adapter weights to every server and load them as the next version.
 
         ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
@@ -320,7 +382,7 @@ class RemoteInferenceClient:
                     url, "POST", path, form, timeout=self.config.control_timeout
                 )
 
-        return await self._fan_out(path, send, AdapterInfo)
+        return LoadResult(await self._fan_out(path, send, AdapterInfo))
 
     reload_lora_adapter = load_lora_adapter
 

@@ -307,6 +307,11 @@ async def abort_all_requests(engine_client: Any) -> int:
     return len(request_ids)
 
 
+async def resume_engine(engine_client: Any) -> None:
+    """Undo :func:`pause_engine_keep`."""
+    await engine_client.resume_generation()
+
+
 def max_loras(engine_client: Any) -> int:
     """How many adapters one engine batch can hold (``--max-loras``)."""
     lora_config = getattr(engine_client.vllm_config, "lora_config", None)

@@ -11,6 +11,7 @@ partial token, the context window filling up) is unit-testable.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,22 @@ def merge_version_ranges(ranges: Iterable[VersionRange]) -> list[VersionRange]:
     return merged
 
 
+def resumed_seed(seed: int | None, generated: int) -> int | None:
+    """The seed of a resubmitted segment that starts after ``generated`` tokens.
+
+    A resubmission with the original seed restarts the same random stream, so
+    the resumed part would repeat the first part's draws token for token. A
+    seed derived from the original seed and the tokens already generated
+    gives every segment draws of its own, and the same sample aborted at the
+    same points draws the same again (reproducible). ``None`` stays ``None``;
+    0 tokens keeps the original seed.
+    """
+    if seed is None or generated == 0:
+        return seed
+    digest = hashlib.sha256(f"skyrl-lora:{seed}:{generated}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
 @dataclass
 class SequenceStitcher:
     """Accumulates the segments of one sequence across aborts.
@@ -47,7 +64,11 @@ class SequenceStitcher:
     logprobs: list[float] = field(default_factory=list)
     versions: list[VersionRange] = field(default_factory=list)
     stop_reason: StopReason | None = None
+    #: Server answers that added tokens; an abort that caught a request
+    #: before its first token is not a segment of the sample.
     segments: int = 0
+    #: Every server answer, empty ones included: what a retry limit counts.
+    attempts: int = 0
 
     @property
     def done(self) -> bool:
@@ -80,7 +101,9 @@ class SequenceStitcher:
             for r in ranges
         )
         self.versions = merge_version_ranges([*self.versions, *shifted])
-        self.segments += 1
+        self.attempts += 1
+        if new_tokens:
+            self.segments += 1
 
         truncated = len(new_tokens) < len(segment.tokens)
         if segment.stop_reason != "abort" and not truncated:
@@ -98,5 +121,5 @@ class SequenceStitcher:
             logprobs=list(self.logprobs),
             stop_reason=self.stop_reason,
             versions=list(self.versions),
-            segments=self.segments,
+            segments=max(self.segments, 1),
         )

@@ -81,11 +81,18 @@ class SampleRequest(_Wire):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool = False
     generated_prefix_len: int = Field(default=0, ge=0)
+    #: Pin the sample to this adapter version: it is served by that version
+    #: while it is current, draining under ``finish_old``, or leased
+    #: (:class:`LeaseRequest`), and answered HTTP 410 otherwise, never by
+    #: another version. None: the version current at admission.
+    lora_version: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _prefix_inside_prompt(self) -> SampleRequest:
         if self.generated_prefix_len >= len(self.prompt_token_ids):
             raise ValueError("generated_prefix_len must be shorter than prompt_token_ids")
+        if self.lora_version is not None and self.lora_name is None:
+            raise ValueError("lora_version needs a lora_name (the base model has no versions)")
         return self
 
 
@@ -130,9 +137,14 @@ class AdapterRef(_Wire):
 
 
 class PauseRequest(_Wire):
-    """Pause one adapter, or the whole engine (keep mode) when ``lora_name`` is None."""
+    """Pause one adapter, or the whole engine (keep mode) when ``lora_name`` is None.
+
+    ``holder`` names who holds a global pause: the engine is resumed when the
+    last holder resumes (callers that name none share one holder).
+    """
 
     lora_name: str | None = None
+    holder: str | None = Field(default=None, min_length=1, max_length=200)
 
 
 class PauseResponse(_Wire):
@@ -141,6 +153,8 @@ class PauseResponse(_Wire):
     was_paused: bool
     aborted: int = 0
     drain_seconds: float = 0.0
+    #: Global pause only: how many callers hold it after this call.
+    holders: int | None = None
 
 
 class AbortResponse(_Wire):
@@ -152,15 +166,37 @@ class AbortResponse(_Wire):
 class LoadAdapterRequest(_Wire):
     """Load an adapter, or reload it in place when the name is already loaded.
 
-    ``version`` (admin only) loads it as exactly that version, which must be
-    greater than the name's last one: a server group rebuilding a replica uses
-    it so that version numbers mean the same weights on every replica.
+    ``version`` loads it as exactly that version (a trainer names its steps;
+    a group sends one number to every replica so that a version means the
+    same weights everywhere). It must be greater than the name's current
+    version (HTTP 409 otherwise), except that repeating the current version
+    with the same weights (same sha256) is an idempotent no-op: the answer
+    then has ``applied_swap_policy`` None.
     """
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     version: int | None = Field(default=None, ge=1)
     swap_policy: SwapPolicy = "abort_resume"
+
+
+class LeaseRequest(_Wire):
+    """Keep one version of an adapter loaded for pinned samples (``lora_version``).
+
+    ``version`` None leases the current version. The lease ends after
+    ``ttl_s`` seconds unless released first, so a crashed trainer leaks nothing.
+    """
+
+    lora_name: str = Field(min_length=1)
+    version: int | None = Field(default=None, ge=1)
+    ttl_s: float = Field(default=600.0, gt=0.0, le=86400.0)
+
+
+class LeaseResponse(_Wire):
+    lease_id: str
+    lora_name: str
+    version: int
+    expires_in_s: float
 
 
 class DrainingVersion(_Wire):
@@ -189,6 +225,8 @@ class AdapterInfo(_Wire):
     #: ``finish_old`` until their last request ends; with ``in_flight`` 0
     #: while being freed (``abort_resume`` frees them just after answering).
     draining: list[DrainingVersion] = Field(default_factory=list)
+    #: Versions some lease keeps loaded for pinned samples (``lora_version``).
+    leased: list[int] = Field(default_factory=list)
     #: On a load's answer: the swap policy that was applied (``finish_old``
     #: falls back to ``abort_resume`` when no engine LoRA slot is free).
     applied_swap_policy: SwapPolicy | None = None
@@ -219,6 +257,11 @@ class ServerInfo(_Wire):
     #: Whether a staging gives the GIL back to the engine's step loop in naps
     #: while the engine steps (see ``skyrl_lora.server.weights.staging_yield``).
     adapter_staging_yield: bool = False
+    #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
+    #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
+    #: and top-p; ``processed_logprobs`` are those of the distribution sampled
+    #: from. See docs/design.md on importance ratios.
+    logprobs_mode: str = "raw_logprobs"
 
 
 class ErrorDetail(_Wire):

@@ -136,16 +136,34 @@ async def test_global_pause_through_the_client(engine_server, client) -> None:
         client.sample_with_retry(prompt, sampling_params=greedy(LONG // 2), lora_name="meow")
     )
     await wait_in_flight(client, "meow", 1)
-    await client.pause_generation()
+    await client.pause_all()
     try:
         assert (await client.list_adapters()).engine_paused
         await asyncio.sleep(0.8)
         assert not task.done()
     finally:  # a failure here must not leave the engine paused for every later test
-        await client.resume_generation()
+        await client.resume_all()
     result = await asyncio.wait_for(task, 60)
     assert result.sequences[0].segments == 1, "keep mode must not abort"
     assert len(result.sequences[0].tokens) == LONG // 2
+
+
+async def test_the_global_pause_is_held_until_every_client_resumed(engine_server, client) -> None:
+    from skyrl_lora.client import RemoteInferenceClient
+
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as other:
+        first = await client.pause_all()
+        second = await other.pause_all()
+        try:
+            assert not first.was_paused and second.was_paused and second[0].holders == 2
+            released = await client.resume_all()
+            assert released.paused and released[0].holders == 1
+            assert (await client.list_adapters()).engine_paused, "the other client still holds it"
+        finally:
+            await client.resume_all()
+            last = await other.resume_all()
+        assert not last.paused and last[0].holders == 0
+        assert not (await client.list_adapters()).engine_paused
 
 
 async def test_greedy_resumed_three_times_equals_uninterrupted(engine_server, client) -> None:

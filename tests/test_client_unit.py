@@ -35,16 +35,27 @@ async def test_pause_with_name_closes_gate_and_fans_out() -> None:
             assert s1.controls[-1] == ("resume", {"lora_name": "a"})
 
 
-async def test_pause_without_name_is_global_keep_mode() -> None:
+async def test_the_global_pause_is_explicit_and_held_in_the_clients_name() -> None:
     async with FakeServer() as s1, FakeServer() as s2:
         async with RemoteInferenceClient([s1.url, s2.url]) as client:
-            await client.pause_generation()
-            await client.resume_generation()
+            with pytest.raises(TypeError):
+                await client.pause_generation()  # type: ignore[call-arg]
+            await client.pause_all()
+            await client.resume_generation(lora_name=None)  # spelled out: the same as resume_all
+            held = {"lora_name": None, "holder": client.holder}
             for s in (s1, s2):
-                assert s.controls == [
-                    ("pause", {"lora_name": None}),
-                    ("resume", {"lora_name": None}),
-                ]
+                assert s.controls == [("pause", held), ("resume", held)]
+
+
+async def test_group_control_calls_answer_once_with_the_replicas_inside() -> None:
+    async with FakeServer() as s1, FakeServer() as s2:
+        async with RemoteInferenceClient([s1.url, s2.url]) as client:
+            paused = await client.pause_generation("a")
+            assert len(paused) == len(paused.replicas) == 2
+            assert paused.paused and paused.lora_name == "a"
+            assert paused.aborted == sum(r.aborted for r in paused.replicas)
+            assert paused.drain_seconds == max(r.drain_seconds for r in paused.replicas)
+            await client.resume_generation("a")
 
 
 async def test_retry_stitches_across_abort() -> None:
@@ -265,3 +276,26 @@ async def test_fan_out_failure_raises_after_all_answered() -> None:
             assert isinstance(failure, ServerUnavailableError)
             assert good.controls == [("pause", {"lora_name": "a"})]
             assert not client.gates.is_closed("a"), "a failed pause must not leave the gate closed"
+
+
+async def test_a_resumed_seeded_sample_draws_anew_and_is_counted() -> None:
+    from skyrl_lora.stitching import resumed_seed
+
+    async with FakeServer() as server:
+        server.script = [
+            answer(seq([1, 2, 3], "abort")),
+            answer(seq([], "abort")),  # paused before its first token: no segment
+            answer(seq([4, 5], "length")),
+        ]
+        async with RemoteInferenceClient(server.url) as client:
+            out = await client.sample_with_retry(
+                PROMPT, sampling_params={"max_tokens": 5, "seed": 7}, lora_name="a"
+            )
+            metrics = client.metrics()
+        seeds = [s.sampling_params.seed for s in server.samples]
+        assert seeds == [7, resumed_seed(7, 3), resumed_seed(7, 3)]
+        assert len(set(seeds)) == 2  # the resumed part does not replay the first's draws
+        assert out.sequences[0].segments == 2
+        assert (metrics.samples, metrics.resubmits) == (1, 2)
+        assert (metrics.resumed_segments, metrics.resumed_tokens) == (1, 2)
+        assert dict(metrics.errors) == {}

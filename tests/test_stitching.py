@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_lora.stitching import SequenceStitcher, merge_version_ranges
+from skyrl_lora.stitching import SequenceStitcher, merge_version_ranges, resumed_seed
 from skyrl_lora.types import SampledSequence, VersionRange
 
 
@@ -80,3 +80,29 @@ def test_merge_version_ranges_drops_empty_and_joins() -> None:
         VersionRange(start=0, end=5, version=1),
         VersionRange(start=5, end=6, version=None),
     ]
+
+
+def test_empty_aborts_are_attempts_not_segments() -> None:
+    s = SequenceStitcher(prompt_len=3, max_tokens=5)
+    s.add_segment(seg([], "abort"), 1)  # paused before its first token
+    s.add_segment(seg([1, 2], "abort"), 1)
+    s.add_segment(seg([], "abort"), 2)
+    s.add_segment(seg([3], "stop"), 2)
+    assert (s.segments, s.attempts) == (2, 4)
+    assert s.result().segments == 2
+
+
+def test_a_sample_that_produced_nothing_is_one_segment() -> None:
+    s = SequenceStitcher(prompt_len=3, max_tokens=5)
+    s.add_segment(seg([], "stop"), 1)
+    assert s.result().segments == 1
+
+
+def test_resumed_seeds_differ_per_segment_and_repeat_for_the_same_point() -> None:
+    assert resumed_seed(None, 7) is None
+    assert resumed_seed(42, 0) == 42
+    seeds = {resumed_seed(42, n) for n in range(1, 200)}
+    assert len(seeds) == 199 and 42 not in seeds
+    assert resumed_seed(42, 17) == resumed_seed(42, 17)
+    assert resumed_seed(42, 17) != resumed_seed(43, 17)
+    assert all(0 <= s < 2**63 for s in seeds if s is not None)

@@ -25,6 +25,7 @@ from skyrl_lora.types import (
 
 from .. import compat
 from ..engine.gated import GatedEngine
+from ..engine.global_pause import GlobalPause
 from .auth import ApiKey, request_key
 from .push import PUSH_FORM_SCHEMA, load_pushed, receive_push
 from .sample import Sampler
@@ -67,6 +68,10 @@ def build_router(
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
     adapter_info = engine.adapter_info
+    global_pause = GlobalPause(
+        pause_engine=lambda: compat.pause_engine_keep(engine.engine_client),
+        resume_engine=lambda: compat.resume_engine(engine.engine_client),
+    )
 
     @router.post("/sample")
     async def sample(body: SampleRequest) -> SampleResponse:
@@ -85,9 +90,10 @@ def build_router(
     async def pause(body: PauseRequest) -> PauseResponse:
         """Pause one adapter (hold new, abort in-flight), or the whole engine in keep mode."""
         if body.lora_name is None:
-            was_paused = await compat.engine_is_paused(engine.engine_client)
-            await compat.pause_engine_keep(engine.engine_client)
-            return PauseResponse(lora_name=None, paused=True, was_paused=was_paused)
+            was_paused = await global_pause.pause(body.holder)
+            return PauseResponse(
+                lora_name=None, paused=True, was_paused=was_paused, holders=global_pause.holders
+            )
         was_paused, drain = await engine.pause(body.lora_name)
         return PauseResponse(
             lora_name=body.lora_name,
@@ -99,11 +105,16 @@ def build_router(
 
     @router.post("/resume")
     async def resume(body: PauseRequest) -> PauseResponse:
-        """Resume one adapter, or the whole engine when no name is given."""
+        """Resume one adapter, or release the caller's hold of the global pause."""
         if body.lora_name is None:
             was_paused = await compat.engine_is_paused(engine.engine_client)
-            await engine.engine_client.resume_generation()
-            return PauseResponse(lora_name=None, paused=False, was_paused=was_paused)
+            still_paused = await global_pause.resume(body.holder)
+            return PauseResponse(
+                lora_name=None,
+                paused=still_paused,
+                was_paused=was_paused,
+                holders=global_pause.holders,
+            )
         was_paused = engine.resume(body.lora_name)
         return PauseResponse(lora_name=body.lora_name, paused=False, was_paused=was_paused)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from skyrl_lora.stitching import SequenceStitcher
+from skyrl_lora.stitching import SequenceStitcher, resumed_seed
 from skyrl_lora.types import SampleRequest, SampleResponse, SamplingParams
 
 from .backend import Backend
@@ -102,9 +102,9 @@ class SampleRunner:
 
     async def _resume(self, job: SampleJob, stitcher: SequenceStitcher) -> None:
         while not stitcher.done:
-            if stitcher.segments > self._config.max_resubmits:
+            if stitcher.attempts > self._config.max_resubmits:
                 raise TinkerError(
-                    f"the sequence was aborted {stitcher.segments} times; giving up",
+                    f"the sequence was aborted {stitcher.attempts} times; giving up",
                     category="server",
                     status=500,
                 )
@@ -115,7 +115,10 @@ class SampleRunner:
                     lora_name=job.lora_name,
                     num_samples=1,
                     sampling_params=job.params.model_copy(
-                        update={"max_tokens": stitcher.remaining}
+                        update={
+                            "max_tokens": stitcher.remaining,
+                            "seed": resumed_seed(job.params.seed, len(stitcher.tokens)),
+                        }
                     ),
                     generated_prefix_len=len(stitcher.tokens),
                 )
