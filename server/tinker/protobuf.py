@@ -12,7 +12,7 @@ Field numbers (tinker 0.38.0's ``tinker_public.proto``)::
 
     SampleResponse  1 sequences (repeated SampledSequence), 2 prompt_logprobs (bytes f32),
                     3 topk_prompt_logprobs (TopkLogprobs), 4 prompt_cache_hit_tokens (int32)
-    SampledSequence 1 stop_reason (enum: STOP 0, LENGTH 1), 2 tokens (bytes i32),
+    SampledSequence 1 stop_reason (enum: STOP=0, LENGTH=1), 2 tokens (bytes i32),
                     3 logprobs (bytes f32)
     TopkLogprobs    1 token_ids (bytes i32, length x k), 2 logprobs (bytes f32, length x k),
                     3 k (uint32), 4 length (uint32)
