@@ -312,6 +312,11 @@ async def resume_engine(engine_client: Any) -> None:
     await engine_client.resume_generation()
 
 
+def logprobs_mode(engine_client: Any) -> str:
+    """What vLLM's logprobs are (``--logprobs-mode``; vLLM's default ``raw_logprobs``)."""
+    return str(getattr(engine_client.model_config, "logprobs_mode", "raw_logprobs"))
+
+
 def max_loras(engine_client: Any) -> int:
     """How many adapters one engine batch can hold (``--max-loras``)."""
     lora_config = getattr(engine_client.vllm_config, "lora_config", None)

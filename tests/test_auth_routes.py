@@ -42,6 +42,7 @@ PATHS = [
     "/skyrl/v1/pause",
     "/skyrl/v1/adapters/load",
     "/skyrl/v1/adapters/push",
+    "/skyrl/v1/adapters/lease",
     "/collective_rpc",
     "/pause",
     "/v1/load_lora_adapter",
@@ -103,10 +104,11 @@ def test_tenant_data_and_control_routes_check_the_adapter(client: Any) -> None:
     assert post(client, "/v1/completions", TENANT, json=completion).status_code == 200
     assert post(client, "/skyrl/v1/pause", TENANT, json={"lora_name": "meow"}).status_code == 200
     assert post(client, "/skyrl/v1/pause", TENANT, json={}).status_code == 403
-    pinned = {"lora_name": "meow", "lora_path": "/x", "version": 7}
-    answer = post(client, "/skyrl/v1/adapters/load", TENANT, json=pinned)
-    assert answer.status_code == 403 and "'version'" in answer.json()["error"]["message"]
-    assert post(client, "/skyrl/v1/adapters/load", ADMIN, json=pinned).status_code == 200
+    pinned = {"lora_name": "meow", "lora_path": "/x", "version": 7}  # a trainer's own step
+    assert post(client, "/skyrl/v1/adapters/load", TENANT, json=pinned).status_code == 200
+    lease = {"lora_name": "woof", "version": 1}
+    assert post(client, "/skyrl/v1/adapters/lease", TENANT, json=lease).status_code == 403
+    assert post(client, "/skyrl/v1/adapters/lease", ADMIN, json=lease).status_code == 200
 
 
 def test_every_allowlisted_route_is_a_known_shape() -> None:

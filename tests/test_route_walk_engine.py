@@ -166,9 +166,10 @@ async def test_the_allowlist_still_serves_a_tenant(dev_server: DevServer) -> Non
         "POST",
         "/skyrl/v1/adapters/load",
         TENANT,
-        {"lora_name": "meow", "lora_path": str(dev_server.store), "version": 9},
+        {"lora_name": "meow", "lora_path": str(dev_server.store), "version": 1},
     )
-    assert status == 403 and "'version'" in answer["error"]["message"]
+    # A tenant may name a version; 1 is not above meow's (and the store is empty).
+    assert status in (400, 409), answer
 
 
 async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServer) -> None:

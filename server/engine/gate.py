@@ -172,7 +172,8 @@ class AdapterGate:
         return state
 
     def is_paused(self, lora_name: str) -> bool:
-        return self._state(lora_name).paused
+        state = self._states.get(lora_name)  # asking creates no state for unknown names
+        return state is not None and state.paused
 
     def in_flight(self, lora_name: str) -> int:
         return len(self._state(lora_name).in_flight)
@@ -195,12 +196,14 @@ class AdapterGate:
     def held_by_adapter(self) -> dict[str, int]:
         return {name: s.held for name, s in self._states.items() if s.held}
 
-    async def admit(self, lora_name: str, request_id: str) -> Admission:
+    async def admit(self, lora_name: str, request_id: str, version: int | None = None) -> Admission:
         """Wait while the adapter is paused (and for its slot while it is
         paced after a resume), then register the request.
 
         The version is read at admission: the pause guarantees it cannot
-        change until this admission is released.
+        change until this admission is released. A request pinned to a
+        ``version`` is registered on that one (the caller checks it is still
+        held once admitted).
         """
         state = self._state(lora_name)
         while True:
@@ -219,7 +222,8 @@ class AdapterGate:
             if not state.paused:
                 break
         # No await between the paused check above and the registration below.
-        admission = Admission(lora_name, request_id, self._version_of(lora_name))
+        pinned = self._version_of(lora_name) if version is None else version
+        admission = Admission(lora_name, request_id, pinned)
         state.in_flight[request_id] = admission
         return admission
 

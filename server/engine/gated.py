@@ -14,16 +14,19 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from skyrl_lora.errors import LeaseNotFoundError
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
 
 from .. import compat
 from ..observability import PAUSE_TO_ABORTED, log_event
+from ..weights.leases import Lease, LeaseTable
 from ..weights.registry import AdapterRecord, AdapterRegistry, PreparedVersion
 from .gate import AdapterGate, DrainResult
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
-#: its argument is the ``replaces`` id the registry passes on to the engine.
-Preparer = Callable[[int | None], Awaitable[PreparedVersion]]
+#: its argument is the ``replaces`` id the registry passes on to the engine. It
+#: returns the current record instead when the call repeats the current version.
+Preparer = Callable[[int | None], Awaitable[PreparedVersion | AdapterRecord]]
 
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
@@ -34,21 +37,30 @@ class GatedEngine:
     """The gate, the registry and the raw engine client, wired together."""
 
     def __init__(
-        self, engine_client: Any, gate: AdapterGate, registry: AdapterRegistry, max_loras: int
+        self,
+        engine_client: Any,
+        gate: AdapterGate,
+        registry: AdapterRegistry,
+        max_loras: int,
+        leases: LeaseTable | None = None,
     ) -> None:
         self.engine_client = engine_client
         self.gate = gate
         self.registry = registry
         self.max_loras = max_loras
+        self.leases = leases or LeaseTable()
         self.raw_generate = engine_client.generate
         self._background: set[asyncio.Task[None]] = set()
+        self._lease_timers: dict[str, asyncio.TimerHandle] = {}
 
     def install(self) -> None:
         """Make ``engine_client.generate`` gate adapter requests."""
         self.engine_client.generate = self.generate
 
     @asynccontextmanager
-    async def admitted(self, lora_name: str, request_id: str) -> AsyncIterator[AdapterRecord]:
+    async def admitted(
+        self, lora_name: str, request_id: str, version: int | None = None
+    ) -> AsyncIterator[AdapterRecord]:
         """Hold the adapter's gate for one request; yields the version to run on.
 
         The version is the one current at admission: a request that waited
@@ -58,11 +70,23 @@ class GatedEngine:
         request of a replaced version ends, that version is retired. A
         request a pause or abort ended leaves after its answer's pace
         (:class:`~skyrl_lora.server.engine.gate.AnswerPacing`), once released.
+
+        A request pinned to ``version`` runs on that version only: while it
+        is current, draining, or leased; else it fails with HTTP 410, also
+        when the version went away while it was held. A name that is not
+        loaded is held while it is paused (a trainer paused it before its
+        first load) and fails with 404 otherwise.
         """
-        self.registry.get(lora_name)
-        admission = await self.gate.admit(lora_name, request_id)
+        if version is not None:
+            self.registry.servable(lora_name, version)
+        elif not self.gate.is_paused(lora_name):
+            self.registry.get(lora_name)
+        admission = await self.gate.admit(lora_name, request_id, version)
         try:
-            record = self.registry.record(lora_name, admission.version)
+            if version is not None:
+                record = self.registry.servable(lora_name, version)
+            else:
+                record = self.registry.record(lora_name, admission.version)
             tags = admitted_versions.get()
             if tags is not None:
                 tags.append(record.version)
@@ -105,13 +129,15 @@ class GatedEngine:
             await self.engine_client.abort(list(request_ids))
 
     async def pause(self, lora_name: str) -> tuple[bool, DrainResult]:
-        self.registry.get(lora_name)
+        """Pause an adapter, also one not loaded yet (its samples are held
+        until it is loaded and resumed)."""
         was_paused, drain = await self.gate.pause(lora_name, self.abort_requests)
         _record_drain("pause", lora_name, drain, was_paused=was_paused)
         return was_paused, drain
 
     def resume(self, lora_name: str) -> bool:
-        self.registry.get(lora_name)
+        if not self.gate.is_paused(lora_name):
+            self.registry.get(lora_name)
         was_paused = self.gate.resume(lora_name)
         log_event("resume", lora_name=lora_name, was_paused=was_paused)
         return was_paused
@@ -128,7 +154,7 @@ class GatedEngine:
         lora_path: str,
         version: int | None = None,
         policy: SwapPolicy = "abort_resume",
-    ) -> SwapPolicy:
+    ) -> SwapPolicy | None:
         """Load or reload from a folder; see :meth:`swap` for the policies."""
         return await self.swap(
             lora_name,
@@ -136,8 +162,11 @@ class GatedEngine:
             lambda replaces: self.registry.prepare(lora_name, lora_path, version, replaces),
         )
 
-    async def swap(self, lora_name: str, policy: SwapPolicy, prepare: Preparer) -> SwapPolicy:
-        """Install a new version of ``lora_name`` under ``policy``; returns the policy applied.
+    async def swap(
+        self, lora_name: str, policy: SwapPolicy, prepare: Preparer
+    ) -> SwapPolicy | None:
+        """Install a new version of ``lora_name`` under ``policy``; returns the policy
+        applied, or None when the call repeated the current version (nothing done).
 
         The new version is snapshotted and staged first, while the current
         one still serves: the slow part of a load (tens of ms on a GPU) never
@@ -162,6 +191,8 @@ class GatedEngine:
         """
         async with self.registry.lock(lora_name):
             prepared = await prepare(self._replaceable(lora_name))
+            if isinstance(prepared, AdapterRecord):  # the current version, repeated
+                return None
             if lora_name not in self.registry.names():
                 await self.registry.install(prepared)
                 return policy
@@ -219,6 +250,7 @@ class GatedEngine:
                 )
                 for r in self.registry.draining(lora_name)
             ],
+            leased=sorted(self.leases.versions(lora_name)),
             applied_swap_policy=applied,
         )
 
@@ -234,21 +266,68 @@ class GatedEngine:
             return None
         if not self.gate.is_paused(lora_name) or self.gate.in_flight(lora_name):
             return None
-        return int(self.registry.get(lora_name).lora_request.lora_int_id)
+        current = self.registry.get(lora_name)
+        if self.leases.is_leased(lora_name, current.version):
+            return None  # pinned samples may still run on it after the swap
+        return int(current.lora_request.lora_int_id)
 
     def _spare_slot_for(self, lora_name: str) -> bool:
         running_old = self.gate.in_flight(lora_name) > 0
         return not running_old or self.gate.busy_versions() + 1 <= self.max_loras
 
     def _retire_if_drained(self, lora_name: str, version: int) -> None:
-        """Retire a replaced version once none of its requests is left."""
+        """Retire a replaced version once none of its requests is left and no
+        lease keeps it. From this call on, no pinned sample is admitted to it."""
         if self.gate.in_flight_of_version(lora_name, version):
             return
+        if self.leases.is_leased(lora_name, version):
+            return
         for record in self.registry.draining(lora_name):
-            if record.version == version:
-                task = asyncio.create_task(self.registry.retire(record))
+            if record.version == version and self.registry.begin_retire(record):
+                task = asyncio.create_task(self.registry.retire(record, begun=True))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    # -- leases --------------------------------------------------------------
+    def lease(self, lora_name: str, version: int | None, ttl_s: float) -> Lease:
+        """Keep ``version`` (default: the current one) of ``lora_name`` loaded for
+        ``ttl_s`` seconds, for samples pinned to it (see :mod:`..weights.leases`).
+
+        The version must still be held (410 otherwise); the lease ends on its
+        own after ``ttl_s``, and the version is retired then if it is no
+        longer current and nothing runs on it.
+        """
+        current = self.registry.get(lora_name)
+        record = self.registry.servable(lora_name, current.version if version is None else version)
+        loop = asyncio.get_running_loop()
+        lease = self.leases.grant(lora_name, record.version, ttl_s, loop.time())
+        self._lease_timers[lease.lease_id] = loop.call_later(
+            ttl_s, self._lease_ended, lease.lease_id, "expired"
+        )
+        log_event("lease", lora_name=lora_name, version=record.version, ttl_s=ttl_s)
+        return lease
+
+    def release_lease(self, lease_id: str) -> Lease:
+        """End a lease before its time (404 for an unknown or ended one)."""
+        self.leases.get(lease_id)
+        lease = self._lease_ended(lease_id, "released")
+        assert lease is not None
+        return lease
+
+    def lease_expires_in(self, lease: Lease) -> float:
+        return lease.expires_in(asyncio.get_running_loop().time())
+
+    def _lease_ended(self, lease_id: str, why: str) -> Lease | None:
+        timer = self._lease_timers.pop(lease_id, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            lease = self.leases.release(lease_id)
+        except LeaseNotFoundError:  # ended meanwhile (released, or its adapter unloaded)
+            return None
+        log_event(f"lease_{why}", lora_name=lease.lora_name, version=lease.version)
+        self._retire_if_drained(lease.lora_name, lease.version)
+        return lease
 
     async def unload(self, lora_name: str) -> None:
         """Pause, drop the adapter, then open its gate again.
@@ -258,6 +337,10 @@ class GatedEngine:
         """
         async with self.registry.lock(lora_name):
             await self.pause(lora_name)
+            for lease in self.leases.drop_adapter(lora_name):
+                timer = self._lease_timers.pop(lease.lease_id, None)
+                if timer is not None:
+                    timer.cancel()
             try:
                 await self.registry.unload(lora_name)
             finally:

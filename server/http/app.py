@@ -37,6 +37,7 @@ from ..engine.gated import GatedEngine, admitted_versions
 from ..reaper import start_reaper
 from ..tinker.routes import tinker_router
 from ..weights import staging
+from ..weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
 from ..weights.registry import AdapterRegistry
 from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from .auth import AuthMiddleware, KeyStore, request_key
@@ -86,6 +87,14 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="where each loaded adapter version is copied (default: a temporary folder)",
     )
     group.add_argument(
+        "--max-versions-per-adapter",
+        type=int,
+        default=DEFAULT_MAX_VERSIONS_PER_ADAPTER,
+        help="most versions of one adapter held at once: the current one and those kept by "
+        "leases (POST /skyrl/v1/adapters/lease answers 409 beyond it; default "
+        f"{DEFAULT_MAX_VERSIONS_PER_ADAPTER})",
+    )
+    group.add_argument(
         "--no-resume-pacing",
         dest="resume_pacing",
         action="store_false",
@@ -128,6 +137,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "loop a little GIL time under load)",
     )
     args = parser.parse_args(list(argv))
+    if args.max_versions_per_adapter < 1:
+        parser.error("--max-versions-per-adapter must be at least 1 (the current version)")
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
@@ -236,6 +247,9 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         ),
         registry,
         max_loras=compat.max_loras(engine_client),
+        leases=LeaseTable(
+            getattr(args, "max_versions_per_adapter", DEFAULT_MAX_VERSIONS_PER_ADAPTER)
+        ),
     )
     gated.install()
     observability.register(gated.gate)
@@ -250,6 +264,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_slot_prefill=lora_engine.slot_prefill,
         adapter_reader_process=lora_engine.reader_process,
         adapter_staging_yield=lora_engine.staging_yield,
+        logprobs_mode=compat.logprobs_mode(engine_client),
     )
     sampler = Sampler(gated, max_model_len)
     app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes))

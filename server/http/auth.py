@@ -58,6 +58,7 @@ class Access(Enum):
     CONTROL = "control"  # names one of the caller's adapters in ``lora_name``
     PUSH = "push"  # multipart upload naming one of the caller's adapters
     TINKER = "tinker"  # the Tinker SDK's routes: each checks the key's scope itself
+    LEASE = "lease"  # names a lease in its path: the route checks the lease's adapter
 
 
 #: The tenant allowlist, by (method, path). Anything not here is admin-only.
@@ -78,6 +79,12 @@ TENANT_ROUTES: dict[tuple[str, str], Access] = {
     ("POST", "/skyrl/v1/adapters/load"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/unload"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/push"): Access.PUSH,
+    ("POST", "/skyrl/v1/adapters/lease"): Access.CONTROL,
+}
+
+#: Tenant routes with a parameter in their path, by (method, path prefix).
+TENANT_PREFIXES: dict[tuple[str, str], Access] = {
+    ("DELETE", "/skyrl/v1/adapters/lease/"): Access.LEASE,
 }
 
 #: vLLM's adapter routes, refused for every key, with the route to use instead.
@@ -85,10 +92,6 @@ REPLACED_ROUTES = {
     "/v1/load_lora_adapter": "POST /skyrl/v1/adapters/load (or /skyrl/v1/adapters/push)",
     "/v1/unload_lora_adapter": "POST /skyrl/v1/adapters/unload",
 }
-
-#: Fields of a control request only an admin may set (``version`` pins a
-#: load to an exact version number, for replicas rebuilt by the group).
-ADMIN_FIELDS = ("version",)
 
 #: How much of a multipart push is read to find its ``lora_name`` field. The
 #: field must come before the weights; the push route limits the full size.
@@ -152,7 +155,7 @@ class AuthMiddleware:
         try:
             key = self._authenticate(scope)
             access = route_access(key, scope["method"], scope["path"])
-            if access is not None and access not in (Access.READ, Access.TINKER):
+            if access is not None and access not in (Access.READ, Access.TINKER, Access.LEASE):
                 body, receive = await _peek_body(receive, access is Access.PUSH)
                 self._authorize(key, scope, access, body)
         except ServerError as exc:
@@ -195,9 +198,6 @@ class AuthMiddleware:
                 target = payload.get("lora_name")
                 if target is None:
                     raise PermissionDeniedError("the global pause and resume need an admin key")
-                pinned = [f for f in ADMIN_FIELDS if payload.get(f) is not None]
-                if pinned:
-                    raise PermissionDeniedError(f"setting {pinned[0]!r} needs an admin key")
             elif scope["path"].startswith("/skyrl/"):
                 target = payload.get("lora_name")
             else:
@@ -222,6 +222,15 @@ def route_access(key: ApiKey, method: str, path: str) -> Access | None:
     if is_tinker_route(method, path):
         return Access.TINKER
     access = TENANT_ROUTES.get((method, path))
+    if access is None:
+        access = next(
+            (
+                a
+                for (m, prefix), a in TENANT_PREFIXES.items()
+                if m == method and path.startswith(prefix)
+            ),
+            None,
+        )
     if access is None:
         raise PermissionDeniedError(f"{method} {path} needs an admin key")
     return access

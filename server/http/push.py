@@ -51,7 +51,12 @@ PUSH_FORM_SCHEMA: dict[str, Any] = {
         "lora_name": {"type": "string"},
         "sha256": {"type": "string", "description": "hex sha256 of the weights file"},
         "swap_policy": {"type": "string", "enum": ["abort_resume", "finish_old"]},
-        "version": {"type": "integer", "minimum": 1, "description": "admin only"},
+        "version": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "exact version; above the current one, or the current one again "
+            "with the same weights (a no-op)",
+        },
         CONFIG_FILE: {"type": "string", "format": "binary"},
         WEIGHTS_FILE: {"type": "string", "format": "binary"},
     },
@@ -109,8 +114,9 @@ def write_pushed_files(
         raise
 
 
-async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy:
-    """Load a checked push as the adapter's next version; returns the policy applied."""
+async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy | None:
+    """Load a checked push as the adapter's next version (or as its ``version``);
+    returns the policy applied, None for a repeat of the current version."""
     source = f"push:sha256={pushed.sha256}"
     try:
         return await engine.swap(

@@ -15,6 +15,8 @@ from skyrl_lora.types import (
     AdapterRef,
     ErrorBody,
     ErrorDetail,
+    LeaseRequest,
+    LeaseResponse,
     LoadAdapterRequest,
     PauseRequest,
     PauseResponse,
@@ -26,6 +28,7 @@ from skyrl_lora.types import (
 from .. import compat
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
+from ..weights.leases import Lease
 from .auth import ApiKey, request_key
 from .push import PUSH_FORM_SCHEMA, load_pushed, receive_push
 from .sample import Sampler
@@ -45,11 +48,9 @@ def error_response(exc: ServerError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=exc.status)
 
 
-def _check_may_load(
-    key: ApiKey | None, lora_name: str, version: int | None, names: list[str]
-) -> None:
-    """Tenant keys may reload their own existing adapters; new names and exact
-    versions (a group rebuilding a replica) are for admins."""
+def _check_may_load(key: ApiKey | None, lora_name: str, names: list[str]) -> None:
+    """Tenant keys may reload their own existing adapters (as an exact version
+    too: a trainer names its steps); new names are for admins."""
     if key is None or key.admin:
         return
     if lora_name not in names:
@@ -58,8 +59,15 @@ def _check_may_load(
         )
     if not key.may_use(lora_name):
         raise PermissionDeniedError(f"this API key may not use adapter {lora_name!r}")
-    if version is not None:
-        raise PermissionDeniedError("loading as an exact version needs an admin key")
+
+
+def _check_may_pause(key: ApiKey | None, lora_name: str, names: list[str]) -> None:
+    """Pausing a name before its first load is for keys that may load it."""
+    if key is not None and not key.admin and lora_name not in names:
+        raise PermissionDeniedError(
+            f"adapter {lora_name!r} is not loaded; pausing it before its first load "
+            "needs a key that may load it (an admin key)"
+        )
 
 
 def build_router(
@@ -87,13 +95,14 @@ def build_router(
         )
 
     @router.post("/pause")
-    async def pause(body: PauseRequest) -> PauseResponse:
+    async def pause(body: PauseRequest, request: Request) -> PauseResponse:
         """Pause one adapter (hold new, abort in-flight), or the whole engine in keep mode."""
         if body.lora_name is None:
             was_paused = await global_pause.pause(body.holder)
             return PauseResponse(
                 lora_name=None, paused=True, was_paused=was_paused, holders=global_pause.holders
             )
+        _check_may_pause(request_key(request.scope), body.lora_name, engine.registry.names())
         was_paused, drain = await engine.pause(body.lora_name)
         return PauseResponse(
             lora_name=body.lora_name,
@@ -135,9 +144,7 @@ def build_router(
 
         With API keys, only an admin key may bring in a name not loaded yet.
         """
-        _check_may_load(
-            request_key(request.scope), body.lora_name, body.version, engine.registry.names()
-        )
+        _check_may_load(request_key(request.scope), body.lora_name, engine.registry.names())
         applied = await engine.load(body.lora_name, body.lora_path, body.version, body.swap_policy)
         return adapter_info(body.lora_name, applied=applied)
 
@@ -160,12 +167,7 @@ def build_router(
             request.headers, request.stream(), engine.registry.upload_dir(), max_adapter_bytes
         )
         try:
-            _check_may_load(
-                request_key(request.scope),
-                pushed.lora_name,
-                pushed.version,
-                engine.registry.names(),
-            )
+            _check_may_load(request_key(request.scope), pushed.lora_name, engine.registry.names())
         except BaseException:
             shutil.rmtree(pushed.folder, ignore_errors=True)
             raise
@@ -177,8 +179,37 @@ def build_router(
         await engine.unload(body.lora_name)
         return body
 
+    @router.post(
+        "/adapters/lease", responses={409: {"model": ErrorBody}, 410: {"model": ErrorBody}}
+    )
+    async def lease_version(body: LeaseRequest) -> LeaseResponse:
+        """Keep a version loaded for samples pinned to it (``lora_version``) for ``ttl_s``.
+
+        409 when the adapter would hold more than ``--max-versions-per-adapter``
+        versions; 410 when the version is already gone.
+        """
+        lease = engine.lease(body.lora_name, body.version, body.ttl_s)
+        return _lease_response(lease, engine.lease_expires_in(lease))
+
+    @router.delete("/adapters/lease/{lease_id}")
+    async def release_lease(lease_id: str, request: Request) -> LeaseResponse:
+        """End a lease; its version is retired if nothing else keeps it."""
+        key = request_key(request.scope)
+        if key is not None and not key.may_use(engine.leases.get(lease_id).lora_name):
+            raise PermissionDeniedError("this API key may not release leases of that adapter")
+        return _lease_response(engine.release_lease(lease_id), 0.0)
+
     @router.get("/server_info")
     async def server_info() -> ServerInfo:
         return info
 
     return router
+
+
+def _lease_response(lease: Lease, expires_in_s: float) -> LeaseResponse:
+    return LeaseResponse(
+        lease_id=lease.lease_id,
+        lora_name=lease.lora_name,
+        version=lease.version,
+        expires_in_s=round(expires_in_s, 3),
+    )

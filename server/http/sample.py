@@ -47,7 +47,9 @@ class Sampler:
         if request.lora_name is None:
             final = await self._run(prompt, params, request_id, None)
         else:
-            async with self._engine.admitted(request.lora_name, request_id) as record:
+            async with self._engine.admitted(
+                request.lora_name, request_id, request.lora_version
+            ) as record:
                 version = record.version
                 final = await self._run(prompt, params, request_id, record.lora_request)
         sequences = [

@@ -1,7 +1,9 @@
 """Adapter registry: names, versions and the engine's LoRA slots.
 
 Each load of a name gets a new version (1, 2, 3, ...; versions never repeat,
-even across an unload) and its own snapshot of the adapter's files. The
+even across an unload), or the one its caller names (a trainer's step; it
+must be greater than the current one, see :func:`check_version`), and its
+own snapshot of the adapter's files. The
 snapshot is what the engine loads, for three reasons:
 
 * vLLM keys prefix-cache blocks on the adapter's (name, path). Reloading
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import itertools
 import logging
 import os
@@ -39,13 +42,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from skyrl_lora.errors import AdapterNotFoundError, BadRequestError, ConflictError
+from skyrl_lora.errors import (
+    AdapterNotFoundError,
+    BadRequestError,
+    ConflictError,
+    VersionGoneError,
+)
 
 from ..observability import log_event
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+#: The weights files whose sha256 tells a repeated version from a new one.
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 class LoRAEngine(Protocol):
@@ -116,6 +126,7 @@ class AdapterRegistry:
         self._draining: dict[str, dict[int, AdapterRecord]] = defaultdict(dict)
         self._public_names: dict[str, str] = {}  # engine name -> public name
         self._retired: set[int] = set()  # lora_int_ids
+        self._digests: dict[int, str | None] = {}  # lora_int_id -> weights sha256
         self._last_version: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         used_ids = [r.lora_int_id for r in published.values()]
@@ -146,6 +157,23 @@ class AdapterRegistry:
             raise AdapterNotFoundError(
                 f"version {version} of LoRA adapter {lora_name!r} is no longer loaded"
             ) from None
+
+    def servable(self, lora_name: str, version: int) -> AdapterRecord:
+        """The record a sample pinned to ``version`` runs on: the current one or
+        a replaced one not being retired (HTTP 410 otherwise; which replaced
+        versions stay is the engine layer's business: in-flight requests and
+        leases)."""
+        current = self.get(lora_name)
+        if current.version == version:
+            return current
+        record = self._draining.get(lora_name, {}).get(version)
+        if record is None or record.lora_request.lora_int_id in self._retired:
+            raise VersionGoneError(
+                f"version {version} of LoRA adapter {lora_name!r} is no longer held (the "
+                f"current version is {current.version}); lease a version "
+                "(POST /skyrl/v1/adapters/lease) to keep it for pinned samples"
+            )
+        return record
 
     def version(self, lora_name: str) -> int:
         return self.get(lora_name).version
@@ -189,7 +217,10 @@ class AdapterRegistry:
         last request ends). The caller holds :meth:`lock`. On failure the
         previous version (if any) stays in service and nothing is left on disk.
         """
-        return await self.install(await self.prepare(lora_name, source_path, version))
+        prepared = await self.prepare(lora_name, source_path, version)
+        if isinstance(prepared, AdapterRecord):  # the current version, repeated
+            return prepared, None
+        return await self.install(prepared)
 
     async def prepare(
         self,
@@ -197,7 +228,7 @@ class AdapterRegistry:
         source_path: str,
         version: int | None = None,
         replaces: int | None = None,
-    ) -> PreparedVersion:
+    ) -> PreparedVersion | AdapterRecord:
         """Snapshot ``source_path`` and stage it, without touching what serves now.
 
         All the slow work of a load (copying, reading, parsing, packing)
@@ -208,7 +239,19 @@ class AdapterRegistry:
         current version's engine id as ``replaces`` (see
         :meth:`LoRAEngine.stage`): the registry keeps its record and snapshot
         until it is retired, so a failed load still leaves it to serve.
+
+        Naming the current version with the same weights returns its record
+        instead (nothing is staged or reloaded); with other weights, 409.
         """
+        if self._is_repeat(lora_name, version):
+            folder = self.upload_dir()
+            try:
+                snapshot = await asyncio.to_thread(
+                    snapshot_adapter_dir, source_path, folder / "adapter", self._roots
+                )
+                return await self._same_as_current(lora_name, snapshot)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         version = self._next_version(lora_name, version)
         target = self._snapshot_dir(lora_name, version)
         started = time.perf_counter()
@@ -228,11 +271,17 @@ class AdapterRegistry:
         source: str,
         version: int | None = None,
         replaces: int | None = None,
-    ) -> PreparedVersion:
+    ) -> PreparedVersion | AdapterRecord:
         """Like :meth:`prepare` for a folder the server wrote itself (an upload).
 
-        The folder is moved into place (never copied) and removed on failure.
+        The folder is moved into place (never copied) and removed on failure
+        (and after a repeat of the current version).
         """
+        if self._is_repeat(lora_name, version):
+            try:
+                return await self._same_as_current(lora_name, folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         try:
             version = self._next_version(lora_name, version)
             target = self._snapshot_dir(lora_name, version)
@@ -260,6 +309,32 @@ class AdapterRegistry:
         async with self._abandoned_on_failure(prepared):
             await self._engine.stage(request, replaces)
         return prepared
+
+    def _is_repeat(self, lora_name: str, version: int | None) -> bool:
+        current = self._records.get(lora_name)
+        return version is not None and current is not None and current.version == version
+
+    async def _same_as_current(self, lora_name: str, folder: Path) -> AdapterRecord:
+        """The current record if ``folder`` holds its weights, else 409."""
+        current = self.get(lora_name)
+        mine = await asyncio.to_thread(weights_sha256, folder)
+        theirs = await self._digest(current)
+        if mine is None or mine != theirs:
+            raise ConflictError(
+                f"adapter {lora_name!r} is already at version {current.version} with other "
+                f"weights; a new version must be greater than {current.version} (repeating "
+                "the current version is allowed only with the same weights)"
+            )
+        log_event("adapter_load_repeat", lora_name=lora_name, version=current.version)
+        return current
+
+    async def _digest(self, record: AdapterRecord) -> str | None:
+        """sha256 of a loaded version's weights, from its immutable snapshot (cached)."""
+        key = record.lora_request.lora_int_id
+        if key not in self._digests:
+            snapshot = Path(record.lora_request.lora_path)
+            self._digests[key] = await asyncio.to_thread(weights_sha256, snapshot)
+        return self._digests[key]
 
     async def install(
         self, prepared: PreparedVersion
@@ -322,11 +397,22 @@ class AdapterRegistry:
         log_event("adapter_unload", lora_name=lora_name, version=record.version)
         return record
 
-    async def retire(self, record: AdapterRecord) -> None:
-        """Free a replaced version's engine slot and delete its snapshot (once)."""
+    def begin_retire(self, record: AdapterRecord) -> bool:
+        """Mark a version as being retired (no pinned sample is admitted to it
+        from now on); False if it already was. :meth:`retire` does the rest."""
         if record.lora_request.lora_int_id in self._retired:
-            return
+            return False
         self._retired.add(record.lora_request.lora_int_id)
+        self._digests.pop(record.lora_request.lora_int_id, None)
+        return True
+
+    async def retire(self, record: AdapterRecord, begun: bool = False) -> None:
+        """Free a replaced version's engine slot and delete its snapshot (once).
+
+        ``begun``: the caller already called :meth:`begin_retire`.
+        """
+        if not self.begin_retire(record) and not begun:
+            return
         try:
             await self._engine.remove_lora(record.lora_request.lora_int_id)
         except Exception:  # the slot is reclaimed by LRU eviction anyway
@@ -340,16 +426,39 @@ class AdapterRegistry:
         log_event("adapter_retired", lora_name=record.lora_name, version=record.version)
 
     def _next_version(self, lora_name: str, version: int | None) -> int:
-        last = self._last_version[lora_name]
-        if version is not None and version <= last:
-            raise ConflictError(
-                f"adapter {lora_name!r} was already at version {last}; "
-                f"cannot load version {version}"
-            )
-        return last + 1 if version is None else version
+        return check_version(lora_name, self._last_version[lora_name], version)
 
     def _snapshot_dir(self, lora_name: str, version: int) -> Path:
         return self._snapshot_root / _safe_dirname(lora_name) / f"v{version}"
+
+
+def check_version(lora_name: str, last: int, requested: int | None) -> int:
+    """The version a load gets: ``requested`` if it is above ``last`` (the
+    name's newest version ever), the next one if none is named; 409 otherwise."""
+    if requested is None:
+        return last + 1
+    if requested < 1:
+        raise BadRequestError(f"version must be a positive integer, got {requested}")
+    if requested <= last:
+        raise ConflictError(
+            f"adapter {lora_name!r} is at version {last}; version {requested} is not "
+            f"greater than {last} (versions only go up; a repeat of the current version "
+            "must carry the same weights)"
+        )
+    return requested
+
+
+def weights_sha256(folder: Path) -> str | None:
+    """sha256 of an adapter folder's weights file (None when it has none)."""
+    for name in WEIGHTS_FILES:
+        path = folder / name
+        if path.is_file():
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            return digest.hexdigest()
+    return None
 
 
 def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None = None) -> Path:
