@@ -196,10 +196,16 @@ class RemoteInferenceClient:
         *,
         lora_name: str | None = None,
         prompt_logprobs: bool = False,
+        lora_version: int | None = None,
     ) -> SampleResponse:
-        """One request, no retry: aborted sequences come back with ``stop_reason="abort"``."""
+        """One request, no retry: aborted sequences come back with ``stop_reason="abort"``.
+
+        ``lora_version`` pins the sample to that adapter version (current,
+        draining or leased); once the server no longer holds it the call
+        raises :class:`~skyrl_lora.errors.VersionGoneError`.
+        """
         request = _sample_request(
-            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
+            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs, lora_version
         )
         with self._counted():
             return (await self._sample_on(request))[1]
@@ -221,6 +227,7 @@ class RemoteInferenceClient:
         *,
         lora_name: str | None = None,
         prompt_logprobs: bool = False,
+        lora_version: int | None = None,
     ) -> SampleResponse:
         """Like :meth:`sample`, but aborted sequences are resumed until complete.
 
@@ -229,9 +236,12 @@ class RemoteInferenceClient:
         segments' tokens, logprobs and adapter versions are stitched together.
         Prompt logprobs are those of the original prompt (first segment);
         ``adapter_version`` is the newest version that produced any token.
+        A pinned sample (``lora_version``) resumes on that version only: if
+        it is gone by then, :class:`~skyrl_lora.errors.VersionGoneError` is
+        raised rather than finishing the sequence on another version.
         """
         request = _sample_request(
-            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs
+            prompt_token_ids, num_samples, sampling_params, lora_name, prompt_logprobs, lora_version
         )
         with self._counted():
             return await self._sample_to_completion(request)
@@ -348,15 +358,28 @@ class RemoteInferenceClient:
         return AbortResult(await self._control(f"{API}/abort_lora_requests", body, AbortResponse))
 
     async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, swap_policy: SwapPolicy = "abort_resume"
+        self,
+        lora_name: str,
+        lora_path: str,
+        *,
+        swap_policy: SwapPolicy = "abort_resume",
+        version: int | None = None,
     ) -> LoadResult:
         """Load (or reload in place, bumping the version) on every server.
 
         The path is read by each server: use :meth:`push_lora_adapter` where
         trainer and servers share no disk. ``swap_policy="finish_old"`` lets
         requests in flight finish on the old version instead of aborting them.
+        ``version`` names the new version (a trainer's step; above the current
+        one, or the current one again with the same weights: a no-op); with
+        several servers one is always sent (see :meth:`_fan_out_version`).
         """
-        body = {"lora_name": lora_name, "lora_path": lora_path, "swap_policy": swap_policy}
+        body: dict[str, Any] = {
+            "lora_name": lora_name,
+            "lora_path": lora_path,
+            "swap_policy": swap_policy,
+            "version": await self._fan_out_version(lora_name, version),
+        }
         return LoadResult(await self._control(f"{API}/adapters/load", body, AdapterInfo))
 
     async def push_lora_adapter(
@@ -365,8 +388,10 @@ class RemoteInferenceClient:
         adapter: str | os.PathLike[str] | InMemoryAdapter,
         *,
         swap_policy: SwapPolicy = "abort_resume",
+        version: int | None = None,
     ) -> LoadResult:
-        """Send adapter weights to every server and load them as the next version.
+        """Send adapter weights to every server and load them as the next version
+        (or as ``version``, as for :meth:`load_lora_adapter`).
 
         ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
         servers need no access to the trainer's disk; each gets its own
@@ -375,9 +400,10 @@ class RemoteInferenceClient:
         """
         payload = await asyncio.to_thread(adapter_payload, adapter)
         path = f"{API}/adapters/push"
+        version = await self._fan_out_version(lora_name, version)
 
         async def send(url: str) -> bytes:
-            with payload.form(lora_name, swap_policy) as form:
+            with payload.form(lora_name, swap_policy, version) as form:
                 return await self._call(
                     url, "POST", path, form, timeout=self.config.control_timeout
                 )
@@ -385,6 +411,18 @@ class RemoteInferenceClient:
         return LoadResult(await self._fan_out(path, send, AdapterInfo))
 
     reload_lora_adapter = load_lora_adapter
+
+    async def _fan_out_version(self, lora_name: str, version: int | None) -> int | None:
+        """The version a load sends: the caller's, or with several servers one past
+        the newest any of them serves, so that a server that missed a reload
+        (healing, restarting) cannot end up a version behind the others, its
+        numbers meaning other weights. A name no server holds yet gets none
+        (every server starts it at 1)."""
+        if version is not None or len(self.urls) == 1:
+            return version
+        lists = await asyncio.gather(*(self.list_adapters(url) for url in self.urls))
+        held = [a.version for found in lists for a in found.adapters if a.lora_name == lora_name]
+        return max(held) + 1 if held else None
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         await self._control(f"{API}/adapters/unload", {"lora_name": lora_name}, _Ack)
@@ -424,6 +462,7 @@ def _sample_request(
     sampling_params: SamplingParams | Mapping[str, Any] | None,
     lora_name: str | None,
     prompt_logprobs: bool,
+    lora_version: int | None = None,
 ) -> SampleRequest:
     if sampling_params is None:
         params = SamplingParams()
@@ -437,6 +476,7 @@ def _sample_request(
         num_samples=num_samples,
         sampling_params=params,
         prompt_logprobs=prompt_logprobs,
+        lora_version=lora_version,
     )
 
 
