@@ -296,6 +296,7 @@ class ServerGroup:
         lora_name: str,
         files: Mapping[str, bytes] | Any,
         swap_policy: SwapPolicy = "abort_resume",
+        version: int | None = None,
     ) -> list[AdapterInfo]:
         """Load adapter files on every replica through Ray's object store.
 
@@ -305,12 +306,21 @@ class ServerGroup:
         It is put once; each replica's node fetches it once. No shared disk,
         no HTTP. The group keeps the ref as the version's source, so a
         replica rebuilt later replays these exact bytes.
+
+        Every replica gets the same explicit ``version`` (by default one past
+        the newest any replica or the record holds), so a replica that missed
+        a reload cannot serve a version number that means other weights.
         """
         import ray
 
         ref = files if isinstance(files, ray.ObjectRef) else ray.put(dict(files))
+        if version is None:
+            version = self._next_version(lora_name)
         infos: list[AdapterInfo] = ray.get(
-            [r.actor.push_adapter.remote(lora_name, ref, swap_policy) for r in self.replicas],
+            [
+                r.actor.push_adapter.remote(lora_name, ref, swap_policy, version)
+                for r in self.replicas
+            ],
             timeout=self.config.start_timeout_s,
         )
         versions = {info.version for info in infos}
@@ -322,6 +332,16 @@ class ServerGroup:
                     lora_name, info.version, PushedSource(sha256, files=ref), info.paused
                 )
         return infos
+
+    def _next_version(self, lora_name: str) -> int:
+        """One past the newest version of ``lora_name`` any live replica or the record holds."""
+        states, _ = self._poll()
+        held = [s.version for found in states.values() for s in found if s.lora_name == lora_name]
+        with self._lock:
+            kept = self._record.get(lora_name)
+        if kept is not None:
+            held.append(kept.version)
+        return max(held, default=0) + 1
 
     # -- drills and shutdown ------------------------------------------------
     def kill(self, index: int) -> None:
