@@ -8,6 +8,7 @@ from ``/skyrl/v1/sample`` through our own client on the same server.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -249,3 +250,80 @@ async def test_training_calls_say_sampling_only(engine_server, service) -> None:
             assert resp.status == 400, path
             assert body["category"] == "user"
             assert body["error"].startswith("not supported: sampling-only server"), path
+
+
+async def test_the_wire_reports_a_pause_as_paused_rate_limit(engine_server, admin) -> None:
+    """The protocol as the SDK speaks it: a pause mid-sample reads ``try_again`` with
+    ``paused_rate_limit``, then the whole sequence arrives as protobuf."""
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    prompt = engine_server.encode("hello there how are you")
+    ref = await reference(admin, prompt, "tk-babble", LONG)  # EOS stays on: same as stop=None
+    headers = {"X-API-Key": f"tml-{engine_server.admin_key}"}
+    api = f"{engine_server.url}/api/v1"
+    async with aiohttp.ClientSession(headers=headers) as http:
+
+        async def post(path: str, body: dict) -> tuple[int, str, bytes]:
+            async with http.post(f"{api}/{path}", json=body) as resp:
+                return resp.status, resp.content_type, await resp.read()
+
+        session = await post(
+            "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "x"}
+        )
+        session_id = json.loads(session[2])["session_id"]
+        created = await post(
+            "create_sampling_session",
+            {
+                "session_id": session_id,
+                "sampling_session_seq_id": 0,
+                "model_path": "tinker://tk-babble",
+            },
+        )
+        sampler_id = json.loads(created[2])["sampling_session_id"]
+        submitted = await post(
+            "asample",
+            {
+                "sampling_session_id": sampler_id,
+                "seq_id": 0,
+                "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": {"max_tokens": LONG, "temperature": 0.0},
+            },
+        )
+        answer = json.loads(submitted[2])
+        request_id = answer["request_id"]
+        assert len(answer["sample_sequence_ids"]) == 1
+        await wait_in_flight(admin, "tk-babble")
+        poll = asyncio.ensure_future(post("retrieve_future", {"request_id": request_id}))
+        await asyncio.sleep(0.3)
+        await admin.pause_generation(lora_name="tk-babble")
+        try:
+            paused = json.loads((await asyncio.wait_for(poll, 30))[2])
+            assert paused == {
+                "type": "try_again",
+                "request_id": request_id,
+                "queue_state": "paused_rate_limit",
+            }
+        finally:
+            await admin.resume_generation(lora_name="tk-babble")
+        while True:
+            done = await post("retrieve_future", {"request_id": request_id})
+            if done[1] == "application/x-protobuf":
+                break
+            assert json.loads(done[2])["type"] == "try_again"
+        (seq,) = deserialize_sample_response(done[2]).sequences
+        assert seq.tokens == ref.tokens
+        gone = await post("retrieve_future", {"request_id": "skyrl-future-unknown"})
+        assert gone[0] == 410
+
+
+async def test_tinker_base_url_from_the_environment(engine_server, monkeypatch) -> None:
+    monkeypatch.setenv("TINKER_BASE_URL", engine_server.url)
+    monkeypatch.setenv("TINKER_API_KEY", f"tml-{engine_server.admin_key}")
+    service = await asyncio.to_thread(tinker.ServiceClient)
+    try:
+        client = await sampler(service, base_model="tiny-llama")
+        result = await client.sample(types.ModelInput.from_ints([1, 2, 3]), 1, greedy(4))
+        assert len(result.sequences[0].tokens) >= 1
+    finally:
+        service.close("success")
