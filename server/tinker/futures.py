@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,7 @@ class FutureStore:
     def __init__(self, limits: FutureLimits = FutureLimits()) -> None:
         self.limits = limits
         self._futures: dict[str, TinkerFuture] = {}
+        self._unfetched: Counter[str | None] = Counter()
         self._next_sweep = 0.0
 
     def __len__(self) -> int:
@@ -81,9 +83,7 @@ class FutureStore:
     ) -> TinkerFuture:
         """Start ``work`` as a future of ``owner``'s, or refuse with 429 at the cap."""
         self.sweep()
-        unfetched = sum(
-            1 for f in self._futures.values() if f.owner == owner and f.retrieved_at is None
-        )
+        unfetched = self._unfetched[owner]
         if unfetched >= self.limits.max_per_key:
             raise TinkerError(
                 f"this key holds {unfetched} unfetched sample results (the cap is "
@@ -93,6 +93,7 @@ class FutureStore:
         future = TinkerFuture(f"skyrl-future-{uuid.uuid4().hex}", owner, queue_state)
         future.task = asyncio.create_task(self._run(future, work))
         self._futures[future.request_id] = future
+        self._unfetched[owner] += 1
         return future
 
     def get(self, request_id: str, owner: str | None, admin: bool = False) -> TinkerFuture:
@@ -120,6 +121,7 @@ class FutureStore:
     def mark_retrieved(self, future: TinkerFuture) -> None:
         if future.retrieved_at is None:
             future.retrieved_at = time.monotonic()
+            self._unfetched[future.owner] -= 1
 
     def cancel(self, future: TinkerFuture) -> None:
         if future.task is not None and not future.task.done():
@@ -138,7 +140,10 @@ class FutureStore:
             if (at := f.expires_at(self.limits)) is not None and at <= now
         ]
         for rid in expired:
-            del self._futures[rid]
+            future = self._futures.pop(rid)
+            if future.retrieved_at is None:
+                self._unfetched[future.owner] -= 1
+        self._unfetched = +self._unfetched  # drop the zero counts
 
     @staticmethod
     async def _run(future: TinkerFuture, work: Callable[[], Coroutine[Any, Any, bytes]]) -> None:
