@@ -103,3 +103,32 @@ async def run(
         f"rounds had all 3 interrupts land (in {attempts} attempts)",
     )
     return RetryOverhead(prefix_caching, plain, interrupted)
+
+
+def main() -> None:
+    """``python -m benchmarks.retry_overhead``: this benchmark alone, prefix caching on and off."""
+    import argparse
+    import json
+
+    from benchmarks.__main__ import _prompt
+    from skyrl_lora.server.cluster.local import embedded_server
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    out = {}
+    for caching, extra in ((True, []), (False, ["--no-enable-prefix-caching"])):
+        with embedded_server(extra=extra) as (url, model):
+            result = asyncio.run(run(url, model, _prompt(model), caching, rounds=args.rounds))
+        out[str(caching)] = result.to_json()
+        ratio = result.ratio
+        print(
+            f"prefix caching {'on' if caching else 'off'}: {ratio.median:.3f}x "
+            f"({ratio.min:.3f}-{ratio.max:.3f}) over {len(result.interrupted_s)} rounds",
+            flush=True,
+        )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
