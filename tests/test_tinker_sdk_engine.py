@@ -179,17 +179,32 @@ async def test_after_a_reload_a_new_client_samples_the_new_weights(
 ) -> None:
     await admin.load_lora_adapter("tk-swap", str(engine_server.model.adapters["meow"]))
     (old,) = [a for a in (await admin.list_adapters()).adapters if a.lora_name == "tk-swap"]
-    pinned = await sampler(service, model_path=f"tinker://tk-swap/sampler_weights/{old.version}")
-    prompt = engine_server.encode("hello there")
-    meow = await pinned.sample(types.ModelInput.from_ints(prompt), 1, greedy(16))
-    await admin.load_lora_adapter("tk-swap", str(engine_server.model.adapters["woof"]))
-    client = await sampler(service, model_path="tinker://tk-swap")
-    woof = await client.sample(types.ModelInput.from_ints(prompt), 1, greedy(16))
-    assert woof.sequences[0].tokens == (await reference(admin, prompt, "sec-b", 16)).tokens
-    assert woof.sequences[0].tokens != meow.sequences[0].tokens
+    path = f"tinker://tk-swap/sampler_weights/{old.version}"
+    pinned = await sampler(service, model_path=path)
+    prompt = types.ModelInput.from_ints(engine_server.encode("hello there"))
+    meow = (await pinned.sample(prompt, 1, greedy(16))).sequences[0].tokens
+    headers = {"Authorization": f"Bearer {engine_server.admin_key}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        lease_url = f"{engine_server.url}/skyrl/v1/adapters/lease"
+        async with http.post(lease_url, json={"lora_name": "tk-swap"}) as resp:
+            lease = await resp.json()
+            assert resp.status == 200, lease
+        await admin.load_lora_adapter("tk-swap", str(engine_server.model.adapters["woof"]))
+        client = await sampler(service, model_path="tinker://tk-swap")
+        woof = (await client.sample(prompt, 1, greedy(16))).sequences[0].tokens
+        assert woof == (await reference(admin, prompt.to_ints(), "sec-b", 16)).tokens
+        assert woof != meow
+        # The leased old version still serves the pinned sampler, and a new one.
+        assert (await pinned.sample(prompt, 1, greedy(16))).sequences[0].tokens == meow
+        again = await sampler(service, model_path=path)
+        assert (await again.sample(prompt, 1, greedy(16))).sequences[0].tokens == meow
+        async with http.delete(f"{lease_url}/{lease['lease_id']}") as resp:
+            assert resp.status == 200
     started = time.monotonic()
-    with pytest.raises(Exception, match="not the one served"):
-        await pinned.sample(types.ModelInput.from_ints(prompt), 1, greedy(16))
+    with pytest.raises(Exception, match="no longer held"):
+        await pinned.sample(prompt, 1, greedy(16))
+    with pytest.raises(Exception, match="no longer held"):
+        await sampler(service, model_path=path)
     assert time.monotonic() - started < BAD_INPUT_S
 
 

@@ -180,7 +180,9 @@ class ScriptedBackend:
         prompt_lp = [None, -0.5] if request.prompt_logprobs else None
         return SampleResponse(sequences=outs, prompt_logprobs=prompt_lp, adapter_version=1)
 
-    async def score_prompt(self, prompt: list[int], lora_name: str | None, k: int) -> PromptScores:
+    async def score_prompt(
+        self, prompt: list[int], lora_name: str | None, version: int | None, k: int
+    ) -> PromptScores:
         return PromptScores(
             [None] + [-1.0] * (len(prompt) - 1), [None] + [[(5, -0.1)]] * (len(prompt) - 1)
         )
@@ -188,8 +190,9 @@ class ScriptedBackend:
     def is_paused(self, lora_name: str) -> bool:
         return self.paused
 
-    def current_version(self, lora_name: str) -> int:
-        return 1
+    def check_servable(self, lora_name: str, version: int) -> None:
+        if version != 1:
+            raise TinkerError(f"version {version} is no longer held", status=410)
 
     def adapter_names(self) -> list[str]:
         return ["a"]
@@ -234,7 +237,11 @@ def test_queue_state_follows_the_pause() -> None:
     assert runner.queue_state(None) == "active"
 
 
-async def test_a_pinned_version_that_is_gone_is_a_clear_error() -> None:
-    runner = SampleRunner(ScriptedBackend([1], aborts=[]), max_model_len=100)
-    with pytest.raises(TinkerError, match="not the one served"):
-        await runner.run(SampleJob([1], "a", 2, 1, SamplingParams(max_tokens=1)))
+async def test_a_pinned_sample_stays_on_its_version() -> None:
+    backend = ScriptedBackend(list(range(10, 30)), aborts=[2])
+    runner = SampleRunner(backend, max_model_len=100)
+    await runner.run(SampleJob([1], "a", 1, 1, SamplingParams(max_tokens=4)))
+    assert [r.lora_version for r in backend.requests] == [1, 1]
+    runner.check_version("a", 1)
+    with pytest.raises(TinkerError, match="no longer held"):
+        runner.check_version("a", 2)

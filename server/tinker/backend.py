@@ -36,13 +36,16 @@ class PromptScores:
 class Backend(Protocol):
     async def sample(self, request: SampleRequest) -> SampleResponse: ...
 
-    async def score_prompt(self, prompt: list[int], lora_name: str | None, k: int) -> PromptScores:
+    async def score_prompt(
+        self, prompt: list[int], lora_name: str | None, version: int | None, k: int
+    ) -> PromptScores:
         """Logprobs (and the top ``k``) of every prompt token, in one prefill."""
 
     def is_paused(self, lora_name: str) -> bool: ...
 
-    def current_version(self, lora_name: str) -> int:
-        """The adapter's newest version; raises ``AdapterNotFoundError`` if it is not loaded."""
+    def check_servable(self, lora_name: str, version: int) -> None:
+        """Raise ``VersionGoneError`` (410) unless a sample pinned to ``version`` can run:
+        it is current, draining under ``finish_old``, or leased."""
 
     def adapter_names(self) -> list[str]: ...
 
@@ -60,13 +63,15 @@ class EngineBackend:
     def is_paused(self, lora_name: str) -> bool:
         return self._engine.gate.is_paused(lora_name)
 
-    def current_version(self, lora_name: str) -> int:
-        return self._engine.registry.version(lora_name)
+    def check_servable(self, lora_name: str, version: int) -> None:
+        self._engine.registry.servable(lora_name, version)
 
     def adapter_names(self) -> list[str]:
         return self._engine.registry.names()
 
-    async def score_prompt(self, prompt: list[int], lora_name: str | None, k: int) -> PromptScores:
+    async def score_prompt(
+        self, prompt: list[int], lora_name: str | None, version: int | None, k: int
+    ) -> PromptScores:
         """A one-token request with vLLM's prompt logprobs, through the adapter's gate.
 
         ``/skyrl/v1/sample`` asks vLLM for the chosen token's prompt logprob
@@ -75,7 +80,7 @@ class EngineBackend:
         prefill finished is run again once the gate lets it in.
         """
         for _ in range(MAX_SCORING_ATTEMPTS):
-            final = await self._prefill(prompt, lora_name, k)
+            final = await self._prefill(prompt, lora_name, version, k)
             steps = final.prompt_logprobs or []
             if len(steps) == len(prompt):
                 return _scores(prompt, steps, k)
@@ -83,7 +88,9 @@ class EngineBackend:
             f"scoring the prompt was aborted {MAX_SCORING_ATTEMPTS} times; giving up"
         )
 
-    async def _prefill(self, prompt: list[int], lora_name: str | None, k: int) -> Any:
+    async def _prefill(
+        self, prompt: list[int], lora_name: str | None, version: int | None, k: int
+    ) -> Any:
         try:
             params = compat.sampling_params(
                 n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False
@@ -94,7 +101,7 @@ class EngineBackend:
         tokens = compat.tokens_prompt(list(prompt))
         if lora_name is None:
             return await self._last(tokens, params, request_id, None)
-        async with self._engine.admitted(lora_name, request_id) as record:
+        async with self._engine.admitted(lora_name, request_id, version) as record:
             return await self._last(tokens, params, request_id, record.lora_request)
 
     async def _last(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:

@@ -38,7 +38,7 @@ class SampleJob:
 
     prompt: list[int]
     lora_name: str | None
-    version: int | None  # a pinned adapter version, or None for the newest
+    version: int | None  # a pinned adapter version (``lora_version``), or None for the newest
     num_samples: int
     params: SamplingParams  # ``max_tokens`` already resolved
     prompt_logprobs: bool = False
@@ -61,17 +61,16 @@ class SampleRunner:
         return ACTIVE
 
     async def run(self, job: SampleJob) -> EncodedSample:
-        self._check_version(job, None)
         first = await self._backend.sample(
             SampleRequest(
                 prompt_token_ids=job.prompt,
                 lora_name=job.lora_name,
+                lora_version=job.version,
                 num_samples=job.num_samples,
                 sampling_params=job.params,
                 prompt_logprobs=job.prompt_logprobs and job.topk_prompt_logprobs == 0,
             )
         )
-        self._check_version(job, first.adapter_version)
         stitchers = [self._stitcher(job) for _ in range(job.num_samples)]
         for stitcher, seq in zip(stitchers, first.sequences):
             stitcher.add_segment(seq, first.adapter_version)
@@ -108,11 +107,11 @@ class SampleRunner:
                     category="server",
                     status=500,
                 )
-            self._check_version(job, None)
             response = await self._backend.sample(
                 SampleRequest(
                     prompt_token_ids=[*job.prompt, *stitcher.tokens],
                     lora_name=job.lora_name,
+                    lora_version=job.version,  # a pinned sample never moves version
                     num_samples=1,
                     sampling_params=job.params.model_copy(
                         update={
@@ -123,7 +122,6 @@ class SampleRunner:
                     generated_prefix_len=len(stitcher.tokens),
                 )
             )
-            self._check_version(job, response.adapter_version)
             stitcher.add_segment(response.sequences[0], response.adapter_version)
 
     async def _prompt_scores(
@@ -135,7 +133,7 @@ class SampleRunner:
             logprobs: list[float | None] = list(given)
             topk = None
         else:  # top-k wanted, or a pause cut the first request's prefill short
-            scores = await self._backend.score_prompt(job.prompt, job.lora_name, k)
+            scores = await self._backend.score_prompt(job.prompt, job.lora_name, job.version, k)
             logprobs, topk = scores.logprobs, (scores.topk if k else None)
         last_n = job.prompt_logprobs_last_n
         if last_n is not None:
@@ -146,16 +144,7 @@ class SampleRunner:
         return logprobs, topk
 
     def check_version(self, lora_name: str, version: int | None) -> None:
-        """A sampler pinned to one version serves it only while it is the current one."""
-        self._check_version(SampleJob([], lora_name, version, 1, SamplingParams()), None)
-
-    def _check_version(self, job: SampleJob, answered: int | None) -> None:
-        if job.version is None or job.lora_name is None:
-            return
-        current = answered if answered is not None else self._backend.current_version(job.lora_name)
-        if current != job.version:
-            raise TinkerError(
-                f"version {job.version} of adapter {job.lora_name!r} is not the one served "
-                f"(the current one is {current}): sample from tinker://{job.lora_name}",
-                status=404,
-            )
+        """A sampler pinned to a version may be created while that version is held
+        (current, draining or leased); its samples fail with 410 once it is not."""
+        if version is not None:
+            self._backend.check_servable(lora_name, version)
