@@ -1,19 +1,28 @@
-"""Multi-tenant asynchronous RL on one skyrl-lora server, end to end, on CPU.
+"""Multi-tenant asynchronous RL on one skyrl-lora server, end to end, on CPU or GPU.
 
-Three tenants each train a fresh LoRA on the embedded tiny model (PEFT and
-torch, on the CPU) with GRPO to say their own animal word: the reward of a
-sample is the share of its words that are the tenant's word. Each tenant's
-samplers keep ``sample_with_retry`` calls in flight while its trainer
-updates; after every step the trainer saves its adapter and syncs it
-(pause -> push -> resume) while the other tenants keep sampling. Tokens
-carry the adapter version that produced them; the trainer weights each
-token by its truncated importance ratio and drops tokens more than
-``--max-staleness`` versions old (:mod:`skyrl_lora.rl_accounting`).
+Each tenant trains a fresh LoRA with GRPO (PEFT and torch, in a process of
+its own) to say its own words: the reward of a sample is the share of its
+tokens that are the tenant's target tokens. Each tenant's samplers keep
+``sample_with_retry`` calls in flight while its trainer updates; after
+every step the trainer saves its adapter and syncs it (pause -> push ->
+resume) while the other tenants keep sampling. Tokens carry the adapter
+version that produced them; the trainer weights each token by its
+truncated importance ratio and drops tokens more than ``--max-staleness``
+versions old (:mod:`skyrl_lora.rl_accounting`).
 
-The run is done twice with the same seeds and steps: with the per-adapter
-pause, then with vLLM's global keep-mode pause. It prints a live line per
-tenant and step, a summary table, and writes ``benchmarks/out/rl.json`` and
-``docs/multi_tenant_rl.png``. Run it with ``scripts/dev.sh rl``.
+The run repeats the same seeds and steps under each pause mode, interleaved
+over ``--rounds``: the per-adapter pause (abort and resume), the
+per-adapter swap that lets requests in flight finish on the old version
+(``finish_old``), and vLLM's global keep-mode pause. It prints a live line
+per tenant and step, the tables, and writes the JSON and a plot.
+
+* CPU (``scripts/dev.sh rl``): the correctness demo anybody can run; three
+  tenants on the embedded tiny model, each learning one animal word.
+* GPU (``--gpu``, on a CUDA machine with vLLM: ``scripts/gpu_device_run.sh
+  run python3 -m examples.multi_tenant_rl --gpu``): eight tenants on the
+  random 0.8B Llama of ``gpu_tests/perf_model.py``, rank-16 adapters,
+  generations of 128-512 tokens, learners colocated on the GPU with vLLM
+  (which gets ``--gpu-mem`` of it); weights always travel by the push route.
 """
 
 from __future__ import annotations
@@ -22,23 +31,87 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
+import os
+import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from examples.rl.engine_rate import EngineTokenCounter
 from examples.rl.learner import LearnerConfig, LearnerProcess
-from examples.rl.report import ModeRun, plot, reward_rows, summarize, table, write_json
-from examples.rl.tenant import LoopConfig, PauseMode, TenantLog, random_prompts, run_tenant
+from examples.rl.report import (
+    ModeRun,
+    median_time,
+    mode_table,
+    plot,
+    reward_rows,
+    summarize,
+    table,
+    write_json,
+)
+from examples.rl.tenant import (
+    LoopConfig,
+    PauseMode,
+    TenantLog,
+    random_lengths,
+    random_prompts,
+    run_tenant,
+    send_adapter,
+)
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.rl_accounting import OffPolicyConfig, staleness_counts
-from skyrl_lora.server.cluster.local import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
-TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}
-MODES: tuple[PauseMode, ...] = ("per_adapter", "global")
+CPU_TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}
+MODES: tuple[PauseMode, ...] = ("per_adapter", "finish_old", "global")
+CPU_MODES: tuple[PauseMode, ...] = ("per_adapter", "global")
+#: GPU tenants' target tokens: tenant i says tokens [32 i, 32 i + 32) of the
+#: 256-token vocabulary, an eighth of it (a fresh LoRA says them ~12% of the time).
+GPU_TARGET_WIDTH = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a run trains: tenants and their target tokens, loop and learner."""
+
+    tenants: dict[str, frozenset[int]]
+    loop: LoopConfig
+    learner: LearnerConfig
+    modes: tuple[PauseMode, ...]
+
+
+def cpu_shape() -> Shape:
+    from skyrl_lora.server.embedded.builder import vocabulary
+
+    words = vocabulary()
+    tenants = {name: frozenset({words.index(w)}) for name, w in CPU_TENANTS.items()}
+    return Shape(tenants, LoopConfig(), LearnerConfig(), CPU_MODES)
+
+
+def gpu_shape(tenants: int = 8) -> Shape:
+    """Sampling dominates a step, as in real RL: 2 groups of 8 samples of
+    128-512 tokens per step and tenant, 4 groups in flight per tenant."""
+    targets = {
+        f"t{i}": frozenset(range(GPU_TARGET_WIDTH * i, GPU_TARGET_WIDTH * (i + 1)))
+        for i in range(tenants)
+    }
+    loop = LoopConfig(
+        steps=200,
+        groups_per_step=2,
+        group_size=8,
+        max_tokens=512,
+        min_tokens=128,
+        prompt_words=16,
+        in_flight=4,
+        max_wall_s=80.0,
+    )
+    learner = LearnerConfig(
+        rank=16, alpha=32, lr=3e-2, device="cuda", dtype="bfloat16", checkpointing=True
+    )
+    return Shape(targets, loop, learner, MODES)
 
 
 def live_line(mode: str, log: TenantLog, steps: int, elapsed: float) -> str:
@@ -50,52 +123,25 @@ def live_line(mode: str, log: TenantLog, steps: int, elapsed: float) -> str:
     return (
         f"[{mode:11} {elapsed:5.1f}s] {log.name:8} step {len(log.steps):2}/{steps} "
         f"reward {result.mean_reward:.2f} v{log.versions[-1]} stale {stale} "
-        f"{log.tokens / max(elapsed, 1e-9):4.0f} tok/s"
+        f"{log.tokens / max(elapsed, 1e-9):4.0f} tok/s "
+        f"sync {1000 * (log.swaps[-1].end - log.swaps[-1].start):.0f} ms"
     )
 
 
 async def run_mode(
     url: str,
-    model: Any,
-    mode: PauseMode,
-    loop_cfg: LoopConfig,
-    learner_cfg: LearnerConfig,
-    trainer_root: Path,
-) -> ModeRun:
-    """All tenants at once, fresh LoRAs from the same seeds, one pause mode."""
-    from skyrl_lora.server.embedded.builder import vocabulary
-
-    words = vocabulary()
-    counter = EngineTokenCounter(url)
-    stop = asyncio.Event()
-    polling = asyncio.create_task(counter.run(stop))
-    with contextlib.ExitStack() as stack:
-        learners = {
-            name: stack.enter_context(
-                LearnerProcess(
-                    model.model_dir,
-                    frozenset({words.index(word)}),
-                    dataclasses.replace(learner_cfg, seed=learner_cfg.seed + i),
-                )
-            )
-            for i, (name, word) in enumerate(TENANTS.items())
-        }
-        await asyncio.gather(*(learner.ready() for learner in learners.values()))
-        logs, start, end = await _train_all(url, mode, learners, loop_cfg, trainer_root)
-    stop.set()
-    await polling
-    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end)
-
-
-async def _train_all(
-    url: str,
     mode: PauseMode,
     learners: dict[str, LearnerProcess],
     loop_cfg: LoopConfig,
-    trainer_root: Path,
-) -> tuple[list[TenantLog], float, float]:
+    folders: Path,
+) -> ModeRun:
+    """All tenants at once from fresh LoRAs (the same seeds every mode)."""
     from skyrl_lora.server.embedded.builder import _word_ids
 
+    await asyncio.gather(*(learner.reset() for learner in learners.values()))
+    counter = EngineTokenCounter(url)
+    stop = asyncio.Event()
+    polling = asyncio.create_task(counter.run(stop))
     async with RemoteInferenceClient(url) as client:
         start = time.monotonic()
 
@@ -108,65 +154,280 @@ async def _train_all(
                     client,
                     name,
                     learner,
-                    trainer_root / mode / name,
+                    folders / name,
                     random_prompts(_word_ids(), loop_cfg.prompt_words, loop_cfg.seed + i),
                     loop_cfg,
                     mode,
                     start,
                     show,
+                    random_lengths(loop_cfg, loop_cfg.seed + i),
                 )
                 for i, (name, learner) in enumerate(learners.items())
             )
         )
-        return list(logs), start, time.monotonic()
+        end = time.monotonic()
+    stop.set()
+    await polling
+    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end)
+
+
+async def warm_up(
+    url: str, learners: dict[str, LearnerProcess], cfg: LoopConfig, root: Path
+) -> None:
+    """Every tenant's adapter loaded and one group sampled, before any clock
+    runs: the first mode then pays no first-use cost the others do not."""
+    from skyrl_lora.server.embedded.builder import _word_ids
+
+    async with RemoteInferenceClient(url) as client:
+
+        async def one(name: str, learner: LearnerProcess) -> None:
+            folder = await learner.save(root / name)
+            await send_adapter(client, name, folder, cfg.transfer)
+            params = {"max_tokens": cfg.max_tokens, "temperature": 1.0, "ignore_eos": True}
+            prompt = list(_word_ids())[: cfg.prompt_words]
+            await client.sample_with_retry(
+                prompt, num_samples=cfg.group_size, sampling_params=params, lora_name=name
+            )
+
+        await asyncio.gather(*(one(n, lp) for n, lp in learners.items()))
+
+
+async def run_all(
+    server: contextlib.AbstractContextManager[tuple[str, Path]],
+    shape: Shape,
+    rounds: int,
+    work: Path,
+    settle_s: float,
+) -> list[ModeRun]:
+    """The server first (nothing else allocates GPU memory while vLLM sizes
+    its cache), then the learners, a warm-up, and every mode of every round."""
+    with contextlib.ExitStack() as stack:
+        url, model_dir = stack.enter_context(server)
+        learners = {
+            name: stack.enter_context(
+                LearnerProcess(
+                    model_dir,
+                    targets,
+                    dataclasses.replace(shape.learner, seed=shape.learner.seed + i),
+                )
+            )
+            for i, (name, targets) in enumerate(shape.tenants.items())
+        }
+        started = time.monotonic()
+        await asyncio.gather(*(learner.ready() for learner in learners.values()))
+        print(f"{len(learners)} learners ready in {time.monotonic() - started:.0f} s", flush=True)
+        await warm_up(url, learners, shape.loop, work / "warm-up")
+        runs = []
+        for r in range(rounds):
+            for mode in shape.modes:
+                run = await run_mode(url, mode, learners, shape.loop, work / f"{mode}-{r}")
+                runs.append(run)
+                print(f"{mode}: {run.wall_s:.1f} s\n", flush=True)
+                await asyncio.sleep(settle_s)
+        return runs
+
+
+@contextlib.contextmanager
+def cpu_server(trainer_root: Path) -> Iterator[tuple[str, Path]]:
+    from skyrl_lora.server.cluster.local import embedded_server
+
+    print("Starting a skyrl-lora server on the embedded model...", flush=True)
+    # The server may load adapters only from the trainers' folder.
+    with embedded_server(["--adapter-root", str(trainer_root)]) as (url, model):
+        print(f"Server ready at {url}\n", flush=True)
+        yield url, model.model_dir
+
+
+@contextlib.contextmanager
+def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[str, Path]]:
+    """``skyrl-lora serve --no-ray`` on the random 0.8B Llama, rank-16 slots,
+    two per tenant (``finish_old`` keeps the old version next to the new)."""
+    import torch
+
+    from gpu_tests.conftest import start_server, stop_server
+    from gpu_tests.perf_model import build_perf_model
+
+    model = build_perf_model(root, rank=16, size="0.8b")
+    torch.cuda.empty_cache()
+    argv = [
+        "--model", str(model.model_dir),
+        "--served-model-name", "perf-llama",
+        "--dtype", "bfloat16",
+        "--max-model-len", "2048",
+        "--enable-lora",
+        "--max-lora-rank", "16",
+        "--max-loras", str(max_loras),
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--disable-uvicorn-access-log",
+        "--gpu-memory-utilization", str(gpu_mem),
+    ]  # fmt: skip
+    started = time.monotonic()
+    print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
+    proc, url = start_server(argv, "rl_gpu_server")
+    print(f"Server ready at {url} after {time.monotonic() - started:.0f} s\n", flush=True)
+    try:
+        yield url, model.model_dir
+    finally:
+        stop_server(proc)
+
+
+def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The figures issue 30 asks for (medians over tenants), then the summary."""
+    modes = summary["modes"]
+
+    def per_mode(key: str) -> dict[str, Any]:
+        return {m: d["median_over_tenants"][key] for m, d in modes.items()}
+
+    def ratio(key: str, a: str = "per_adapter", b: str = "global") -> float | None:
+        if a not in modes or b not in modes:
+            return None
+        x, y = modes[a]["median_over_tenants"][key], modes[b]["median_over_tenants"][key]
+        return x / y if x is not None and y else None
+
+    pa = modes.get("per_adapter", {}).get("median_over_tenants", {})
+    on_policy_every_tenant = None
+    if {"per_adapter", "global"} <= modes.keys():
+        on_policy_every_tenant = all(
+            t["on_policy_share"] >= modes["global"]["tenants"][n]["on_policy_share"]
+            for n, t in modes["per_adapter"]["tenants"].items()
+        )
+    return {
+        **meta,
+        "tenants": len(next(iter(modes.values()))["tenants"]),
+        "target_reward": summary["target"],
+        "time_to_target_s": per_mode("time_to_target_s"),
+        "time_to_reward_s": {
+            m: {
+                r: median_time([t["time_to_reward_s"][r] for t in d["tenants"].values()])
+                for r in next(iter(d["tenants"].values()))["time_to_reward_s"]
+            }
+            for m, d in modes.items()
+        },
+        "tenants_at_target": {m: d["tenants_at_target"] for m, d in modes.items()},
+        "on_policy_share": per_mode("on_policy_share"),
+        "tokens_per_s": per_mode("tokens_per_s"),
+        "swap_ms": {
+            "p50": pa.get("swap_ms_median"),
+            "p99": pa.get("swap_ms_p99"),
+            "by_mode_p50": per_mode("swap_ms_median"),
+            "by_mode_p99": per_mode("swap_ms_p99"),
+            "pooled": {m: d["swap_ms_pooled"] for m, d in modes.items()},
+        },
+        "sync_parts_ms_p50": {
+            m: {k: d["median_over_tenants"][f"{k}_ms_median"] for k in ("pause", "push", "resume")}
+            for m, d in modes.items()
+        },
+        "step_split_share": {m: d["step_split_share"] for m, d in modes.items()},
+        "seconds_per_step": per_mode("seconds_per_step"),
+        "engine_tok_s": {m: d["engine_tok_s"] for m, d in modes.items()},
+        "ratios": {
+            "time_to_target_per_adapter_over_global": ratio("time_to_target_s"),
+            "time_to_target_finish_old_over_global": ratio("time_to_target_s", "finish_old"),
+            "tokens_per_s_per_adapter_over_global": ratio("tokens_per_s"),
+            "tokens_per_s_finish_old_over_global": ratio("tokens_per_s", "finish_old"),
+        },
+        "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant,
+        "summary": summary,
+    }
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=LoopConfig.steps)
-    parser.add_argument("--lr", type=float, default=LearnerConfig.lr)
-    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--gpu", action="store_true", help="the GPU shape on CUDA vLLM")
+    parser.add_argument("--tenants", type=int, default=8, help="tenants of the GPU shape")
+    parser.add_argument("--steps", type=int, help="most steps per tenant and mode")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--target", type=float, help="target reward (default 0.9; GPU 0.2)")
+    parser.add_argument("--max-wall-s", type=float, help="stop a mode's tenants after this")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the modes")
     parser.add_argument("--max-staleness", type=int, default=OffPolicyConfig.max_staleness)
     parser.add_argument("--ratio-clip", type=float, default=OffPolicyConfig.ratio_clip)
     parser.add_argument(
         "--transfer",
         choices=["push", "load"],
         default=LoopConfig.transfer,
-        help="push the weights over HTTP, or have the server load the trainer's folder",
+        help="push the weights over HTTP, or have the server load the trainer's folder (CPU)",
     )
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated pause modes")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "rl.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "multi_tenant_rl.png")
+    parser.add_argument("--modes", help="comma-separated pause modes (default: the shape's)")
+    parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM's share of the GPU")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--summary-json", type=Path, help="GPU: the headline JSON")
+    parser.add_argument("--machine", default=os.environ.get("SKYRL_MACHINE", ""))
+    parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or _commit())
     args = parser.parse_args(argv)
-    requested = {m for m in args.modes.split(",") if m}
-    modes = [m for m in MODES if m in requested]
-    unknown = requested - set(MODES)
-    if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
 
+    shape = gpu_shape(args.tenants) if args.gpu else cpu_shape()
     off_policy = OffPolicyConfig(args.max_staleness, args.ratio_clip)
-    learner_cfg = LearnerConfig(lr=args.lr, off_policy=off_policy)
-    loop_cfg = LoopConfig(steps=args.steps, transfer=args.transfer)
+    learner = dataclasses.replace(shape.learner, off_policy=off_policy)
+    if args.lr is not None:
+        learner = dataclasses.replace(learner, lr=args.lr)
+    loop = dataclasses.replace(shape.loop, transfer="push" if args.gpu else args.transfer)
+    if args.steps is not None:
+        loop = dataclasses.replace(loop, steps=args.steps)
+    if args.max_wall_s is not None:
+        loop = dataclasses.replace(loop, max_wall_s=args.max_wall_s)
+    # GPU: every mode runs --max-wall-s whole (the same load throughout); the
+    # time to target is that of the first step at the target.
+    target = args.target if args.target is not None else (0.2 if args.gpu else 0.9)
+    modes = shape.modes
+    if args.modes:
+        requested = [m for m in args.modes.split(",") if m]
+        unknown = set(requested) - set(MODES)
+        if unknown:
+            parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+        modes = tuple(m for m in requested)  # type: ignore[misc]
+    shape = dataclasses.replace(shape, loop=loop, learner=learner, modes=modes)
+    name = "rl_gpu" if args.gpu else "rl"
+    json_path = args.json or ROOT / "benchmarks" / "out" / f"{name}.json"
+    plot_path = args.plot or ROOT / "docs" / (
+        "gpu/rl_gpu.png" if args.gpu else "multi_tenant_rl.png"
+    )
+
     began = time.monotonic()
-    runs: list[ModeRun] = []
     with tempfile.TemporaryDirectory(prefix="skyrl-rl-") as tmp:
-        trainer_root = Path(tmp)
-        print("Starting a skyrl-lora server on the embedded model...", flush=True)
-        # The server may load adapters only from the trainers' folder.
-        with embedded_server(["--adapter-root", str(trainer_root)]) as (url, model):
-            print(f"Server ready at {url} after {time.monotonic() - began:.0f} s\n", flush=True)
-            for mode in modes:
-                run = asyncio.run(run_mode(url, model, mode, loop_cfg, learner_cfg, trainer_root))
-                runs.append(run)
-                print(f"{mode}: {run.wall_s:.1f} s\n", flush=True)
-    summary = summarize(runs, args.target, off_policy.max_staleness)
+        work = Path(tmp)
+        server = (
+            cuda_server(work / "model", args.gpu_mem, 2 * len(shape.tenants))
+            if args.gpu
+            else cpu_server(work)
+        )
+        runs = asyncio.run(run_all(server, shape, args.rounds, work, 3.0 if args.gpu else 0.0))
+    summary = summarize(runs, target, off_policy.max_staleness)
     summary["end_to_end_s"] = time.monotonic() - began
+    summary["shape"] = {
+        "loop": dataclasses.asdict(loop),
+        "learner": {k: v for k, v in dataclasses.asdict(learner).items() if k != "off_policy"},
+        "off_policy": dataclasses.asdict(off_policy),
+        "rounds": args.rounds,
+    }
     print("Reward per step:\n" + reward_rows(summary) + "\n")
-    print(table(summary))
+    print(table(summary) + "\n")
+    print(mode_table(summary))
     print(f"\nEnd to end (server start included): {summary['end_to_end_s']:.0f} s")
-    write_json(summary, args.json)
-    plot(summary, args.plot)
-    print(f"Wrote {args.json} and {args.plot}")
+    write_json(summary, json_path)
+    if args.summary_json:
+        meta = {"commit": args.commit, "date": args.date, "machine": args.machine}
+        top = headline(summary, meta)
+        write_json(top, args.summary_json)
+        print(json.dumps({k: v for k, v in top.items() if k != "summary"}, indent=1))
+    try:
+        plot(summary, plot_path)
+    except ImportError as error:  # no matplotlib: the JSON holds everything
+        print(f"no plot: {error}")
+    print(f"Wrote {json_path} and {plot_path}")
     return 0
 
 

@@ -5,6 +5,10 @@
 #   scripts/gpu_device_run.sh test [ARGS]    install vLLM from the parts (once per
 #                                            machine), then run gpu_tests with pytest
 #   scripts/gpu_device_run.sh run CMD...     the same install, then run CMD (a probe)
+#   scripts/gpu_device_run.sh rl [ARGS]      the same install, then the multi-tenant RL
+#                                            example's GPU shape (examples/multi_tenant_rl.py
+#                                            --gpu ARGS); its JSON, plot and server log
+#                                            land in $OUT (rl_gpu.json, rl_gpu.png, ...)
 #
 # The machine keeps $HOME only while it stays warm (about 30 s after a call),
 # so the stash calls and the test call must follow each other closely.
@@ -29,7 +33,7 @@ case "${1:-}" in
         cp ".p$2"/part.* "$stash/"
         ls -la "$stash"
         ;;
-    test | run)
+    test | run | rl)
         mode="$1"
         shift
         started=$(date +%s)
@@ -43,11 +47,19 @@ case "${1:-}" in
         if [[ "$mode" == run ]]; then
             exec "$@"
         fi
+        if [[ "$mode" == rl ]]; then
+            out="${OUT:-$HOME/rl-out}"
+            mkdir -p "$out"
+            machine="$(python3 -c "import torch; print(torch.cuda.get_device_name(0))"), vLLM 0.26.0"
+            exec python3 -m examples.multi_tenant_rl --gpu --machine "$machine" \
+                --json "$out/rl_gpu_full.json" --summary-json "$out/rl_gpu.json" \
+                --plot "$out/rl_gpu.png" "$@"
+        fi
         [[ $# -gt 0 ]] || set -- gpu_tests
         exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s "$@"
         ;;
     *)
-        sed -n '2,10p' "$0" >&2
+        sed -n '2,14p' "$0" >&2
         exit 2
         ;;
 esac

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE (not on the GPU machine): fetch the wheels CUDA vLLM 0.26.0 needs on
 # the lent GPU machines (torch 2.11.0+cu130 is already there), plus our test
-# dependencies, and split them into parts of at most 58 MB in git-ignored
+# dependencies (pytest-asyncio; PEFT for the RL example's learners), and split them
+# into parts of at most 58 MB in git-ignored
 # folders .p1 ... .pN, one to carry per device call (a call carries 64 MiB).
 # See "GPU tests" in the README for the calls that follow.
 set -euo pipefail
@@ -13,7 +14,7 @@ if [[ ! -f "$work/wheels/.complete" ]]; then
     python3 "$resolver" vllm==0.26.0 "$work/wheels"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_17_x86_64 --platform any \
-        -d "$work/wheels" pycountry pytest-asyncio==1.5.0
+        -d "$work/wheels" pycountry pytest-asyncio==1.5.0 peft==0.21.2
     touch "$work/wheels/.complete"
 fi
 rm -rf "$root"/.p[0-9]*

@@ -1,15 +1,19 @@
-"""One tenant's trainer: a fresh PEFT LoRA on the embedded model, GRPO updates on CPU.
+"""One tenant's trainer: a fresh PEFT LoRA, GRPO updates on the CPU or a GPU.
 
-The adapter matches what the server accepts for the embedded model (rank
-<= 64, the builder's target modules), so ``save_pretrained`` output loads
-straight into vLLM. A fresh LoRA has ``B = 0``: version 0 of every tenant is
-the base model, which almost never says an animal word.
+On the CPU it trains the embedded model in float32; on a GPU (``device``
+``cuda``) any Llama-shaped model folder in bfloat16 with float32 LoRA
+weights, recomputing activations in the backward pass
+(``checkpointing``) so that several trainers share the GPU with vLLM.
+The adapter matches what the server accepts (the builder's target modules),
+so what :meth:`Learner.save` writes loads straight into vLLM. A fresh LoRA
+has ``B = 0``: version 0 of every tenant is the base model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from skyrl_lora.rl_accounting import (
     OffPolicyConfig,
     TokenWeights,
     group_advantages,
+    token_staleness,
     token_weights,
 )
 from skyrl_lora.server.embedded.builder import TARGET_MODULES, load_model
@@ -35,6 +40,11 @@ class LearnerConfig:
     lr: float = 7e-3
     seed: int = 0
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    device: str = "cpu"
+    #: the base weights' dtype (LoRA weights stay float32; saved adapters take this dtype)
+    dtype: str = "float32"
+    #: recompute each layer's activations in the backward pass (GPU memory)
+    checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class StepResult:
     rewards: tuple[float, ...]
     tokens: tuple[TokenWeights, ...]
     loss: float
+    train_s: float = 0.0  # forward, backward and optimizer, inside the learner
 
     @property
     def mean_reward(self) -> float:
@@ -64,16 +75,39 @@ class Learner:
     def __init__(self, model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> None:
         self.targets = targets
         self.config = config
-        torch.manual_seed(config.seed)  # the LoRA A init: same seed, same start
+        self.device = torch.device(config.device)
         lora = LoraConfig(
             r=config.rank,
             lora_alpha=config.alpha,
             target_modules=list(TARGET_MODULES),
             lora_dropout=0.0,
         )
-        self.model = get_peft_model(load_model(model_dir), lora)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(params, lr=config.lr)
+        base = _base_model(model_dir, config)
+        torch.manual_seed(config.seed)  # the LoRA A init: same seed, same start
+        self.model = get_peft_model(base, lora)
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.initial = {n: p.detach().clone() for n, p in self.params.items()}
+        self.optimizer = torch.optim.Adam(self.params.values(), lr=config.lr)
+
+    def reset(self) -> None:
+        """Back to the fresh LoRA and a fresh optimizer: the next mode starts
+        where the first did, without a new process and model load."""
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(self.initial[name])
+        self.optimizer = torch.optim.Adam(self.params.values(), lr=self.config.lr)
+
+    def warm_up(self, tokens: int = 512, rows: int = 8) -> None:
+        """One forward and backward pass of the largest batch shape, then
+        :meth:`reset`: the first timed step pays no kernel selection."""
+        if self.device.type == "cpu":
+            return
+        ids = torch.randint(0, 8, (rows, tokens), device=self.device)
+        self.model.train()
+        self.model(input_ids=ids).logits.float().mean().backward()
+        self.optimizer.zero_grad()
+        torch.cuda.synchronize(self.device)
+        self.reset()
 
     def reward(self, seq: SampledSequence) -> float:
         """Share of generated words that are target words."""
@@ -89,7 +123,8 @@ class Learner:
         ids = torch.zeros(len(seqs), len(prompt) + width, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(prompt) + len(s.tokens)] = torch.tensor([*prompt, *s.tokens])
-        logits = self.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+        ids = ids.to(self.device)
+        logits = self.model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float()
         targets = ids[:, len(prompt) :]
         lp = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
         mask = torch.zeros_like(lp, dtype=torch.bool)
@@ -101,35 +136,80 @@ class Learner:
         """One GRPO update: loss = -sum(advantage * clipped ratio * logprob) / kept tokens.
 
         The ratio is a constant weight (truncated importance sampling), so the
-        gradient is the off-policy-corrected policy gradient. Runs in a worker
-        thread; torch releases the GIL in its kernels.
+        gradient is the off-policy-corrected policy gradient. The backward
+        pass runs group by group (the gradients add up), so one group's
+        activations are alive at a time; the kept-token count it divides by
+        depends on versions alone, so it is known before the first forward.
         """
+        started = time.monotonic()
         self.model.train()
+        max_staleness = self.config.off_policy.max_staleness
+        kept = sum(
+            s <= max_staleness
+            for group in groups
+            for seq in group.sequences
+            for s in token_staleness(seq, trainer_version)
+        )
+        kept = max(kept, 1)
         rewards: list[float] = []
         accounts: list[TokenWeights] = []
-        terms: list[torch.Tensor] = []
+        total = 0.0
+        self.optimizer.zero_grad()
         for group in groups:
             group_rewards = [self.reward(s) for s in group.sequences]
             advantages = group_advantages(group_rewards)
             logprobs = self.token_logprobs(group.prompt, group.sequences)
+            rows = logprobs.detach().cpu().tolist()
+            terms: list[torch.Tensor] = []
             for i, (seq, adv) in enumerate(zip(group.sequences, advantages)):
-                row = logprobs[i, : len(seq.tokens)]
-                account = token_weights(seq, row.tolist(), trainer_version, self.config.off_policy)
-                weights = torch.tensor(account.weights)
-                terms.append((adv * weights * row).sum())
+                row = rows[i][: len(seq.tokens)]
+                account = token_weights(seq, row, trainer_version, self.config.off_policy)
+                weights = torch.tensor(account.weights, device=self.device)
+                terms.append((adv * weights * logprobs[i, : len(seq.tokens)]).sum())
                 accounts.append(account)
+            loss = -torch.stack(terms).sum() / kept
+            loss.backward()
+            total += float(loss.detach())
             rewards.extend(group_rewards)
-        kept = max(sum(a.kept_count for a in accounts), 1)
-        loss = -torch.stack(terms).sum() / kept
-        self.optimizer.zero_grad()
-        loss.backward()
         self.optimizer.step()
-        return StepResult(tuple(rewards), tuple(accounts), float(loss.detach()))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(
+            tuple(rewards), tuple(accounts), total, train_s=time.monotonic() - started
+        )
 
     def save(self, folder: Path) -> Path:
-        """PEFT's ``save_pretrained``: adapter_config.json + adapter_model.safetensors."""
-        self.model.save_pretrained(str(folder))
+        """What PEFT's ``save_pretrained`` writes (adapter_config.json +
+        adapter_model.safetensors), the weights cast to the base dtype: a
+        bfloat16 adapter is half the bytes to push."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        dtype = getattr(torch, self.config.dtype)
+        state = {
+            k: v.detach().to(dtype).contiguous().cpu()
+            for k, v in get_peft_model_state_dict(self.model).items()
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self.model.peft_config["default"].save_pretrained(str(folder))
         return folder
+
+
+def _base_model(model_dir: Path, config: LearnerConfig) -> torch.nn.Module:
+    """The frozen base: the embedded loader on the CPU, ``from_pretrained`` elsewhere."""
+    if config.device == "cpu" and config.dtype == "float32":
+        base = load_model(model_dir)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, config.dtype)
+        ).to(config.device)  # type: ignore[arg-type]
+    base.requires_grad_(False)
+    if config.checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return base
 
 
 # -- the learner in its own process -------------------------------------------
@@ -145,6 +225,7 @@ def _start(model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> N
     global _LEARNER
     torch.set_num_threads(1)  # several trainers and the server share a few cores
     _LEARNER = Learner(model_dir, targets, config)
+    _LEARNER.warm_up()
 
 
 def _learner() -> Learner:
@@ -163,6 +244,10 @@ def _step(groups: Sequence[Group], trainer_version: int) -> StepResult:
 
 def _save(folder: Path) -> Path:
     return _learner().save(folder)
+
+
+def _reset() -> None:
+    _learner().reset()
 
 
 class LearnerProcess:
@@ -187,6 +272,9 @@ class LearnerProcess:
 
     async def save(self, folder: Path) -> Path:
         return await asyncio.get_running_loop().run_in_executor(self._pool, _save, folder)
+
+    async def reset(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, _reset)
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)

@@ -88,43 +88,155 @@ def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
     return lone_tokens / max(lone_s, 1e-9), outside, lone_s
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in [0, 100]) of ``values``; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """Median of the values that exist (a tenant that never reached a target has None)."""
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return None
+    mid = len(present) // 2
+    return present[mid] if len(present) % 2 else (present[mid - 1] + present[mid]) / 2
+
+
+def median_time(values: Sequence[float | None]) -> float | None:
+    """Median of times to a reward, a tenant that never got there counting as
+    infinitely slow: None unless at least half the tenants got there."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    if not ordered:
+        return None
+    mid = len(ordered) // 2
+    pick = ordered[mid - 1 : mid + 1] if len(ordered) % 2 == 0 else ordered[mid : mid + 1]
+    if any(v is None for v in pick):
+        return None
+    return sum(v for v in pick if v is not None) / len(pick)
+
+
+def step_split(log: TenantLog) -> dict[str, float]:
+    """Seconds of the tenant's steps spent waiting for samples, in the learner
+    (its own compute, and the rest of the call: pickling, the process hop),
+    saving the adapter, and syncing it (pause + push + resume)."""
+    train = sum(s.train_s for s in log.steps)
+    learner = sum(log.learner_s)
+    return {
+        "sampling_wait_s": sum(log.wait_s),
+        "training_s": train,
+        "learner_call_overhead_s": max(learner - train, 0.0),
+        "save_s": sum(log.save_s),
+        "sync_s": sum(s.end - s.start for s in log.swaps),
+    }
+
+
+def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[str, Any]:
+    """One tenant's row of figures in one mode."""
+    counts = tenant_staleness(log)
+    total = max(sum(counts.values()), 1)
+    swap_ms = [(s.end - s.start) * 1000 for s in log.swaps]
+    split = step_split(log)
+    steps_s = sum(split.values())
+    return {
+        "rewards": [round(s.mean_reward, 4) for s in log.steps],
+        "step_times_s": [round(t, 3) for t in log.step_times],
+        "versions": log.versions,
+        "time_to_target_s": time_to_target(log, target),
+        "step_to_target": step_to_target(log, target),
+        "time_to_reward_s": {str(r): time_to_target(log, r) for r in REWARD_LEVELS},
+        "samples": log.samples,
+        "resumed_samples": log.resumed,
+        "samples_spanning_versions": log.spanning,
+        "aborted_by_pauses": sum(s.aborted for s in log.swaps),
+        "tokens": log.tokens,
+        "run_s": log.end_s,
+        "tokens_per_s": log.tokens / max(log.end_s, 1e-9),
+        "staleness_share": {
+            str(k): counts[k] / total for k in sorted(counts) if k <= max_staleness
+        },
+        "on_policy_share": counts[0] / total,
+        "fresh_max_abs_log_ratio": fresh_log_ratio(log),
+        "dropped_share": sum(v for k, v in counts.items() if k > max_staleness) / total,
+        "swap_ms_median": percentile(swap_ms, 50),
+        "swap_ms_p99": percentile(swap_ms, 99),
+        "swap_ms_max": max(swap_ms, default=None),
+        "pause_ms_median": percentile([s.pause_s * 1000 for s in log.swaps], 50),
+        "push_ms_median": percentile([s.push_s * 1000 for s in log.swaps], 50),
+        "push_ms_p99": percentile([s.push_s * 1000 for s in log.swaps], 99),
+        "resume_ms_median": percentile([s.resume_s * 1000 for s in log.swaps], 50),
+        "drain_ms_median": percentile([s.drain_s * 1000 for s in log.swaps], 50),
+        "swap_share_of_wall": sum(s.end - s.start for s in log.swaps) / max(log.end_s, 1e-9),
+        "step_split_s": split,
+        "step_split_share": {k: v / max(steps_s, 1e-9) for k, v in split.items()},
+        "seconds_per_step": steps_s / max(len(log.steps), 1),
+        "train_s_median": percentile([s.train_s for s in log.steps], 50),
+    }
+
+
+#: Rewards whose time to reach every report gives (besides the target).
+REWARD_LEVELS = (0.15, 0.2, 0.3, 0.5, 0.9)
+
+#: Per-mode medians over tenants of these tenant figures.
+MEDIAN_KEYS = (
+    "time_to_target_s",
+    "tokens_per_s",
+    "on_policy_share",
+    "swap_ms_median",
+    "swap_ms_p99",
+    "pause_ms_median",
+    "push_ms_median",
+    "push_ms_p99",
+    "resume_ms_median",
+    "seconds_per_step",
+    "train_s_median",
+)
+
+
 def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dict[str, Any]:
-    """Everything printed and written, as plain data (the JSON file)."""
+    """Everything printed and written, as plain data (the JSON file).
+
+    Several runs of one mode (``--rounds``) are kept as ``mode``,
+    ``mode#2``, ...: each is its own entry.
+    """
     out: dict[str, Any] = {"target": target, "max_staleness": max_staleness, "modes": {}}
     for run in runs:
         inside, outside, lone_s = others_rate_during_swaps(run)
-        tenants: dict[str, Any] = {}
-        for name, log in run.logs.items():
-            counts = tenant_staleness(log)
-            total = max(sum(counts.values()), 1)
-            swap_ms = sorted((s.end - s.start) * 1000 for s in log.swaps)
-            drain_ms = sorted(s.drain_s * 1000 for s in log.swaps)
-            tenants[name] = {
-                "rewards": [round(s.mean_reward, 4) for s in log.steps],
-                "step_times_s": [round(t, 3) for t in log.step_times],
-                "versions": log.versions,
-                "time_to_target_s": time_to_target(log, target),
-                "step_to_target": step_to_target(log, target),
-                "samples": log.samples,
-                "resumed_samples": log.resumed,
-                "samples_spanning_versions": log.spanning,
-                "aborted_by_pauses": sum(s.aborted for s in log.swaps),
-                "tokens_per_s": log.tokens / run.wall_s,
-                "staleness_share": {
-                    str(k): counts[k] / total for k in sorted(counts) if k <= max_staleness
-                },
-                "fresh_max_abs_log_ratio": fresh_log_ratio(log),
-                "dropped_share": sum(v for k, v in counts.items() if k > max_staleness) / total,
-                "swap_ms_median": swap_ms[len(swap_ms) // 2] if swap_ms else None,
-                "drain_ms_median": drain_ms[len(drain_ms) // 2] if drain_ms else None,
-                "swap_share_of_wall": sum(s.end - s.start for s in log.swaps) / run.wall_s,
-            }
-        out["modes"][run.mode] = {
+        tenants = {
+            name: tenant_figures(log, target, max_staleness) for name, log in run.logs.items()
+        }
+        swaps = [(s.end - s.start) * 1000 for log in run.logs.values() for s in log.swaps]
+        split = {
+            key: sum(t["step_split_s"][key] for t in tenants.values())
+            for key in next(iter(tenants.values()))["step_split_s"]
+        }
+        key = run.mode
+        n = 2
+        while key in out["modes"]:
+            key, n = f"{run.mode}#{n}", n + 1
+        out["modes"][key] = {
             "wall_s": run.wall_s,
             "seconds_per_step": run.wall_s / max(len(log.steps) for log in run.logs.values()),
             "others_tok_s_during_lone_swaps": inside,
             "lone_swap_s": lone_s,
             "engine_tok_s_outside_swaps": outside,
+            "engine_tok_s": run.counter.tokens_between(run.start, run.end) / run.wall_s,
+            "tenants_at_target": sum(t["time_to_target_s"] is not None for t in tenants.values()),
+            "median_over_tenants": {
+                k: (median_time if k == "time_to_target_s" else median)(
+                    [t[k] for t in tenants.values()]
+                )
+                for k in MEDIAN_KEYS
+            },
+            "swap_ms_pooled": {
+                "p50": percentile(swaps, 50),
+                "p99": percentile(swaps, 99),
+                "max": max(swaps, default=None),
+                "count": len(swaps),
+            },
+            "step_split_share": {k: v / max(sum(split.values()), 1e-9) for k, v in split.items()},
             "tenants": tenants,
         }
     return out
@@ -132,6 +244,38 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
 
 def _fmt_s(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def mode_table(summary: Mapping[str, Any]) -> str:
+    """Per mode, medians over tenants: the headline table (markdown)."""
+    lines = [
+        "| mode | tenants at target | time to target | tokens/s | on-policy share "
+        "| sync p50 / p99 (pooled) | pause / push / resume p50 | s/step | "
+        "step: sampling wait / training / save / sync |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, data in summary["modes"].items():
+        m, sw, sh = data["median_over_tenants"], data["swap_ms_pooled"], data["step_split_share"]
+        lines.append(
+            f"| {mode} | {data['tenants_at_target']}/{len(data['tenants'])} "
+            f"| {_fmt_s(m['time_to_target_s'])} | {_fmt(m['tokens_per_s'], '.0f')} "
+            f"| {_fmt(m['on_policy_share'], '.0%')} "
+            f"| {_fmt(sw['p50'], '.0f')} / {_fmt(sw['p99'], '.0f')} ms "
+            f"| {_fmt(m['pause_ms_median'], '.0f')} / {_fmt(m['push_ms_median'], '.0f')} / "
+            f"{_fmt(m['resume_ms_median'], '.0f')} ms | {_fmt(m['seconds_per_step'], '.2f')} "
+            f"| {sh['sampling_wait_s']:.0%} / "
+            f"{sh['training_s'] + sh['learner_call_overhead_s']:.0%} / {sh['save_s']:.0%} / "
+            f"{sh['sync_s']:.0%} |"
+        )
+    return "\n".join(lines)
 
 
 def table(summary: Mapping[str, Any]) -> str:
@@ -151,7 +295,7 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"| {mode} | {name} | {t['rewards'][0]:.2f} -> {t['rewards'][-1]:.2f} "
                 f"| {_fmt_s(t['time_to_target_s'])} ({t['step_to_target']}) "
                 f"| {t['resumed_samples']} ({t['samples_spanning_versions']}) / {t['samples']} "
-                f"| {stale} | {t['swap_ms_median']:.0f} ({t['drain_ms_median']:.0f}) ms "
+                f"| {stale} | {_fmt_ms(t['swap_ms_median'])} ({_fmt_ms(t['drain_ms_median'])}) ms "
                 f"| {t['tokens_per_s']:.0f} |"
             )
     lines.append("")
@@ -194,31 +338,34 @@ def write_json(summary: Mapping[str, Any], path: Path) -> None:
 
 
 def plot(summary: Mapping[str, Any], path: Path) -> None:
-    """Reward against wall-clock (left) and against step (right), one colour
-    per tenant, one line style per mode. The right panel shows how much of a
-    time-to-target difference is the RL run itself (the step a tenant first
-    finds its word varies from run to run) rather than the pause mode."""
+    """Reward against wall-clock, one panel per mode run, one colour per
+    tenant (the same colour in every panel), the target as a grey line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    styles = {"per_adapter": "-", "global": "--"}
-    for mode, data in summary["modes"].items():
+    modes = list(summary["modes"].items())
+    fig, axes = plt.subplots(
+        1, len(modes), figsize=(4.5 * len(modes) + 1, 4.5), sharey=True, squeeze=False
+    )
+    longest = max(
+        (max(t["step_times_s"], default=0) for _, d in modes for t in d["tenants"].values()),
+        default=1,
+    )
+    for ax, (mode, data) in zip(axes[0], modes):
         for i, (name, t) in enumerate(data["tenants"].items()):
-            style = {"color": f"C{i}", "marker": ".", "linestyle": styles.get(mode, ":")}
-            label = f"{name} ({mode.replace('_', '-')} pause)"
-            by_time.plot(t["step_times_s"], t["rewards"], label=label, **style)
-            by_step.plot(range(1, len(t["rewards"]) + 1), t["rewards"], **style)
-    for ax in (by_time, by_step):
+            ax.plot(t["step_times_s"], t["rewards"], color=f"C{i}", marker=".", label=name)
         ax.axhline(summary["target"], color="grey", linewidth=0.8)
+        ax.set_xlim(0, longest * 1.02)
         ax.set_ylim(-0.02, 1.02)
-    by_time.set_xlabel("wall-clock since the mode's start (s)")
-    by_step.set_xlabel("training step")
-    by_time.set_ylabel("mean reward of the step's batch")
-    by_time.legend(fontsize=8, loc="lower right")
-    fig.suptitle("Three tenants, async GRPO on one server: per-adapter vs global pause")
+        ttt = data["median_over_tenants"]["time_to_target_s"]
+        ax.set_title(f"{mode.replace('_', '-')}: median time to target {_fmt_s(ttt)}", fontsize=9)
+        ax.set_xlabel("wall-clock since the mode's start (s)")
+    axes[0][0].set_ylabel("mean reward of the step's batch")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    tenants = len(modes[0][1]["tenants"]) if modes else 0
+    fig.suptitle(f"{tenants} tenants, async GRPO on one server: reward against wall time by mode")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -6,8 +6,14 @@ trainer takes a batch, updates (in a process of its own, so the event loop
 keeps serving the samplers), saves its adapter with PEFT and pushes (or has the
 server load) it under a pause. With ``mode="per_adapter"`` only this tenant's requests are paused
 (and aborted, then resumed by the client on the new version); with
-``mode="global"`` it is vLLM's keep-mode pause of the whole engine, which
-freezes every tenant for the length of the swap.
+``mode="finish_old"`` nothing is paused: the push's ``finish_old`` policy
+lets requests in flight finish on the old version while new ones get the
+new one; with ``mode="global"`` it is vLLM's keep-mode pause of the whole
+engine, which freezes every tenant for the length of the swap.
+
+Each step's wall time is split into waiting for samples, training (the
+learner's own time, and the round trip to its process), saving the adapter
+and the sync (pause, push, resume), so a report can say where the time goes.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from typing import Any, Literal
 
 from examples.rl.learner import Group, LearnerProcess, StepResult
 from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.types import SwapPolicy
 
-PauseMode = Literal["per_adapter", "global"]
+PauseMode = Literal["per_adapter", "finish_old", "global"]
 #: "push" sends the weights over HTTP (trainer and servers share no disk);
 #: "load" has the server read the trainer's folder (it must be under one of
 #: the server's ``--adapter-root`` folders when it has any).
@@ -42,11 +49,15 @@ class LoopConfig:
     groups_per_step: int = 4
     group_size: int = 16
     max_tokens: int = 12
+    #: when set, each group's ``max_tokens`` is drawn from [min_tokens, max_tokens]
+    min_tokens: int | None = None
     prompt_words: int = 6
     in_flight: int = 4
     seed: int = 0
     transfer: Transfer = "push"
     target_reward: float | None = None
+    #: stop after the first step that ends this many seconds after the mode's start
+    max_wall_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,9 @@ class Swap:
     version: int
     aborted: int
     drain_s: float
+    pause_s: float = 0.0
+    push_s: float = 0.0
+    resume_s: float = 0.0
 
 
 @dataclass
@@ -74,6 +88,22 @@ class TenantLog:
     resumed: int = 0  # samples with segments > 1 (aborted and resumed)
     spanning: int = 0  # samples whose tokens come from 2+ adapter versions
     tokens: int = 0
+    # per step, seconds: waiting for the batch, the learner call (of which
+    # ``StepResult.train_s`` is the learner's own), saving the adapter
+    wait_s: list[float] = field(default_factory=list)
+    learner_s: list[float] = field(default_factory=list)
+    save_s: list[float] = field(default_factory=list)
+    end_s: float = 0.0  # when the tenant stopped, since the mode's start
+
+
+def random_lengths(cfg: LoopConfig, seed: int) -> Callable[[], int]:
+    """Each group's ``max_tokens``: fixed, or drawn from a seeded generator
+    (both modes draw the same lengths in the same order)."""
+    if cfg.min_tokens is None:
+        return lambda: cfg.max_tokens
+    rng = random.Random(seed + 7919)
+    low = cfg.min_tokens
+    return lambda: rng.randint(low, cfg.max_tokens)
 
 
 def random_prompts(word_ids: range, words: int, seed: int) -> Callable[[], list[int]]:
@@ -89,30 +119,55 @@ def random_prompts(word_ids: range, words: int, seed: int) -> Callable[[], list[
 
 
 async def send_adapter(
-    client: RemoteInferenceClient, name: str, folder: Path, transfer: Transfer
+    client: RemoteInferenceClient,
+    name: str,
+    folder: Path,
+    transfer: Transfer,
+    policy: SwapPolicy = "abort_resume",
 ) -> int:
     """Push or load the trainer's folder as ``name``'s next version; its number."""
     if transfer == "push":
-        infos = await client.push_lora_adapter(name, folder)
+        infos = await client.push_lora_adapter(name, folder, swap_policy=policy)
     else:
-        infos = await client.load_lora_adapter(name, str(folder))
+        infos = await client.load_lora_adapter(name, str(folder), swap_policy=policy)
     return _one_version(name, {i.version for i in infos})
 
 
 async def sync_adapter(
     client: RemoteInferenceClient, name: str, folder: Path, mode: PauseMode, transfer: Transfer
 ) -> Swap:
-    """Pause (this adapter or the engine), send the trainer's weights, resume."""
+    """Pause (this adapter or the engine), send the trainer's weights, resume.
+
+    ``finish_old`` pauses nothing: the push itself keeps the old version
+    for the requests in flight (or falls back to abort-resume where no
+    LoRA slot is free for both).
+    """
     started = time.monotonic()
+    if mode == "finish_old":
+        version = await send_adapter(client, name, folder, transfer, "finish_old")
+        end = time.monotonic()
+        return Swap(started, end, version, 0, 0.0, push_s=end - started)
     lora = name if mode == "per_adapter" else None
     paused = await client.pause_generation(lora_name=lora)
+    pushing = time.monotonic()
     try:
         version = await send_adapter(client, name, folder, transfer)
     finally:
+        resuming = time.monotonic()
         await client.resume_generation(lora_name=lora)
+    end = time.monotonic()
     aborted = sum(p.aborted for p in paused)
     drain = max(p.drain_seconds for p in paused)
-    return Swap(started, time.monotonic(), version, aborted, drain)
+    return Swap(
+        started,
+        end,
+        version,
+        aborted,
+        drain,
+        pause_s=pushing - started,
+        push_s=resuming - pushing,
+        resume_s=end - resuming,
+    )
 
 
 def _one_version(name: str, versions: set[int]) -> int:
@@ -132,6 +187,7 @@ async def run_tenant(
     mode: PauseMode,
     clock_start: float,
     on_step: Callable[[TenantLog], None] = lambda log: None,
+    lengths: Callable[[], int] | None = None,
 ) -> TenantLog:
     """Train ``learner`` for ``cfg.steps`` steps against adapter ``name``.
 
@@ -145,7 +201,7 @@ async def run_tenant(
     # does not know yet is a 404. (A reload of a known name pauses it itself.)
     version = await send_adapter(client, name, folder, cfg.transfer)
     queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.groups_per_step)
-    params = {"max_tokens": cfg.max_tokens, "temperature": 1.0, "ignore_eos": True}
+    lengths = lengths or (lambda: cfg.max_tokens)
 
     failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -153,6 +209,7 @@ async def run_tenant(
         try:
             while True:
                 prompt = prompts()
+                params = {"max_tokens": lengths(), "temperature": 1.0, "ignore_eos": True}
                 out = await client.sample_with_retry(
                     prompt, num_samples=cfg.group_size, sampling_params=params, lora_name=name
                 )
@@ -169,19 +226,28 @@ async def run_tenant(
     workers = [asyncio.create_task(sampler()) for _ in range(cfg.in_flight)]
     try:
         for _ in range(cfg.steps):
+            waiting = time.monotonic()
             batch = [await _next_group(queue, failed) for _ in range(cfg.groups_per_step)]
+            training = time.monotonic()
             result = await learner.step(batch, version)
+            saving = time.monotonic()
             log.steps.append(result)
             log.versions.append(version)
-            log.step_times.append(time.monotonic() - clock_start)
+            log.step_times.append(saving - clock_start)
             await learner.save(folder)
+            log.wait_s.append(training - waiting)
+            log.learner_s.append(saving - training)
+            log.save_s.append(time.monotonic() - saving)
             swap = await sync_adapter(client, name, folder, mode, cfg.transfer)
             log.swaps.append(swap)
             version = swap.version
             on_step(log)
             if cfg.target_reward is not None and result.mean_reward >= cfg.target_reward:
                 break
+            if cfg.max_wall_s is not None and time.monotonic() - clock_start >= cfg.max_wall_s:
+                break
     finally:
+        log.end_s = time.monotonic() - clock_start
         for w in workers:
             w.cancel()
         for w in workers:
