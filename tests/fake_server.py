@@ -50,11 +50,14 @@ class FakeServer:
         self.script: list[Answer] = []
         self.sample_delay = 0.0
         self.control_delay = 0.0
+        #: What ``GET /skyrl/v1/adapters`` lists: name -> current version.
+        self.versions: dict[str, int] = {}
         app = web.Application()
         app.router.add_post("/skyrl/v1/sample", self._sample)
         for name in ("pause", "resume", "abort_lora_requests", "adapters/load", "adapters/unload"):
             app.router.add_post(f"/skyrl/v1/{name}", self._control(name))
         app.router.add_get("/skyrl/v1/server_info", self._info)
+        app.router.add_get("/skyrl/v1/adapters", self._adapters)
         self.server = TestServer(app)
 
     @property
@@ -111,7 +114,7 @@ class FakeServer:
                 return web.json_response(
                     {
                         "lora_name": lora,
-                        "version": 1,
+                        "version": body.get("version") or 1,
                         "lora_path": body["lora_path"],
                         "paused": False,
                         "in_flight": 0,
@@ -122,6 +125,21 @@ class FakeServer:
             return web.json_response({"lora_name": lora})
 
         return handler
+
+    async def _adapters(self, request: web.Request) -> web.Response:
+        adapters = [
+            {
+                "lora_name": name,
+                "version": version,
+                "lora_path": "/fake",
+                "paused": False,
+                "in_flight": 0,
+                "held": 0,
+                "engine_requests": 0,
+            }
+            for name, version in self.versions.items()
+        ]
+        return web.json_response({"adapters": adapters, "engine_paused": False})
 
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(
