@@ -245,3 +245,27 @@ async def test_a_pinned_sample_stays_on_its_version() -> None:
     runner.check_version("a", 1)
     with pytest.raises(TinkerError, match="no longer held"):
         runner.check_version("a", 2)
+
+
+async def test_one_failed_sequence_stops_the_others() -> None:
+    class Failing(ScriptedBackend):
+        cancelled = False
+
+        async def sample(self, request: SampleRequest) -> SampleResponse:
+            if request.generated_prefix_len == 0:  # the first request: both aborted at once
+                return await super().sample(request)
+            if request.generated_prefix_len == 1:
+                raise TinkerError("adapter unloaded")
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                Failing.cancelled = True
+                raise
+            raise AssertionError("never reached")
+
+    backend = Failing(list(range(10, 30)), aborts=[1, 2])
+    runner = SampleRunner(backend, max_model_len=100)
+    with pytest.raises(TinkerError, match="unloaded"):
+        await runner.run(SampleJob([1], "a", None, 2, SamplingParams(max_tokens=8)))
+    await asyncio.sleep(0)
+    assert Failing.cancelled

@@ -76,7 +76,13 @@ class SampleRunner:
             stitcher.add_segment(seq, first.adapter_version)
         # A parallel request aborted early may return fewer sequences than
         # asked: the missing ones start afresh, like any aborted one.
-        await asyncio.gather(*(self._resume(job, s) for s in stitchers if not s.done))
+        resumes = [asyncio.ensure_future(self._resume(job, s)) for s in stitchers if not s.done]
+        try:
+            await asyncio.gather(*resumes)
+        except BaseException:  # one failed: the sample failed, stop the others' work
+            for task in resumes:
+                task.cancel()
+            raise
         sequences = [
             EncodedSequence(r.stop_reason, r.tokens, r.logprobs)
             for r in (s.result() for s in stitchers)
