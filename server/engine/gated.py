@@ -335,6 +335,7 @@ class GatedEngine:
         Requests held on the gate wake up and fail with "adapter not found"
         rather than waiting for a resume that can no longer be addressed.
         """
+        self.registry.get(lora_name)  # 404 before any pause: pausing an unknown name is allowed
         async with self.registry.lock(lora_name):
             await self.pause(lora_name)
             for lease in self.leases.drop_adapter(lora_name):
