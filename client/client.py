@@ -417,10 +417,14 @@ class RemoteInferenceClient:
         the newest any of them serves, so that a server that missed a reload
         (healing, restarting) cannot end up a version behind the others, its
         numbers meaning other weights. A name no server holds yet gets none
-        (every server starts it at 1)."""
+        (every server starts it at 1). A server that does not answer here is
+        left to the load's own fan-out to report."""
         if version is not None or len(self.urls) == 1:
             return version
-        lists = await asyncio.gather(*(self.list_adapters(url) for url in self.urls))
+        answers = await asyncio.gather(
+            *(self.list_adapters(url) for url in self.urls), return_exceptions=True
+        )
+        lists = [a for a in answers if isinstance(a, AdapterList)]
         held = [a.version for found in lists for a in found.adapters if a.lora_name == lora_name]
         return max(held) + 1 if held else None
 

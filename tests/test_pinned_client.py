@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 
 from skyrl_lora.client import RemoteInferenceClient
-from skyrl_lora.errors import VersionGoneError
+from skyrl_lora.errors import FanOutError, VersionGoneError
 from tests.fake_server import FakeServer, answer, seq
 
 PROMPT = [11, 12, 13]
@@ -22,6 +22,19 @@ async def test_a_fan_out_load_sends_one_version_past_the_newest_replica() -> Non
             await client.load_lora_adapter("new", "/w")
         for s in (s1, s2):
             assert [body["version"] for _, body in s.controls] == [4, 12, None]
+
+
+async def test_a_replica_that_does_not_answer_leaves_the_version_to_the_others() -> None:
+    async with FakeServer() as s1:
+        s1.versions = {"a": 3}
+        dead = FakeServer()
+        async with dead:
+            dead_url = dead.url
+        async with RemoteInferenceClient([s1.url, dead_url]) as client:
+            with pytest.raises(FanOutError) as caught:
+                await client.load_lora_adapter("a", "/w")
+        assert list(caught.value.failures) == [dead_url]
+        assert s1.controls[0][1]["version"] == 4
 
 
 async def test_one_server_lets_the_server_number_versions() -> None:
