@@ -269,3 +269,21 @@ async def test_one_failed_sequence_stops_the_others() -> None:
         await runner.run(SampleJob([1], "a", None, 2, SamplingParams(max_tokens=8)))
     await asyncio.sleep(0)
     assert Failing.cancelled
+
+
+async def test_a_stopping_server_ends_its_samples_and_takes_no_more() -> None:
+    store = FutureStore()
+
+    async def forever() -> bytes:
+        await asyncio.sleep(60)
+        return b""
+
+    future = store.submit("k", forever, lambda: "active")
+    await asyncio.sleep(0)
+    assert store.stop() == 1
+    await asyncio.wait_for(future.done.wait(), 5)
+    assert future.failure is not None and future.failure.category == "server"
+    assert "stopped" in future.failure.message
+    with pytest.raises(TinkerError) as refused:
+        store.submit("k", forever, lambda: "active")
+    assert refused.value.status == 503

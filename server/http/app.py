@@ -35,7 +35,7 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..reaper import start_reaper
-from ..tinker.routes import tinker_router
+from ..tinker.routes import tinker_surface
 from ..weights import staging
 from ..weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
 from ..weights.registry import AdapterRegistry
@@ -269,7 +269,9 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     sampler = Sampler(gated, max_model_len)
     app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes))
     # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
-    app.include_router(tinker_router(sampler.sample, gated, info, lambda r: request_key(r.scope)))
+    tinker = tinker_surface(sampler.sample, gated, info, lambda r: request_key(r.scope))
+    app.include_router(tinker.router)
+    app.state.skyrl_tinker = tinker
 
     async def skyrl_error(_: Any, exc: Exception) -> Any:
         assert isinstance(exc, ServerError)
@@ -378,6 +380,8 @@ async def _serve(
         async with loop_monitor.monitoring(monitor):
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if not serve_task.done():
+            # Tinker samples end first: their runner would resume what the abort ends.
+            app.state.skyrl_tinker.stop()
             aborted = await compat.abort_all_requests(engine_client)
             logger.info("skyrl-lora server stopping: aborted %d engine request(s)", aborted)
         server.should_exit = True

@@ -71,6 +71,7 @@ class FutureStore:
         self._futures: dict[str, TinkerFuture] = {}
         self._unfetched: Counter[str | None] = Counter()
         self._next_sweep = 0.0
+        self._stopping = False
 
     def __len__(self) -> int:
         return len(self._futures)
@@ -82,6 +83,8 @@ class FutureStore:
         queue_state: Callable[[], str],
     ) -> TinkerFuture:
         """Start ``work`` as a future of ``owner``'s, or refuse with 429 at the cap."""
+        if self._stopping:
+            raise TinkerError("the server is stopping", status=503, category="server")
         self.sweep()
         unfetched = self._unfetched[owner]
         if unfetched >= self.limits.max_per_key:
@@ -128,6 +131,16 @@ class FutureStore:
             future.task.cancel()
         self.mark_retrieved(future)
 
+    def stop(self) -> int:
+        """End every running sample (a stopping server): its callers hear so at
+        once, and no aborted segment is resubmitted to an engine shutting down.
+        Returns how many were running."""
+        self._stopping = True
+        running = [f.task for f in self._futures.values() if f.task and not f.task.done()]
+        for task in running:
+            task.cancel()
+        return len(running)
+
     def sweep(self) -> None:
         """Drop expired futures (at most once a second: it walks them all)."""
         now = time.monotonic()
@@ -145,12 +158,16 @@ class FutureStore:
                 self._unfetched[future.owner] -= 1
         self._unfetched = +self._unfetched  # drop the zero counts
 
-    @staticmethod
-    async def _run(future: TinkerFuture, work: Callable[[], Coroutine[Any, Any, bytes]]) -> None:
+    async def _run(
+        self, future: TinkerFuture, work: Callable[[], Coroutine[Any, Any, bytes]]
+    ) -> None:
         try:
             future.result = await work()
         except asyncio.CancelledError:
-            future.failure = Failure("the sample was cancelled", "user")
+            if self._stopping:
+                future.failure = Failure("the server stopped before the sample finished", "server")
+            else:
+                future.failure = Failure("the sample was cancelled", "user")
         except TinkerError as exc:
             future.failure = Failure(exc.message, exc.category)
         except ServerError as exc:

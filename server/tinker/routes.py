@@ -15,6 +15,7 @@ import functools
 import json
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -114,13 +115,21 @@ async def _body(request: Request, model: type[Any]) -> Any:
         raise TinkerError(f"invalid request body: {exc}") from None
 
 
+@dataclass(frozen=True)
+class TinkerSurface:
+    """The mounted router, and ``stop`` for a stopping server (see ``FutureStore.stop``)."""
+
+    router: APIRouter
+    stop: Callable[[], int]
+
+
 def build_tinker_router(
     runner: SampleRunner,
     info: ServerInfo,
     key_of: KeyOf,
     adapter_names: Callable[[], list[str]],
     limits: FutureLimits | None = None,
-) -> APIRouter:
+) -> TinkerSurface:
     router = APIRouter(prefix=PREFIX, tags=["tinker"], include_in_schema=False)
     sessions = SessionStore()
     futures = FutureStore(limits or FutureLimits())
@@ -258,7 +267,7 @@ def build_tinker_router(
         lora_name, version = _resolve(body.model_path, body.base_model, info.model)
         return SamplerTarget("", info.model, body.model_path, lora_name, version, owner_of(key))
 
-    return router
+    return TinkerSurface(router, futures.stop)
 
 
 def _resolve(
@@ -358,9 +367,9 @@ def _first_error(exc: Exception) -> str:
     return str(exc)
 
 
-def tinker_router(
+def tinker_surface(
     sample: SampleFn, engine: GatedEngine, info: ServerInfo, key_of: KeyOf
-) -> APIRouter:
+) -> TinkerSurface:
     """The whole surface over the gated engine and the ``/skyrl/v1/sample`` sampler."""
     backend = EngineBackend(sample, engine)
     runner = SampleRunner(backend, info.max_model_len)
