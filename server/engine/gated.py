@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from skyrl_lora.errors import LeaseNotFoundError
+from skyrl_lora.errors import AdapterNotFoundError, LeaseNotFoundError
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
 
 from .. import compat
@@ -81,7 +81,11 @@ class GatedEngine:
             self.registry.servable(lora_name, version)
         elif not self.gate.is_paused(lora_name):
             self.registry.get(lora_name)
-        admission = await self.gate.admit(lora_name, request_id, version)
+        try:
+            admission = await self.gate.admit(lora_name, request_id, version)
+        except AdapterNotFoundError:  # paused before a load that never came
+            self.gate.forget(lora_name)
+            raise
         try:
             if version is not None:
                 record = self.registry.servable(lora_name, version)
@@ -139,6 +143,8 @@ class GatedEngine:
         if not self.gate.is_paused(lora_name):
             self.registry.get(lora_name)
         was_paused = self.gate.resume(lora_name)
+        if lora_name not in self.registry.names():
+            self.gate.forget(lora_name)  # kept while requests are held: the last one forgets
         log_event("resume", lora_name=lora_name, was_paused=was_paused)
         return was_paused
 
