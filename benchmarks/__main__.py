@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import adapter_read, client_overhead, fanout, perf, plot, retry_overhead, slot_write
+from benchmarks.common import greeting_prompt
 from benchmarks.isolation import IsolationConfig
 from benchmarks.report import Row, spread_row, table
 from benchmarks.retry_overhead import RetryOverhead
@@ -30,13 +31,6 @@ from skyrl_lora.server.cluster.local import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_UNTRUSTWORTHY = 3
-
-
-def _prompt(model: Any) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
-    return list(tokenizer.encode("hello there how are you", add_special_tokens=False))
 
 
 def cpu_shape(quick: bool) -> perf.PerfShape:
@@ -216,7 +210,7 @@ def _measure(quick: bool, results: dict[str, Any]) -> tuple[list[Row], perf.Perf
     rows += _adapter_read_rows(ar)
 
     with embedded_server(extra=["--max-loras", "8"]) as (url, model):
-        prompt = _prompt(model)
+        prompt = greeting_prompt(model)
         run = asyncio.run(perf.collect(url, model, prompt, shape))
         results["perf"] = run.figures()
         missing = perf.missing_keys(results["perf"])

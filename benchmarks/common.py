@@ -9,8 +9,17 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from skyrl_lora.client import RemoteInferenceClient
+
+
+def greeting_prompt(model: Any) -> list[int]:
+    """The benchmarks' prompt: a short greeting in the embedded model's tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
+    return list(tokenizer.encode("hello there how are you", add_special_tokens=False))
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import wait_engine_requests
+from benchmarks.common import greeting_prompt, wait_engine_requests
 from benchmarks.stats import Spread, check_count
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -110,7 +110,6 @@ def main() -> None:
     import argparse
     import json
 
-    from benchmarks.__main__ import _prompt
     from skyrl_lora.server.cluster.local import embedded_server
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -119,7 +118,8 @@ def main() -> None:
     out = {}
     for caching, extra in ((True, []), (False, ["--no-enable-prefix-caching"])):
         with embedded_server(extra=extra) as (url, model):
-            result = asyncio.run(run(url, model, _prompt(model), caching, rounds=args.rounds))
+            prompt = greeting_prompt(model)
+            result = asyncio.run(run(url, model, prompt, caching, rounds=args.rounds))
         out[str(caching)] = result.to_json()
         ratio = result.ratio
         print(
