@@ -21,7 +21,7 @@ from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
 from skyrl_lora.client.results import AbortResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
-from skyrl_lora.errors import FanOutError, RetryLimitError, ServerUnavailableError
+from skyrl_lora.errors import FanOutError, RetryLimitError, ServerError, ServerUnavailableError
 from skyrl_lora.stitching import SequenceStitcher, resumed_seed
 from skyrl_lora.types import (
     AbortResponse,
@@ -373,6 +373,8 @@ class RemoteInferenceClient:
         ``version`` names the new version (a trainer's step; above the current
         one, or the current one again with the same weights: a no-op); with
         several servers one is always sent (see :meth:`_fan_out_version`).
+
+        With several servers the load is atomic (see :meth:`_all_or_none`).
         """
         body: dict[str, Any] = {
             "lora_name": lora_name,
@@ -380,7 +382,14 @@ class RemoteInferenceClient:
             "swap_policy": swap_policy,
             "version": await self._fan_out_version(lora_name, version),
         }
-        return LoadResult(await self._control(f"{API}/adapters/load", body, AdapterInfo))
+        if len(self.urls) > 1:
+            body["keep_previous_s"] = self.config.commit_timeout_s
+        path = f"{API}/adapters/load"
+
+        async def send(url: str) -> bytes:
+            return await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
+
+        return LoadResult(await self._all_or_none(path, send, lora_name, body["version"]))
 
     async def push_lora_adapter(
         self,
@@ -396,19 +405,75 @@ class RemoteInferenceClient:
         ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
         servers need no access to the trainer's disk; each gets its own
         streamed request, concurrently, checked against the weights' sha256.
-        Returns when every server answered (fan-out rules as for loads).
+        Returns when every server answered (fan-out rules as for loads,
+        atomic too).
         """
         payload = await asyncio.to_thread(adapter_payload, adapter)
         path = f"{API}/adapters/push"
         version = await self._fan_out_version(lora_name, version)
+        keep = self.config.commit_timeout_s if len(self.urls) > 1 else None
 
         async def send(url: str) -> bytes:
-            with payload.form(lora_name, swap_policy, version) as form:
+            with payload.form(lora_name, swap_policy, version, keep) as form:
                 return await self._call(
                     url, "POST", path, form, timeout=self.config.control_timeout
                 )
 
-        return LoadResult(await self._fan_out(path, send, AdapterInfo))
+        return LoadResult(await self._all_or_none(path, send, lora_name, version))
+
+    async def _all_or_none(
+        self,
+        path: str,
+        send: Callable[[str], Awaitable[bytes]],
+        lora_name: str,
+        version: int | None,
+    ) -> list[AdapterInfo]:
+        """A load or push over several servers that lands on all of them or on none.
+
+        Each server loaded it keeping its previous version (``keep_previous_s``).
+        When all answered, each commits; when one failed, those that loaded it
+        roll back to the version they had (so do those whose outcome is
+        unknown: a rollback where nothing landed is a no-op), and the
+        :class:`FanOutError` raised holds the failing servers' errors. No
+        server is left serving a version the others never got.
+        """
+        if len(self.urls) == 1:
+            return await self._fan_out(path, send, AdapterInfo)
+        try:
+            infos = await self._fan_out(path, send, AdapterInfo)
+        except FanOutError as exc:
+            landed = {u: i.version for u, i in exc.results.items() if isinstance(i, AdapterInfo)}
+            if version is not None:  # a server that may have loaded it without answering
+                landed |= {
+                    u: version
+                    for u, e in exc.failures.items()
+                    if not isinstance(e, ServerError)  # no answer: unreachable, timed out
+                }
+            await self._settle("rollback", lora_name, landed)
+            raise FanOutError(
+                f"{exc}; rolled back on every server that had loaded it "
+                f"({', '.join(sorted(landed)) or 'none'})",
+                results=exc.results,
+                failures=exc.failures,
+            ) from exc
+        await self._settle("commit", lora_name, {u: i.version for u, i in zip(self.urls, infos)})
+        return infos
+
+    async def _settle(self, step: str, lora_name: str, versions: Mapping[str, int]) -> None:
+        """Commit or roll back one version per server; a server that does not
+        answer is logged (it commits by itself after ``commit_timeout_s``)."""
+        path = f"{API}/adapters/{step}"
+
+        async def one(url: str, version: int) -> None:
+            body = {"lora_name": lora_name, "version": version}
+            await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
+
+        answers = await asyncio.gather(
+            *(one(u, v) for u, v in versions.items()), return_exceptions=True
+        )
+        for url, answer in zip(versions, answers):
+            if isinstance(answer, Exception):
+                logger.warning("%s of %s on %s failed: %r", step, lora_name, url, answer)
 
     reload_lora_adapter = load_lora_adapter
 

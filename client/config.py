@@ -34,3 +34,8 @@ class ClientConfig:
     #: ``resume_spacing_s=0`` sends them at once.
     resume_spacing_s: float = 0.005
     resume_window_s: float = 0.25
+    #: A load or push over several servers is atomic (see
+    #: ``RemoteInferenceClient.load_lora_adapter``): each server keeps its
+    #: previous version until this client commits or rolls back, or for this
+    #: many seconds if the client dies in between (then it commits by itself).
+    commit_timeout_s: float = 600.0

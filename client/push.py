@@ -48,7 +48,11 @@ class AdapterPayload:
 
     @contextmanager
     def form(
-        self, lora_name: str, swap_policy: str, version: int | None = None
+        self,
+        lora_name: str,
+        swap_policy: str,
+        version: int | None = None,
+        keep_previous_s: float | None = None,
     ) -> Iterator[aiohttp.FormData]:
         """A fresh form for one request (a file is opened per request and closed after)."""
         form = aiohttp.FormData()
@@ -57,6 +61,8 @@ class AdapterPayload:
         form.add_field("swap_policy", swap_policy)
         if version is not None:
             form.add_field("version", str(version))
+        if keep_previous_s is not None:
+            form.add_field("keep_previous_s", str(keep_previous_s))
         form.add_field(
             CONFIG_FILE, self.config, filename=CONFIG_FILE, content_type="application/json"
         )

@@ -172,12 +172,19 @@ class LoadAdapterRequest(_Wire):
     version (HTTP 409 otherwise), except that repeating the current version
     with the same weights (same sha256) is an idempotent no-op: the answer
     then has ``applied_swap_policy`` None.
+
+    ``keep_previous_s`` makes the load one step of a group's atomic swap: the
+    version it replaces stays loaded until ``POST /skyrl/v1/adapters/commit``
+    (then it is retired as usual), ``.../rollback`` (it serves again and the
+    new one is dropped), the next load of the name, or this many seconds
+    (an implicit commit, so a coordinator that died leaks nothing).
     """
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     version: int | None = Field(default=None, ge=1)
     swap_policy: SwapPolicy = "abort_resume"
+    keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
 class LeaseRequest(_Wire):
@@ -190,6 +197,23 @@ class LeaseRequest(_Wire):
     lora_name: str = Field(min_length=1)
     version: int | None = Field(default=None, ge=1)
     ttl_s: float = Field(default=600.0, gt=0.0, le=86400.0)
+
+
+class VersionRef(_Wire):
+    """Names one version of an adapter: the version a group load commits or rolls back."""
+
+    lora_name: str = Field(min_length=1)
+    version: int = Field(ge=1)
+
+
+class SettleResponse(_Wire):
+    """What a commit or rollback left: the adapter's current ``version`` (None
+    when a rolled back first load left the name unloaded) and whether the call
+    changed anything (False: nothing of that version was pending, a repeat)."""
+
+    lora_name: str
+    version: int | None
+    changed: bool
 
 
 class LeaseResponse(_Wire):

@@ -52,9 +52,12 @@ class FakeServer:
         self.control_delay = 0.0
         #: What ``GET /skyrl/v1/adapters`` lists: name -> current version.
         self.versions: dict[str, int] = {}
+        #: When set, loads answer 413 with this message (a replica that refuses).
+        self.refuse_loads: str | None = None
         app = web.Application()
         app.router.add_post("/skyrl/v1/sample", self._sample)
-        for name in ("pause", "resume", "abort_lora_requests", "adapters/load", "adapters/unload"):
+        controls = ("pause", "resume", "abort_lora_requests", "adapters/load", "adapters/unload")
+        for name in (*controls, "adapters/commit", "adapters/rollback"):
             app.router.add_post(f"/skyrl/v1/{name}", self._control(name))
         app.router.add_get("/skyrl/v1/server_info", self._info)
         app.router.add_get("/skyrl/v1/adapters", self._adapters)
@@ -108,8 +111,15 @@ class FakeServer:
                         "aborted": 0,
                     }
                 )
+            if name in ("adapters/commit", "adapters/rollback"):
+                return web.json_response(
+                    {"lora_name": lora, "version": body["version"], "changed": True}
+                )
             if name == "abort_lora_requests":
                 return web.json_response({"lora_name": lora, "aborted": 0, "drain_seconds": 0.0})
+            if name == "adapters/load" and self.refuse_loads:
+                error = {"type": "payload_too_large", "message": self.refuse_loads}
+                return web.json_response({"error": error}, status=413)
             if name == "adapters/load":
                 return web.json_response(
                     {

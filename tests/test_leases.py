@@ -17,7 +17,7 @@ from skyrl_lora.errors import (
 from skyrl_lora.server.engine.gate import AdapterGate
 from skyrl_lora.server.weights.leases import LeaseTable
 from skyrl_lora.server.weights.registry import check_version, weights_sha256
-from skyrl_lora.types import LeaseRequest, SampleRequest
+from skyrl_lora.types import LeaseRequest, LoadAdapterRequest, SampleRequest, VersionRef
 
 
 def test_a_lease_lives_until_its_ttl_or_its_release() -> None:
@@ -35,6 +35,15 @@ def test_a_lease_lives_until_its_ttl_or_its_release() -> None:
         table.release(second.lease_id)
     with pytest.raises(LeaseNotFoundError):
         table.get("lease-never")
+
+
+def test_a_rolled_back_version_loses_its_leases_only() -> None:
+    table = LeaseTable(max_versions=4)
+    old, new = table.grant("a", 1, ttl_s=10, now=0.0), table.grant("a", 2, ttl_s=10, now=0.0)
+    other = table.grant("b", 2, ttl_s=10, now=0.0)
+    assert table.drop_version("a", 2) == [new]
+    assert table.versions("a") == {1} and table.get(old.lease_id) == old
+    assert table.get(other.lease_id) == other
 
 
 def test_leases_keep_room_for_the_current_version() -> None:
@@ -83,6 +92,11 @@ def test_wire_types_refuse_bad_versions_and_ttls() -> None:
     for bad in ({"version": 0}, {"ttl_s": -1}, {"ttl_s": 0}):
         with pytest.raises(ValueError):
             LeaseRequest(lora_name="a", **bad)  # type: ignore[arg-type]
+    for keep in (0, -1, 3601):
+        with pytest.raises(ValueError):
+            LoadAdapterRequest(lora_name="a", lora_path="/p", keep_previous_s=keep)
+    with pytest.raises(ValueError):
+        VersionRef(lora_name="a", version=0)
     with pytest.raises(ValueError, match="lora_version needs a lora_name"):
         SampleRequest(prompt_token_ids=[1], lora_version=2)
     with pytest.raises(ValueError):

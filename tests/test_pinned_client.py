@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 
 from skyrl_lora.client import RemoteInferenceClient
-from skyrl_lora.errors import FanOutError, VersionGoneError
+from skyrl_lora.errors import FanOutError, PayloadTooLargeError, VersionGoneError
 from tests.fake_server import FakeServer, answer, seq
 
 PROMPT = [11, 12, 13]
@@ -21,7 +21,26 @@ async def test_a_fan_out_load_sends_one_version_past_the_newest_replica() -> Non
             await client.load_lora_adapter("a", "/w", version=12)
             await client.load_lora_adapter("new", "/w")
         for s in (s1, s2):
-            assert [body["version"] for _, body in s.controls] == [4, 12, None]
+            loads = [body for name, body in s.controls if name == "adapters/load"]
+            assert [body["version"] for body in loads] == [4, 12, None]
+            assert {body["keep_previous_s"] for body in loads} == {600.0}
+            commits = [body for name, body in s.controls if name == "adapters/commit"]
+            assert [body["version"] for body in commits] == [4, 12, 1]
+
+
+async def test_a_fan_out_load_one_server_refuses_is_rolled_back_on_the_others() -> None:
+    async with FakeServer() as s1, FakeServer() as s2:
+        s1.versions = s2.versions = {"a": 3}
+        s2.refuse_loads = "larger than the server's limit"
+        async with RemoteInferenceClient([s1.url, s2.url]) as client:
+            with pytest.raises(FanOutError) as caught:
+                await client.load_lora_adapter("a", "/w")
+        assert list(caught.value.failures) == [s2.url]
+        assert isinstance(caught.value.failures[s2.url], PayloadTooLargeError)
+        assert "rolled back" in str(caught.value)
+        assert [name for name, _ in s1.controls] == ["adapters/load", "adapters/rollback"]
+        assert s1.controls[1][1] == {"lora_name": "a", "version": 4}
+        assert [name for name, _ in s2.controls] == ["adapters/load"]
 
 
 async def test_a_replica_that_does_not_answer_leaves_the_version_to_the_others() -> None:

@@ -66,6 +66,13 @@ def test_pushed_versions_get_their_files_fetched_once() -> None:
 
 def test_rebuilt_replica_keeps_its_port() -> None:
     group = ServerGroup(GroupConfig(num_replicas=1, argv=["--model", "m", "--port", "0"]))
-    assert group._argv(41234)[-2:] == ["--port", "41234"]
-    assert group._argv(41234).count("--port") == 1
-    assert group._argv() == ["--model", "m", "--port", "0"]
+    assert group._argv(0, 41234)[-2:] == ["--port", "41234"]
+    assert group._argv(0, 41234).count("--port") == 1
+    assert group._argv(0) == ["--model", "m", "--port", "0"]
+
+
+def test_a_replica_gets_its_own_extra_flags() -> None:
+    config = GroupConfig(num_replicas=2, argv=["--model", "m"], replica_argv={1: ["--x", "1"]})
+    group = ServerGroup(config)
+    assert group._argv(0) == ["--model", "m"]
+    assert group._argv(1, 5) == ["--model", "m", "--x", "1", "--port", "5"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_lora.errors import ServerUnavailableError
-from skyrl_lora.types import AdapterInfo, SwapPolicy
+from skyrl_lora.types import AdapterInfo, SettleResponse, SwapPolicy
 
 from ..engine.gated import GatedEngine
 from ..http.app import RunningServer, parse_server_args, serve
@@ -45,6 +45,7 @@ class ServerActor:
         self._stop = asyncio.Event()
         self._running: RunningServer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._max_adapter_bytes: int | None = None
 
     async def start(
         self, restore_to: Sequence[AdapterState] | None = None, peers: Sequence[Any] = ()
@@ -69,6 +70,7 @@ class ServerActor:
                 await restore(engine, await _with_peers(restore_to, peers), prune=True)
 
         args = parse_server_args(self._argv)
+        self._max_adapter_bytes = args.max_adapter_bytes
         self._task = asyncio.create_task(
             serve(args, on_ready=on_ready, stop=self._stop, before_serving=before_serving)
         )
@@ -144,12 +146,15 @@ class ServerActor:
         files: Mapping[str, bytes],
         swap_policy: SwapPolicy = "abort_resume",
         version: int | None = None,
+        keep_previous_s: float | None = None,
     ) -> AdapterInfo:
         """Load adapter files handed over by Ray (no shared disk, no HTTP).
 
         ``files`` maps ``adapter_config.json`` and ``adapter_model.safetensors``
         to their bytes; passed as one ``ray.put`` ref, Ray fetches it once per
-        node. Checked and loaded exactly like an HTTP push.
+        node. Checked and loaded exactly like an HTTP push, ``--max-adapter-bytes``
+        included. ``keep_previous_s``: a step of the group's atomic swap (see
+        :meth:`commit` and :meth:`rollback`).
         """
         engine = self._engine()
         pushed = await asyncio.to_thread(
@@ -160,9 +165,20 @@ class ServerActor:
             None,
             swap_policy,
             version,
+            keep_previous_s,
+            self._max_adapter_bytes,
         )
         applied = await load_pushed(engine, pushed)
         return engine.adapter_info(lora_name, applied=applied)
+
+    async def commit(self, lora_name: str, version: int) -> SettleResponse:
+        """Commit the group's swap of ``lora_name`` to ``version`` here."""
+        return self._engine().commit(lora_name, version)
+
+    async def rollback(self, lora_name: str, version: int) -> SettleResponse:
+        """Undo the group's swap of ``lora_name`` to ``version`` here (a no-op
+        where it never landed)."""
+        return await self._engine().rollback(lora_name, version)
 
     async def kill_engine(self) -> list[int]:
         """Failure drill: SIGKILL the engine's worker processes (not this actor).

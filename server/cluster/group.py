@@ -58,6 +58,10 @@ class GroupConfig:
     supervisor on. A replica whose actor or engine is dead is rebuilt at
     once; one whose health check only times out, after
     ``timeouts_before_rebuild`` checks in a row (a busy replica is not killed).
+    ``replica_argv`` adds flags to some replicas, by index (a canary with
+    other limits). ``commit_timeout_s``: how long a replica keeps its previous
+    version for a push that the group neither commits nor rolls back (the
+    group's process died mid-push): then the push commits there on its own.
     """
 
     num_replicas: int
@@ -71,6 +75,8 @@ class GroupConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
     timeouts_before_rebuild: int = 3
+    replica_argv: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    commit_timeout_s: float = 600.0
 
 
 @dataclass
@@ -118,15 +124,15 @@ class ServerGroup:
         with self._lock:
             return dict(self._record)
 
-    def _argv(self, port: int | None = None) -> list[str]:
-        argv = list(self.config.argv)
+    def _argv(self, index: int, port: int | None = None) -> list[str]:
+        argv = [*self.config.argv, *self.config.replica_argv.get(index, ())]
         if self.config.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.config.tensor_parallel_size)]
         if port is not None:
             argv = [*_without_flag(argv, "--port"), "--port", str(port)]
         return argv
 
-    def _new_actor(self, pg: Any, port: int | None = None) -> Any:
+    def _new_actor(self, index: int, pg: Any, port: int | None = None) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -138,7 +144,7 @@ class ServerGroup:
             max_concurrency=16,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg),
             runtime_env={"env_vars": dict(cfg.env)} if cfg.env else None,
-        ).remote(self._argv(port), dict(cfg.env))
+        ).remote(self._argv(index, port), dict(cfg.env))
 
     def start(self) -> list[str]:
         """Start every replica concurrently; return their URLs once all are healthy.
@@ -155,7 +161,7 @@ class ServerGroup:
         pending: list[tuple[int, Any, Any]] = []
         for index in range(cfg.num_replicas):
             pg = placement_group([bundle], strategy="STRICT_PACK")
-            pending.append((index, self._new_actor(pg), pg))
+            pending.append((index, self._new_actor(index, pg), pg))
         try:
             urls = ray.get([a.start.remote() for _, a, _ in pending], timeout=cfg.start_timeout_s)
         except Exception:
@@ -234,7 +240,7 @@ class ServerGroup:
                     self._record, merge(self._record, newest(live.values()))
                 )
             target = list(self._record.values())
-        actor = self._new_actor(replica.placement_group, urlparse(replica.url).port)
+        actor = self._new_actor(index, replica.placement_group, urlparse(replica.url).port)
         peers = [r.actor for r in self.replicas if r.index != index]
         try:
             url = ray.get(actor.start.remote(target, peers), timeout=self.config.start_timeout_s)
@@ -310,28 +316,72 @@ class ServerGroup:
         Every replica gets the same explicit ``version`` (by default one past
         the newest any replica or the record holds), so a replica that missed
         a reload cannot serve a version number that means other weights.
+
+        Atomic: each replica loads the version keeping the one it replaces
+        (``keep_previous_s``), and only once every replica has it does the
+        group commit it everywhere. If any replica fails, the others roll back
+        to the version they had and the error of the first replica that
+        failed is raised (with a note naming it): no replica serves a version
+        the others never got, and the same ``version`` may be pushed again.
         """
         import ray
 
         ref = files if isinstance(files, ray.ObjectRef) else ray.put(dict(files))
         if version is None:
             version = self._next_version(lora_name)
-        infos: list[AdapterInfo] = ray.get(
-            [
-                r.actor.push_adapter.remote(lora_name, ref, swap_policy, version)
-                for r in self.replicas
-            ],
-            timeout=self.config.start_timeout_s,
-        )
-        versions = {info.version for info in infos}
-        if len(versions) == 1:
-            info = infos[0]
-            sha256 = info.lora_path.removeprefix(PUSHED_PREFIX)
-            with self._lock:
-                self._record[lora_name] = AdapterState(
-                    lora_name, info.version, PushedSource(sha256, files=ref), info.paused
-                )
+        replicas = list(self.replicas)
+        refs = [
+            r.actor.push_adapter.remote(
+                lora_name, ref, swap_policy, version, self.config.commit_timeout_s
+            )
+            for r in replicas
+        ]
+        answers = _gather(refs, self.config.start_timeout_s)
+        failed = [(r, a) for r, a in zip(replicas, answers) if isinstance(a, Exception)]
+        if failed:
+            self._settle(replicas, "rollback", lora_name, version)
+            replica, error = failed[0]
+            log_event(
+                "group_swap_rolled_back",
+                lora_name=lora_name,
+                version=version,
+                failed=[r.index for r, _ in failed],
+                error=repr(error)[:300],
+            )
+            error.add_note(
+                f"replica {replica.index} ({replica.url}) failed to load version {version} of "
+                f"{lora_name!r}; every replica was rolled back to the version it had"
+            )
+            raise error
+        infos = [a for a in answers if isinstance(a, AdapterInfo)]
+        self._settle(replicas, "commit", lora_name, version)
+        info = infos[0]
+        sha256 = info.lora_path.removeprefix(PUSHED_PREFIX)
+        with self._lock:
+            self._record[lora_name] = AdapterState(
+                lora_name, info.version, PushedSource(sha256, files=ref), info.paused
+            )
         return infos
+
+    def _settle(
+        self, replicas: Sequence[ReplicaHandle], step: str, lora_name: str, version: int
+    ) -> None:
+        """Commit or roll back ``version`` on every replica (a no-op where it did
+        not land). A replica that cannot be reached is logged: if it is dead
+        the supervisor rebuilds it from the record, which never holds a
+        rolled back version; a live one commits on its own after
+        ``commit_timeout_s``."""
+        refs = [getattr(r.actor, step).remote(lora_name, version) for r in replicas]
+        for replica, answer in zip(replicas, _gather(refs, self.config.health_timeout_s)):
+            if isinstance(answer, Exception):
+                logger.warning(
+                    "%s of %s version %d on replica %d failed: %r",
+                    step,
+                    lora_name,
+                    version,
+                    replica.index,
+                    answer,
+                )
 
     def _next_version(self, lora_name: str) -> int:
         """One past the newest version of ``lora_name`` any live replica or the record holds."""
@@ -420,6 +470,20 @@ def _keep_pushed_files(
             files = source.files_ref(name, state.version)
         new[name] = replace(state, source=PushedSource(source.sha256, files=files))
     return new
+
+
+def _gather(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Every ref's answer, or the exception it raised, within one deadline."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    answers: list[Any] = []
+    for ref in refs:
+        try:
+            answers.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+        except Exception as exc:
+            answers.append(exc)
+    return answers
 
 
 def _is_timeout(exc: Exception) -> bool:

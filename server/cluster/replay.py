@@ -114,11 +114,17 @@ class RestoreReport:
 
 
 def served_state(engine: GatedEngine, origin: Any = None) -> list[AdapterState]:
-    """What this replica serves now (``origin``: its actor, to fetch pushed files from)."""
-    registry = engine.registry
+    """What this replica serves now (``origin``: its actor, to fetch pushed files from).
+
+    A version a group swap has not committed yet is left out (the one it
+    replaced is reported): the supervisor must neither record it nor catch
+    other replicas up to it, since the group may still roll it back.
+    """
     states = []
-    for name in registry.names():
-        record = registry.get(name)
+    for name in engine.registry.names():
+        record = engine.committed(name)
+        if record is None:  # a first load not committed yet
+            continue
         source = source_of(record.source_path, origin)
         states.append(AdapterState(name, record.version, source, engine.gate.is_paused(name)))
     return states

@@ -12,10 +12,11 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from skyrl_lora.errors import AdapterNotFoundError, LeaseNotFoundError
-from skyrl_lora.types import AdapterInfo, DrainingVersion, SwapPolicy
+from skyrl_lora.types import AdapterInfo, DrainingVersion, SettleResponse, SwapPolicy
 
 from .. import compat
 from ..observability import PAUSE_TO_ABORTED, log_event
@@ -31,6 +32,21 @@ Preparer = Callable[[int | None], Awaitable[PreparedVersion | AdapterRecord]]
 #: Versions admitted while serving the current HTTP request; read by the
 #: middleware that tags vLLM's own responses (see ``app.py``).
 admitted_versions: ContextVar[list[int] | None] = ContextVar("admitted_versions", default=None)
+
+
+@dataclass
+class PendingSwap:
+    """A version installed as one step of a group's atomic swap, not committed yet.
+
+    ``previous`` (None for a first load) is kept loaded, never retired, so a
+    rollback can make it current again; ``last_before`` is the name's newest
+    version before the load, which a rollback restores.
+    """
+
+    version: int
+    previous: AdapterRecord | None
+    last_before: int
+    timer: asyncio.TimerHandle
 
 
 class GatedEngine:
@@ -52,6 +68,7 @@ class GatedEngine:
         self.raw_generate = engine_client.generate
         self._background: set[asyncio.Task[None]] = set()
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
+        self._pending: dict[str, PendingSwap] = {}  # by adapter name
 
     def install(self) -> None:
         """Make ``engine_client.generate`` gate adapter requests."""
@@ -160,16 +177,22 @@ class GatedEngine:
         lora_path: str,
         version: int | None = None,
         policy: SwapPolicy = "abort_resume",
+        keep_previous_s: float | None = None,
     ) -> SwapPolicy | None:
         """Load or reload from a folder; see :meth:`swap` for the policies."""
         return await self.swap(
             lora_name,
             policy,
             lambda replaces: self.registry.prepare(lora_name, lora_path, version, replaces),
+            keep_previous_s,
         )
 
     async def swap(
-        self, lora_name: str, policy: SwapPolicy, prepare: Preparer
+        self,
+        lora_name: str,
+        policy: SwapPolicy,
+        prepare: Preparer,
+        keep_previous_s: float | None = None,
     ) -> SwapPolicy | None:
         """Install a new version of ``lora_name`` under ``policy``; returns the policy
         applied, or None when the call repeated the current version (nothing done).
@@ -194,21 +217,30 @@ class GatedEngine:
         taken by versions with requests running, vLLM would have to hold some
         tenant's requests back, possibly another tenant's, so the load falls
         back to ``abort_resume`` instead and says so in its answer.
+
+        ``keep_previous_s``: one step of a group's atomic swap. The replaced
+        version is kept (not retired, not even dropped from the engine at
+        staging) until :meth:`commit`, :meth:`rollback`, the next load of the
+        name, or ``keep_previous_s`` seconds, whichever comes first.
         """
         async with self.registry.lock(lora_name):
-            prepared = await prepare(self._replaceable(lora_name))
+            last_before = self.registry.last_version(lora_name)
+            previous = self.registry.get(lora_name) if lora_name in self.registry.names() else None
+            replaces = None if keep_previous_s else self._replaceable(lora_name)
+            prepared = await prepare(replaces)
             if isinstance(prepared, AdapterRecord):  # the current version, repeated
                 return None
-            if lora_name not in self.registry.names():
+            if previous is None:
                 await self.registry.install(prepared)
+                self._installed(lora_name, prepared.version, None, last_before, keep_previous_s)
                 return policy
             if policy == "finish_old" and not self._spare_slot_for(lora_name):
                 log_event("swap_policy_fallback", lora_name=lora_name, policy="abort_resume")
                 policy = "abort_resume"
             if policy == "finish_old":
-                _, previous = await self.registry.install(prepared)
-                if previous is not None:
-                    self._retire_if_drained(lora_name, previous.version)
+                await self.registry.install(prepared)
+                self._installed(lora_name, prepared.version, previous, last_before, keep_previous_s)
+                self._retire_if_drained(lora_name, previous.version)
                 return policy
             paused_here = not self.gate.is_paused(lora_name)
             try:
@@ -219,6 +251,7 @@ class GatedEngine:
                 raise
             try:
                 await self.registry.install(prepared)
+                self._installed(lora_name, prepared.version, previous, last_before, keep_previous_s)
             finally:
                 if paused_here:
                     self.resume(lora_name)
@@ -227,6 +260,103 @@ class GatedEngine:
             for old in self.registry.draining(lora_name):
                 self._retire_if_drained(lora_name, old.version)
             return policy
+
+    # -- group swaps ---------------------------------------------------------
+    def _installed(
+        self,
+        lora_name: str,
+        version: int,
+        previous: AdapterRecord | None,
+        last_before: int,
+        keep_previous_s: float | None,
+    ) -> None:
+        """After an install: a swap still pending for the name is committed (the
+        group moved on), and this one is pending if its caller keeps the previous."""
+        self._end_pending(lora_name)
+        if keep_previous_s:
+            timer = asyncio.get_running_loop().call_later(
+                keep_previous_s, self._pending_expired, lora_name, version
+            )
+            self._pending[lora_name] = PendingSwap(version, previous, last_before, timer)
+
+    def _end_pending(self, lora_name: str) -> PendingSwap | None:
+        """Forget the name's pending swap (its previous version may retire now)."""
+        pending = self._pending.pop(lora_name, None)
+        if pending is not None:
+            pending.timer.cancel()
+            if pending.previous is not None:
+                self._retire_if_drained(lora_name, pending.previous.version)
+        return pending
+
+    def _pending_expired(self, lora_name: str, version: int) -> None:
+        pending = self._pending.get(lora_name)
+        if pending is not None and pending.version == version:
+            log_event("swap_commit_expired", lora_name=lora_name, version=version)
+            self._end_pending(lora_name)
+
+    def _kept(self, lora_name: str, version: int) -> bool:
+        pending = self._pending.get(lora_name)
+        return (
+            pending is not None
+            and pending.previous is not None
+            and pending.previous.version == version
+        )
+
+    def committed(self, lora_name: str) -> AdapterRecord | None:
+        """The version of a loaded name that is not pending a group's commit:
+        the current one, or the one a pending swap keeps (None after a
+        pending first load)."""
+        pending = self._pending.get(lora_name)
+        return self.registry.get(lora_name) if pending is None else pending.previous
+
+    def commit(self, lora_name: str, version: int) -> SettleResponse:
+        """Commit a pending swap to ``version``: its previous version is retired
+        as after any load. A no-op (``changed`` False) when nothing of that
+        version is pending: already committed, expired, or never kept."""
+        pending = self._pending.get(lora_name)
+        changed = pending is not None and pending.version == version
+        if changed:
+            self._end_pending(lora_name)
+            log_event("swap_commit", lora_name=lora_name, version=version)
+        return self._settled(lora_name, changed)
+
+    async def rollback(self, lora_name: str, version: int) -> SettleResponse:
+        """Undo a pending swap to ``version``: the version it replaced serves
+        again (or the name is unloaded after a first load), ``version`` is
+        retired and may be loaded again.
+
+        The adapter is paused for the switch, so requests running on
+        ``version`` are aborted and resumed by their clients on the previous
+        one; samples pinned to ``version`` and its leases end (410). A no-op
+        (``changed`` False) when nothing of that version is pending: the load
+        never landed here, or was committed (a repeat of the current version
+        is never pending: the replica had it before the group's call).
+        """
+        async with self.registry.lock(lora_name):
+            pending = self._pending.get(lora_name)
+            if pending is None or pending.version != version:
+                return self._settled(lora_name, False)
+            del self._pending[lora_name]
+            pending.timer.cancel()
+            paused_here = not self.gate.is_paused(lora_name)
+            if paused_here:
+                await self.pause(lora_name)
+            try:
+                for lease in self.leases.drop_version(lora_name, version):
+                    timer = self._lease_timers.pop(lease.lease_id, None)
+                    if timer is not None:
+                        timer.cancel()
+                undone = self.registry.revert(lora_name, pending.previous, pending.last_before)
+                await self.registry.retire(undone)  # before any reload may reuse its number
+            finally:
+                if paused_here:
+                    self.resume(lora_name)
+            return self._settled(lora_name, True)
+
+    def _settled(self, lora_name: str, changed: bool) -> SettleResponse:
+        names = self.registry.names()
+        version = self.registry.version(lora_name) if lora_name in names else None
+        return SettleResponse(lora_name=lora_name, version=version, changed=changed)
 
     def engine_requests(self) -> dict[str, int]:
         """vLLM's own count of requests per adapter (all versions together)."""
@@ -286,7 +416,7 @@ class GatedEngine:
         lease keeps it. From this call on, no pinned sample is admitted to it."""
         if self.gate.in_flight_of_version(lora_name, version):
             return
-        if self.leases.is_leased(lora_name, version):
+        if self.leases.is_leased(lora_name, version) or self._kept(lora_name, version):
             return
         for record in self.registry.draining(lora_name):
             if record.version == version and self.registry.begin_retire(record):
@@ -344,6 +474,9 @@ class GatedEngine:
         self.registry.get(lora_name)  # 404 before any pause: pausing an unknown name is allowed
         async with self.registry.lock(lora_name):
             await self.pause(lora_name)
+            pending = self._pending.pop(lora_name, None)
+            if pending is not None:
+                pending.timer.cancel()
             for lease in self.leases.drop_adapter(lora_name):
                 timer = self._lease_timers.pop(lease.lease_id, None)
                 if timer is not None:

@@ -80,6 +80,8 @@ TENANT_ROUTES: dict[tuple[str, str], Access] = {
     ("POST", "/skyrl/v1/adapters/unload"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/push"): Access.PUSH,
     ("POST", "/skyrl/v1/adapters/lease"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/commit"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/rollback"): Access.CONTROL,
 }
 
 #: Tenant routes with a parameter in their path, by (method, path prefix).

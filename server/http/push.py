@@ -36,7 +36,7 @@ from ..weights.adapter_file import read_header
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
-TEXT_FIELDS = ("lora_name", "sha256", "swap_policy", "version")
+TEXT_FIELDS = ("lora_name", "sha256", "swap_policy", "version", "keep_previous_s")
 #: Text fields are names and digests: anything longer is not one of ours.
 MAX_TEXT_FIELD_BYTES = 1024
 #: ``--max-adapter-bytes`` default: a rank-64 adapter of a 70B model fits.
@@ -57,6 +57,13 @@ PUSH_FORM_SCHEMA: dict[str, Any] = {
             "description": "exact version; above the current one, or the current one again "
             "with the same weights (a no-op)",
         },
+        "keep_previous_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 3600,
+            "description": "keep the replaced version until commit or rollback (a group's "
+            "atomic swap), at most this many seconds",
+        },
         CONFIG_FILE: {"type": "string", "format": "binary"},
         WEIGHTS_FILE: {"type": "string", "format": "binary"},
     },
@@ -72,6 +79,7 @@ class PushedAdapter:
     sha256: str
     swap_policy: SwapPolicy = "abort_resume"
     version: int | None = None
+    keep_previous_s: float | None = None
 
 
 async def receive_push(
@@ -94,12 +102,21 @@ def write_pushed_files(
     sha256: str | None = None,
     swap_policy: SwapPolicy = "abort_resume",
     version: int | None = None,
+    keep_previous_s: float | None = None,
+    max_bytes: int | None = None,
 ) -> PushedAdapter:
-    """The object-store path: the same files as bytes, written and checked alike."""
+    """The object-store path: the same files as bytes, written and checked alike
+    (``max_bytes``: the server's ``--max-adapter-bytes``, as for an HTTP push)."""
     try:
         unknown = set(files) - set(FILES)
         if unknown:
             raise BadRequestError(f"unknown adapter files {sorted(unknown)}; expected {FILES}")
+        size = sum(len(data) for data in files.values())
+        if max_bytes is not None and size > max_bytes:
+            raise PayloadTooLargeError(
+                f"the pushed adapter ({size} bytes) is larger than the server's limit of "
+                f"{max_bytes} bytes (--max-adapter-bytes)"
+            )
         for name, data in files.items():
             (folder / name).write_bytes(data)
         fields = {"lora_name": lora_name, "swap_policy": swap_policy}
@@ -107,6 +124,8 @@ def write_pushed_files(
             fields["sha256"] = sha256
         if version is not None:
             fields["version"] = str(version)
+        if keep_previous_s is not None:
+            fields["keep_previous_s"] = str(keep_previous_s)
         digest = hashlib.sha256(files.get(WEIGHTS_FILE, b"")).hexdigest()
         return _checked_push(fields, folder, digest)
     except BaseException:
@@ -125,6 +144,7 @@ async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy 
             lambda replaces: engine.registry.prepare_owned(
                 pushed.lora_name, pushed.folder, source, pushed.version, replaces
             ),
+            pushed.keep_previous_s,
         )
     finally:  # moved into its snapshot on success; gone in every other case
         shutil.rmtree(pushed.folder, ignore_errors=True)
@@ -144,6 +164,7 @@ def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> Pushe
     version = fields.get("version")
     if version is not None and not (version.isdigit() and int(version) >= 1):
         raise BadRequestError(f"version must be a positive integer, got {version!r}")
+    keep_previous_s = _keep_previous_s(fields.get("keep_previous_s"))
     try:
         json.loads((folder / CONFIG_FILE).read_bytes())
     except ValueError as exc:
@@ -161,7 +182,20 @@ def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> Pushe
         digest,
         policy,
         None if version is None else int(version),  # type: ignore[arg-type]
+        keep_previous_s,
     )
+
+
+def _keep_previous_s(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 3600:  # also refuses nan
+        raise BadRequestError(f"keep_previous_s must be in (0, 3600] seconds, got {text!r}")
+    return seconds
 
 
 def check_safetensors(path: Path) -> None:

@@ -23,6 +23,8 @@ from skyrl_lora.types import (
     SampleRequest,
     SampleResponse,
     ServerInfo,
+    SettleResponse,
+    VersionRef,
 )
 
 from .. import compat
@@ -145,7 +147,9 @@ def build_router(
         With API keys, only an admin key may bring in a name not loaded yet.
         """
         _check_may_load(request_key(request.scope), body.lora_name, engine.registry.names())
-        applied = await engine.load(body.lora_name, body.lora_path, body.version, body.swap_policy)
+        applied = await engine.load(
+            body.lora_name, body.lora_path, body.version, body.swap_policy, body.keep_previous_s
+        )
         return adapter_info(body.lora_name, applied=applied)
 
     @router.post(
@@ -178,6 +182,19 @@ def build_router(
     async def unload_adapter(body: AdapterRef) -> AdapterRef:
         await engine.unload(body.lora_name)
         return body
+
+    @router.post("/adapters/commit")
+    async def commit_version(body: VersionRef) -> SettleResponse:
+        """Commit a group's swap to ``version`` (loaded with ``keep_previous_s``):
+        the version it replaced is retired now. A no-op when nothing is pending."""
+        return engine.commit(body.lora_name, body.version)
+
+    @router.post("/adapters/rollback")
+    async def rollback_version(body: VersionRef) -> SettleResponse:
+        """Undo a group's swap to ``version`` that failed on another replica: the
+        kept previous version serves again (a first load is unloaded) and
+        ``version`` may be loaded again. A no-op when nothing of it is pending."""
+        return await engine.rollback(body.lora_name, body.version)
 
     @router.post(
         "/adapters/lease", responses={409: {"model": ErrorBody}, 410: {"model": ErrorBody}}

@@ -98,6 +98,17 @@ class LeaseTable:
             del self._leases[lease.lease_id]
         return gone
 
+    def drop_version(self, lora_name: str, version: int) -> list[Lease]:
+        """Remove every lease on one version (a group rolled it back)."""
+        gone = [
+            lease
+            for lease in self._leases.values()
+            if lease.lora_name == lora_name and lease.version == version
+        ]
+        for lease in gone:
+            del self._leases[lease.lease_id]
+        return gone
+
     def versions(self, lora_name: str) -> set[int]:
         """The versions of ``lora_name`` some lease keeps."""
         return {lease.version for lease in self._leases.values() if lease.lora_name == lora_name}

@@ -128,6 +128,7 @@ class AdapterRegistry:
         self._retired: set[int] = set()  # lora_int_ids
         self._digests: dict[int, str | None] = {}  # lora_int_id -> weights sha256
         self._last_version: dict[str, int] = defaultdict(int)
+        self._rolled_back: dict[tuple[str, int], int] = defaultdict(int)  # (name, version)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         used_ids = [r.lora_int_id for r in published.values()]
         self._ids = itertools.count(max(used_ids, default=0) + 1)
@@ -359,6 +360,42 @@ class AdapterRegistry:
         log_event("adapter_load", lora_name=lora_name, version=version, path=prepared.source_path)
         return record, previous
 
+    def revert(
+        self, lora_name: str, previous: AdapterRecord | None, last_before: int
+    ) -> AdapterRecord:
+        """Undo the install of the current version (a group rolls back a swap
+        that failed on another replica): ``previous`` (kept, not retired) is
+        current again, or the name is gone when there was none, and the name's
+        newest version is ``last_before`` again, so the group may load the
+        version it rolled back once more. Returns the undone record: the caller
+        retires it before any other load of the name (its snapshot folder is
+        the one that version number would use again).
+        """
+        undone = self.get(lora_name)
+        if previous is None:
+            del self._records[lora_name]
+            self._published.pop(lora_name, None)
+        else:
+            self._draining.get(lora_name, {}).pop(previous.version, None)
+            self._records[lora_name] = previous
+            request = previous.lora_request
+            self._published[lora_name] = self._make_request(
+                lora_name=lora_name, lora_int_id=request.lora_int_id, lora_path=request.lora_path
+            )
+        self._last_version[lora_name] = last_before
+        self._rolled_back[(lora_name, undone.version)] += 1
+        log_event(
+            "adapter_rollback",
+            lora_name=lora_name,
+            version=undone.version,
+            to=None if previous is None else previous.version,
+        )
+        return undone
+
+    def last_version(self, lora_name: str) -> int:
+        """The newest version ``lora_name`` ever had here (0 if none)."""
+        return self._last_version.get(lora_name, 0)
+
     async def abandon(self, prepared: PreparedVersion) -> None:
         """Drop a prepared version that will not be installed: its staging and snapshot."""
         try:
@@ -429,7 +466,15 @@ class AdapterRegistry:
         return check_version(lora_name, self._last_version[lora_name], version)
 
     def _snapshot_dir(self, lora_name: str, version: int) -> Path:
-        return self._snapshot_root / _safe_dirname(lora_name) / f"v{version}"
+        """A version's snapshot folder; a version loaded again after a rollback
+        gets a new one: vLLM keys prefix-cache blocks on (engine name, path),
+        and the rolled back weights' blocks must not match the new ones."""
+        again = self._rolled_back.get((lora_name, version), 0)
+        return (
+            self._snapshot_root
+            / _safe_dirname(lora_name)
+            / (f"v{version}" + (f".r{again}" if again else ""))
+        )
 
 
 def check_version(lora_name: str, last: int, requested: int | None) -> int:
