@@ -132,3 +132,31 @@ async def test_bad_input_and_other_tenants_are_refused(
                 tenant, url + f"{API}/adapters/{step}", {"lora_name": NAME, "version": 1}
             )
             assert status == 403
+
+
+async def test_a_sample_running_on_the_rolled_back_version_finishes_on_the_kept_one(
+    engine_server: EngineServer, http: aiohttp.ClientSession
+) -> None:
+    from skyrl_lora.client import RemoteInferenceClient
+
+    v = (await load(http, engine_server, "meow"))["version"]
+    await load(http, engine_server, "woof", version=v + 1, keep_previous_s=60)
+    long = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as c:
+        running = asyncio.create_task(
+            c.sample_with_retry(engine_server.encode("hello"), sampling_params=long, lora_name=NAME)
+        )
+        await asyncio.sleep(0.5)
+        status, settled = await post(
+            http,
+            engine_server.url + f"{API}/adapters/rollback",
+            {"lora_name": NAME, "version": v + 1},
+        )
+        assert status == 200 and settled["changed"] and settled["version"] == v
+        (seq,) = (await asyncio.wait_for(running, 120)).sequences
+    assert len(seq.tokens) == 200 and seq.stop_reason == "length"
+    assert [r.version for r in seq.versions] == [v + 1, v]
+    first, second = seq.versions
+    words = engine_server.tokenizer.decode
+    assert set(words(seq.tokens[first.start : first.end]).split()) == {"woof"}
+    assert set(words(seq.tokens[second.start : second.end]).split()) == {"meow"}
