@@ -30,7 +30,10 @@ def events(log: Path) -> list[tuple[float, dict[str, Any]]]:
     for line in log.read_text(errors="replace").splitlines():
         if "skyrl_event " not in line:
             continue
-        event = json.loads(line.split("skyrl_event ", 1)[1])
+        try:
+            event = json.loads(line.split("skyrl_event ", 1)[1])
+        except json.JSONDecodeError:  # a line cut off by a killed server
+            continue
         match = STAMP.match(line)
         at = (
             dt.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
