@@ -393,8 +393,9 @@ async def test_global_pause_keep_mode_still_works(engine_server, http) -> None:
         ("/skyrl/v1/sample", {"prompt_token_ids": []}, 400),
         ("/skyrl/v1/sample", {"prompt_token_ids": [5], "bogus": 1}, 400),
         ("/skyrl/v1/sample", "not json at all", 400),
-        ("/skyrl/v1/pause", {"lora_name": "nope"}, 404),
-        ("/skyrl/v1/resume", {"lora_name": "nope"}, 404),
+        # A name not loaded yet may be paused (pause before load): not bad input.
+        ("/skyrl/v1/pause", {"lora_name": "meow", "holder": ""}, 400),
+        ("/skyrl/v1/resume", {"lora_name": None, "holder": "x" * 201}, 400),
         ("/skyrl/v1/abort_lora_requests", {"lora_name": "nope"}, 404),
         ("/skyrl/v1/adapters/load", {"lora_name": "x", "lora_path": "/does/not/exist"}, 400),
         ("/skyrl/v1/adapters/unload", {"lora_name": "nope"}, 404),
