@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from skyrl_lora.server.cluster.process import start_serve
 from skyrl_lora.server.reaper import alive
-from tests.serve_process import start_serve
 
 
 def _available_mib() -> float:

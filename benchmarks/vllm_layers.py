@@ -8,34 +8,14 @@ layers of a decoder block, shaped as asked.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyrl_lora.server.embedded.random_model import DecoderShape, write_random_adapter
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """A decoder's LoRA-relevant sizes; the default is the GPU perf model's."""
-
-    hidden: int = 2048
-    intermediate: int = 5632
-    heads: int = 16
-    kv_heads: int = 16
-    layers: int = 16
-
-    @classmethod
-    def of_config(cls, config: dict[str, Any]) -> DecoderShape:
-        """The shape of a Hugging Face Llama ``config.json``."""
-        return cls(
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            heads=config["num_attention_heads"],
-            kv_heads=config["num_key_value_heads"],
-            layers=config["num_hidden_layers"],
-        )
+__all__ = ["DecoderShape", "decoder_lora_layers", "single_process_group", "write_random_adapter"]
 
 
 @contextmanager
@@ -102,55 +82,3 @@ def random_lora_weights(layer: Any, rank: int, seed: int) -> tuple[Any, Any]:
     a = [torch.randn(rank, t.shape[-1], generator=gen).to(dtype) for t in layer.lora_a_stacked]
     b = [torch.randn(t.shape[-2], rank, generator=gen).to(dtype) for t in layer.lora_b_stacked]
     return (a[0], b[0]) if len(a) == 1 else (a, b)
-
-
-def write_random_adapter(
-    shape: DecoderShape, out_dir: Path, rank: int, seed: int, base_model: str
-) -> Path:
-    """A PEFT adapter of ``shape`` with random bf16 weights (every projection, rank ``rank``).
-
-    Throughput does not care what the weights say, only their shapes.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from skyrl_lora.server.embedded.builder import TARGET_MODULES
-
-    hidden, inter = shape.hidden, shape.intermediate
-    kv = shape.kv_heads * (hidden // shape.heads)
-    shapes = {
-        "self_attn.q_proj": (hidden, hidden),
-        "self_attn.k_proj": (hidden, kv),
-        "self_attn.v_proj": (hidden, kv),
-        "self_attn.o_proj": (hidden, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
-    }
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shape.layers):
-        for module, (fan_in, fan_out) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()},
-        str(out_dir / "adapter_model.safetensors"),
-    )
-    (out_dir / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "task_type": "CAUSAL_LM",
-                "r": rank,
-                "lora_alpha": 2 * rank,
-                "lora_dropout": 0.0,
-                "bias": "none",
-                "target_modules": list(TARGET_MODULES),
-                "base_model_name_or_path": base_model,
-            }
-        )
-    )
-    return out_dir

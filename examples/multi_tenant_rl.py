@@ -20,7 +20,7 @@ per tenant and step, the tables, and writes the JSON and a plot.
   tenants on the embedded tiny model, each learning one animal word.
 * GPU (``--gpu``, on a CUDA machine with vLLM: ``scripts/gpu_device_run.sh
   run python3 -m examples.multi_tenant_rl --gpu``): eight tenants on the
-  random 0.8B Llama of ``gpu_tests/perf_model.py``, rank-16 adapters,
+  random 0.8B Llama of ``skyrl_lora.server.embedded.random_model``, rank-16 adapters,
   generations of 128-512 tokens, learners colocated on the GPU with vLLM
   (which gets ``--gpu-mem`` of it); weights always travel by the push route.
 """
@@ -244,10 +244,10 @@ def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[st
     two per tenant (``finish_old`` keeps the old version next to the new)."""
     import torch
 
-    from gpu_tests.conftest import start_server, stop_server
-    from gpu_tests.perf_model import build_perf_model
+    from skyrl_lora.server.cluster.process import serving
+    from skyrl_lora.server.embedded.random_model import build_random_model
 
-    model = build_perf_model(root, rank=16, size="0.8b")
+    model = build_random_model(root, rank=16, size="0.8b")
     torch.cuda.empty_cache()
     argv = [
         "--model", str(model.model_dir),
@@ -264,12 +264,11 @@ def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[st
     ]  # fmt: skip
     started = time.monotonic()
     print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
-    proc, url = start_server(argv, "rl_gpu_server")
-    print(f"Server ready at {url} after {time.monotonic() - started:.0f} s\n", flush=True)
-    try:
-        yield url, model.model_dir
-    finally:
-        stop_server(proc)
+    log = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "rl_gpu_server.log"
+    with serving(["--no-ray", *argv], log) as server:
+        took = time.monotonic() - started
+        print(f"Server ready at {server.url} after {took:.0f} s\n", flush=True)
+        yield server.url, model.model_dir
 
 
 def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import pytest
 os.environ.setdefault("SKYRL_TEST_LONG", "900")
 os.environ.setdefault("SKYRL_TEST_SETTLE_S", "0.05")
 
+from skyrl_lora.server.cluster.process import ServeProcess, start_serve
 from tests.conftest import (  # noqa: F401
     MAX_ADAPTER_BYTES,
     EngineServer,
@@ -29,7 +30,6 @@ from tests.conftest import (  # noqa: F401
     http,
     tokenizer,
 )
-from tests.serve_process import ServeProcess, start_serve
 
 
 def _missing() -> str | None:

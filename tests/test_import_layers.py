@@ -21,6 +21,7 @@ SOURCES = {
     "server": "skyrl_lora.server",
     "examples": "examples",
     "benchmarks": "benchmarks",
+    "gpu_tests": "gpu_tests",
 }
 #: Server subpackages, lowest first: a package may import only those before it
 #: (and the server's top-level modules, which are below every subpackage,
@@ -167,13 +168,14 @@ def test_server_layers_import_only_downward() -> None:
     assert upward == []
 
 
-def test_the_client_and_core_never_import_the_server_examples_or_benchmarks() -> None:
+def test_the_client_and_core_never_import_the_server_and_examples_no_harness() -> None:
     graph = _graph()
     for module, targets in graph.items():
-        if module.startswith(("skyrl_lora.server", "examples", "benchmarks")):
+        if module.startswith(("skyrl_lora.server", "examples", "benchmarks", "gpu_tests")):
             continue
         bad = [t for t in targets if t.startswith(("skyrl_lora.server", "examples", "benchmarks"))]
         assert bad == [], module
     for module, targets in graph.items():
         if module.startswith("examples"):
-            assert not [t for t in targets if t.startswith("benchmarks")], module
+            harness = ("benchmarks", "gpu_tests", "tests")
+            assert not [t for t in targets if t.startswith(harness)], module

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import requests
 
+from skyrl_lora.server.cluster.process import start_serve
 from skyrl_lora.server.reaper import alive
-from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.engine
 

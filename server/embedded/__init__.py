@@ -1,4 +1,9 @@
-"""The embedded default model: built here, deterministically, with no download."""
+"""Models built here, deterministically, with no download.
+
+``builder``: the embedded tiny model and its trained adapters (the demo's and
+the tests' model). ``random_model``: random-weight Llama shapes (0.8B, 8B)
+and random adapters for measuring speed; import it by its module path.
+"""
 
 from .builder import (
     ADAPTER_WORDS,

@@ -1,6 +1,7 @@
-"""``skyrl-lora serve`` as a process of its own, for tests that need a real one.
+"""``skyrl-lora serve`` as a child process, for scripts and tests without Ray.
 
-The process gets a session (and process group) of its own, so that however a
+The GPU machines have no Ray, and a test of how ``serve`` stops needs the
+real process. The process gets a session (and process group) of its own, so that however a
 test ends, failed or timed out included, :meth:`ServeProcess.kill_all` can
 take down the server and everything it started: the process group at once,
 and the processes recorded below the server (vLLM's engine processes, Ray's)
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from skyrl_lora.server.reaper import ProcessKey, alive, process_tree, stop_processes
+from ..reaper import ProcessKey, alive, process_tree, stop_processes
 
 
 @dataclass
