@@ -24,7 +24,21 @@ class FanOutResult(list[T], Generic[T]):
         return list(self)
 
 
-class PauseResult(FanOutResult[PauseResponse]):
+class _Drains(FanOutResult[T]):
+    """Totals of answers that aborted requests and waited for them to return."""
+
+    @property
+    def aborted(self) -> int:
+        """Requests aborted on all replicas together."""
+        return sum(r.aborted for r in self)  # type: ignore[attr-defined]
+
+    @property
+    def drain_seconds(self) -> float:
+        """The slowest replica's drain: when the last aborted request had returned."""
+        return max((r.drain_seconds for r in self), default=0.0)  # type: ignore[attr-defined]
+
+
+class PauseResult(_Drains[PauseResponse]):
     @property
     def lora_name(self) -> str | None:
         return self[0].lora_name if self else None
@@ -39,25 +53,9 @@ class PauseResult(FanOutResult[PauseResponse]):
         """Whether any replica had it paused already."""
         return any(r.was_paused for r in self)
 
-    @property
-    def aborted(self) -> int:
-        """Requests aborted on all replicas together."""
-        return sum(r.aborted for r in self)
 
-    @property
-    def drain_seconds(self) -> float:
-        """The slowest replica's drain: when the last aborted request had returned."""
-        return max((r.drain_seconds for r in self), default=0.0)
-
-
-class AbortResult(FanOutResult[AbortResponse]):
-    @property
-    def aborted(self) -> int:
-        return sum(r.aborted for r in self)
-
-    @property
-    def drain_seconds(self) -> float:
-        return max((r.drain_seconds for r in self), default=0.0)
+class AbortResult(_Drains[AbortResponse]):
+    pass
 
 
 class LoadResult(FanOutResult[AdapterInfo]):

@@ -15,7 +15,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_lora.errors import AdapterNotFoundError, LeaseNotFoundError
+from skyrl_lora.errors import (
+    AdapterNotFoundError,
+    BadRequestError,
+    InternalServerError,
+    LeaseNotFoundError,
+)
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SettleResponse, SwapPolicy
 
 from .. import compat
@@ -144,6 +149,23 @@ class GatedEngine:
                 **kwargs,
             ):
                 yield output
+
+    async def final_output(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:
+        """Run one already-admitted request to its last output.
+
+        vLLM raises the caller's mistakes (a token outside the vocabulary, a
+        prompt too long) as plain exceptions; they become a 400 with vLLM's
+        message instead of a 500.
+        """
+        final = None
+        try:
+            async for output in self.raw_generate(prompt, params, request_id, lora_request=lora):
+                final = output
+        except compat.client_error_types() as exc:
+            raise BadRequestError(str(exc)) from exc
+        if final is None:
+            raise InternalServerError("the engine returned no output")
+        return final
 
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
         if request_ids:

@@ -45,13 +45,15 @@ class Sampler:
             self._engine.gate.counters.resumed_segments += 1
         version: int | None = None
         if request.lora_name is None:
-            final = await self._run(prompt, params, request_id, None)
+            final = await self._engine.final_output(prompt, params, request_id, None)
         else:
             async with self._engine.admitted(
                 request.lora_name, request_id, request.lora_version
             ) as record:
                 version = record.version
-                final = await self._run(prompt, params, request_id, record.lora_request)
+                final = await self._engine.final_output(
+                    prompt, params, request_id, record.lora_request
+                )
         sequences = [
             self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
         ]
@@ -67,19 +69,6 @@ class Sampler:
             lora_name=request.lora_name,
             adapter_version=version,
         )
-
-    async def _run(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:
-        final = None
-        try:
-            async for output in self._engine.raw_generate(
-                prompt, params, request_id, lora_request=lora
-            ):
-                final = output
-        except compat.client_error_types() as exc:
-            raise BadRequestError(str(exc)) from exc
-        if final is None:
-            raise InternalServerError("the engine returned no output")
-        return final
 
     @staticmethod
     def _sampling_params(request: SampleRequest, room: int) -> Any:

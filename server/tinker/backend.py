@@ -100,22 +100,9 @@ class EngineBackend:
         request_id = f"skyrl-tinker-score-{uuid.uuid4().hex}"
         tokens = compat.tokens_prompt(list(prompt))
         if lora_name is None:
-            return await self._last(tokens, params, request_id, None)
+            return await self._engine.final_output(tokens, params, request_id, None)
         async with self._engine.admitted(lora_name, request_id, version) as record:
-            return await self._last(tokens, params, request_id, record.lora_request)
-
-    async def _last(self, prompt: Any, params: Any, request_id: str, lora: Any) -> Any:
-        final = None
-        try:
-            async for output in self._engine.raw_generate(
-                prompt, params, request_id, lora_request=lora
-            ):
-                final = output
-        except compat.client_error_types() as exc:
-            raise BadRequestError(str(exc)) from exc
-        if final is None:
-            raise InternalServerError("the engine returned no output")
-        return final
+            return await self._engine.final_output(tokens, params, request_id, record.lora_request)
 
 
 def _scores(prompt: list[int], steps: list[Any], k: int) -> PromptScores:
