@@ -18,7 +18,7 @@ from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
 from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot
 from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
-from skyrl_lora.client.results import AbortResult, LoadResult, PauseResult
+from skyrl_lora.client.results import AbortResult, FanOutResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
 from skyrl_lora.errors import FanOutError, RetryLimitError, ServerError, ServerUnavailableError
@@ -27,6 +27,7 @@ from skyrl_lora.types import (
     AbortResponse,
     AdapterInfo,
     AdapterList,
+    LeaseResponse,
     PauseResponse,
     SampleRequest,
     SampleResponse,
@@ -492,6 +493,28 @@ class RemoteInferenceClient:
         lists = [a for a in answers if isinstance(a, AdapterList)]
         held = [a.version for found in lists for a in found.adapters if a.lora_name == lora_name]
         return max(held) + 1 if held else None
+
+    async def lease_version(
+        self, lora_name: str, version: int | None = None, *, ttl_s: float = 600.0
+    ) -> FanOutResult[LeaseResponse]:
+        """Keep ``version`` (default: the current one) loaded on every server for ``ttl_s``.
+
+        Samples pinned to it (``lora_version``) are served until the lease
+        ends, also after newer loads. Each server answers its own lease, in
+        server order; hand the result to :meth:`release_leases`. A lease that
+        is never released ends by itself, so a crashed trainer leaks nothing.
+        """
+        body = {"lora_name": lora_name, "version": version, "ttl_s": ttl_s}
+        return FanOutResult(await self._control(f"{API}/adapters/lease", body, LeaseResponse))
+
+    async def release_leases(self, leases: Sequence[LeaseResponse]) -> None:
+        """End leases from :meth:`lease_version` (one per server, in server order)."""
+
+        async def release(url: str, lease: LeaseResponse) -> bytes:
+            path = f"{API}/adapters/lease/{lease.lease_id}"
+            return await self._call(url, "DELETE", path, timeout=self.config.control_timeout)
+
+        await asyncio.gather(*(release(u, lease) for u, lease in zip(self.urls, leases)))
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         await self._control(f"{API}/adapters/unload", {"lora_name": lora_name}, _Ack)

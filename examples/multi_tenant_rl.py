@@ -182,7 +182,7 @@ async def warm_up(
 
         async def one(name: str, learner: LearnerProcess) -> None:
             folder = await learner.save(root / name)
-            await send_adapter(client, name, folder, cfg.transfer)
+            await send_adapter(client, name, folder, cfg.transfer, version=1)
             params = {"max_tokens": cfg.max_tokens, "temperature": 1.0, "ignore_eos": True}
             prompt = list(_word_ids())[: cfg.prompt_words]
             await client.sample_with_retry(
@@ -351,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-wall-s", type=float, help="stop a mode's tenants after this")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the modes")
     parser.add_argument("--max-staleness", type=int, default=OffPolicyConfig.max_staleness)
+    parser.add_argument(
+        "--pin-rollouts",
+        action="store_true",
+        help="sample each group on the version current when it started (leased across the "
+        "next sync), so no sample mixes versions",
+    )
     parser.add_argument("--ratio-clip", type=float, default=OffPolicyConfig.ratio_clip)
     parser.add_argument(
         "--transfer",
@@ -376,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     loop = dataclasses.replace(shape.loop, transfer="push" if args.gpu else args.transfer)
     if args.steps is not None:
         loop = dataclasses.replace(loop, steps=args.steps)
+    if args.pin_rollouts:
+        loop = dataclasses.replace(loop, pin_rollouts=True)
     if args.max_wall_s is not None:
         loop = dataclasses.replace(loop, max_wall_s=args.max_wall_s)
     # GPU: every mode runs --max-wall-s whole (the same load throughout); the

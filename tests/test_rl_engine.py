@@ -102,3 +102,43 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     assert log.steps[-1].mean_reward >= TARGET, rewards
     # About 1 s a step on the 2-core box, plus a fresh server's first requests.
     assert elapsed < 30 + 3 * steps, (elapsed, steps)
+
+
+async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
+    """With ``pin_rollouts`` a group samples on the version it started on,
+    leased across the next sync: aborted groups resume on their own version."""
+    from examples.rl.learner import LearnerConfig, LearnerProcess
+    from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
+    from skyrl_lora.client import RemoteInferenceClient
+    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+
+    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
+    loop = LoopConfig(
+        steps=4, groups_per_step=4, group_size=16, transfer=TRANSFER, pin_rollouts=True
+    )
+    folder = engine_server.adapter_root / "rl-pinned"
+    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
+        async with RemoteInferenceClient(
+            engine_server.url, api_key=engine_server.admin_key
+        ) as client:
+            await learner.ready()
+            log = await run_tenant(
+                client,
+                "rl-pinned",
+                learner,
+                folder,
+                random_prompts(_word_ids(), loop.prompt_words, seed=1),
+                loop,
+                "per_adapter",
+                time.monotonic(),
+            )
+            (served,) = [
+                a for a in (await client.list_adapters()).adapters if a.lora_name == "rl-pinned"
+            ]
+    assert len(log.steps) == 4
+    assert sum(s.aborted for s in log.swaps) > 0 and log.resumed > 0
+    assert log.spanning == 0, "a pinned sample mixed versions"
+    assert served.leased == [], "the tenant's leases outlived its run"
+    for step in log.steps:
+        for tokens in step.tokens:
+            assert len(set(tokens.staleness)) == 1  # one version per sample

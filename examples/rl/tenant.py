@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from examples.rl.learner import Group, LearnerProcess, StepResult
 from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.errors import VersionGoneError
 from skyrl_lora.types import SwapPolicy
 
 PauseMode = Literal["per_adapter", "finish_old", "global"]
@@ -58,6 +59,12 @@ class LoopConfig:
     target_reward: float | None = None
     #: stop after the first step that ends this many seconds after the mode's start
     max_wall_s: float | None = None
+    #: Pin each group to the version current when it started (``lora_version``),
+    #: leasing the outgoing version across the next sync: a group aborted by a
+    #: pause resumes on its own version, so no sample mixes versions. A group
+    #: still running two syncs later finds its version gone and is dropped.
+    pin_rollouts: bool = False
+    lease_ttl_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class TenantLog:
     resumed: int = 0  # samples with segments > 1 (aborted and resumed)
     spanning: int = 0  # samples whose tokens come from 2+ adapter versions
     tokens: int = 0
+    gone: int = 0  # pinned groups dropped because their version was no longer held
     # per step, seconds: waiting for the batch, the learner call (of which
     # ``StepResult.train_s`` is the learner's own), saving the adapter
     wait_s: list[float] = field(default_factory=list)
@@ -123,18 +131,31 @@ async def send_adapter(
     name: str,
     folder: Path,
     transfer: Transfer,
+    version: int,
     policy: SwapPolicy = "abort_resume",
 ) -> int:
-    """Push or load the trainer's folder as ``name``'s next version; its number."""
+    """Push or load the trainer's folder as ``name``'s version ``version``.
+
+    The trainer names its versions (one per step), so the number it trains
+    against is the number every replica serves: a group load lands on all
+    replicas at that version or on none, and a non-increasing number is a 409.
+    """
     if transfer == "push":
-        infos = await client.push_lora_adapter(name, folder, swap_policy=policy)
+        result = await client.push_lora_adapter(name, folder, swap_policy=policy, version=version)
     else:
-        infos = await client.load_lora_adapter(name, str(folder), swap_policy=policy)
-    return _one_version(name, {i.version for i in infos})
+        result = await client.load_lora_adapter(
+            name, str(folder), swap_policy=policy, version=version
+        )
+    return result.version
 
 
 async def sync_adapter(
-    client: RemoteInferenceClient, name: str, folder: Path, mode: PauseMode, transfer: Transfer
+    client: RemoteInferenceClient,
+    name: str,
+    folder: Path,
+    mode: PauseMode,
+    transfer: Transfer,
+    version: int,
 ) -> Swap:
     """Pause (this adapter or the engine), send the trainer's weights, resume.
 
@@ -144,37 +165,28 @@ async def sync_adapter(
     """
     started = time.monotonic()
     if mode == "finish_old":
-        version = await send_adapter(client, name, folder, transfer, "finish_old")
+        version = await send_adapter(client, name, folder, transfer, version, "finish_old")
         end = time.monotonic()
         return Swap(started, end, version, 0, 0.0, push_s=end - started)
     lora = name if mode == "per_adapter" else None
     paused = await client.pause_generation(lora_name=lora)
     pushing = time.monotonic()
     try:
-        version = await send_adapter(client, name, folder, transfer)
+        version = await send_adapter(client, name, folder, transfer, version)
     finally:
         resuming = time.monotonic()
         await client.resume_generation(lora_name=lora)
     end = time.monotonic()
-    aborted = sum(p.aborted for p in paused)
-    drain = max(p.drain_seconds for p in paused)
     return Swap(
         started,
         end,
         version,
-        aborted,
-        drain,
+        paused.aborted,
+        paused.drain_seconds,
         pause_s=pushing - started,
         push_s=resuming - pushing,
         resume_s=end - resuming,
     )
-
-
-def _one_version(name: str, versions: set[int]) -> int:
-    """Staleness needs one version number per load: replicas must agree."""
-    if len(versions) != 1:
-        raise RuntimeError(f"{name}: replicas disagree on the version: {sorted(versions)}")
-    return versions.pop()
 
 
 async def run_tenant(
@@ -193,13 +205,14 @@ async def run_tenant(
 
     The adapter starts as the learner's fresh weights (sent from
     ``folder``; a name already served gets them as its next version). The
-    server's answer is the trainer's first version, every sync's the next.
+    trainer numbers the versions from there, one per step.
     """
     log = TenantLog(name)
     await learner.save(folder)
-    # A first load may not be wrapped in a pause: pausing a name the server
-    # does not know yet is a 404. (A reload of a known name pauses it itself.)
-    version = await send_adapter(client, name, folder, cfg.transfer)
+    served = {a.lora_name: a.version for a in (await client.list_adapters()).adapters}
+    version = await send_adapter(client, name, folder, cfg.transfer, served.get(name, 0) + 1)
+    current = [version]  # the version new groups start on (read by the samplers)
+    leases: list[Any] = []  # the lease on the previous version, when pinning
     queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.groups_per_step)
     lengths = lengths or (lambda: cfg.max_tokens)
 
@@ -210,9 +223,17 @@ async def run_tenant(
             while True:
                 prompt = prompts()
                 params = {"max_tokens": lengths(), "temperature": 1.0, "ignore_eos": True}
-                out = await client.sample_with_retry(
-                    prompt, num_samples=cfg.group_size, sampling_params=params, lora_name=name
-                )
+                try:
+                    out = await client.sample_with_retry(
+                        prompt,
+                        num_samples=cfg.group_size,
+                        sampling_params=params,
+                        lora_name=name,
+                        lora_version=current[0] if cfg.pin_rollouts else None,
+                    )
+                except VersionGoneError:
+                    log.gone += 1
+                    continue
                 tokens = sum(len(s.tokens) for s in out.sequences)
                 log.samples += len(out.sequences)
                 log.resumed += sum(s.segments > 1 for s in out.sequences)
@@ -238,9 +259,17 @@ async def run_tenant(
             log.wait_s.append(training - waiting)
             log.learner_s.append(saving - training)
             log.save_s.append(time.monotonic() - saving)
-            swap = await sync_adapter(client, name, folder, mode, cfg.transfer)
+            held = (
+                await client.lease_version(name, version, ttl_s=cfg.lease_ttl_s)
+                if cfg.pin_rollouts
+                else []
+            )
+            swap = await sync_adapter(client, name, folder, mode, cfg.transfer, version + 1)
             log.swaps.append(swap)
-            version = swap.version
+            version = current[0] = swap.version
+            if leases:  # groups on the version before the previous one have had a whole step
+                await client.release_leases(leases)
+            leases = list(held)
             on_step(log)
             if cfg.target_reward is not None and result.mean_reward >= cfg.target_reward:
                 break
@@ -248,6 +277,9 @@ async def run_tenant(
                 break
     finally:
         log.end_s = time.monotonic() - clock_start
+        if leases:
+            with contextlib.suppress(Exception):  # they expire by themselves anyway
+                await client.release_leases(leases)
         for w in workers:
             w.cancel()
         for w in workers:
