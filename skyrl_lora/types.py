@@ -140,7 +140,8 @@ class PauseRequest(_Wire):
     """Pause one adapter, or the whole engine (keep mode) when ``lora_name`` is None.
 
     ``holder`` names who holds a global pause: the engine is resumed when the
-    last holder resumes (callers that name none share one holder).
+    last holder resumes. A global resume without ``holder`` releases every
+    hold (callers without holders, and the way out when a holder died).
     """
 
     lora_name: str | None = None

@@ -36,11 +36,12 @@ async def test_a_holder_pausing_twice_is_released_by_one_resume() -> None:
     assert calls == ["pause", "resume"] and pause.holders == 0
 
 
-async def test_unnamed_callers_share_one_holder_and_resume_always_reaches_the_engine() -> None:
+async def test_an_unnamed_resume_releases_every_hold() -> None:
     pause, calls = _recording()
     await pause.pause(None)
-    await pause.pause(None)
-    assert await pause.resume(None) is False
+    await pause.pause("trainer-that-died")
+    assert await pause.resume(None) is False  # the operator's way out
+    assert calls == ["pause", "resume"] and pause.holders == 0
     # A resume nobody paused for still resumes the engine (it may have been paused elsewhere).
     await pause.resume("nobody")
     assert calls == ["pause", "resume", "resume"]

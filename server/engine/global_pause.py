@@ -4,10 +4,12 @@ Two trainers that both pause the whole engine (each for a full fine-tune
 sync, say) must not release each other's pause: with one flag, the first
 ``resume`` let requests run again while the second trainer was still
 writing weights. Each pause names its holder (the client sends an id of its
-own; callers that name none share one anonymous holder, the old behaviour);
-the engine is paused by the first holder and resumed when the last one
-resumes. The engine calls are passed in, so the bookkeeping is tested
-without vLLM.
+own; callers that name none share one anonymous holder); the engine is
+paused by the first holder and resumed when the last one resumes. A resume
+that names no holder releases every hold and resumes the engine: the
+behaviour callers without holders always had, and the operator's way out
+when a holder died holding the pause. The engine calls are passed in, so the
+bookkeeping is tested without vLLM.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ class GlobalPause:
             return was_paused
 
     async def resume(self, holder: str | None) -> bool:
-        """Release ``holder``'s pause; the engine resumes once nobody holds it.
-
-        Returns whether the engine is still paused (by other holders).
-        """
+        """Release ``holder``'s pause (every hold when None); the engine resumes
+        once nobody holds it. Returns whether the engine is still paused."""
         async with self._lock:
-            self._holders.discard(holder or ANONYMOUS)
+            if holder is None:
+                self._holders.clear()
+            else:
+                self._holders.discard(holder)
             if not self._holders:
                 await self._resume_engine()
             return bool(self._holders)
