@@ -246,22 +246,13 @@ def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[st
 
     from skyrl_lora.server.cluster.process import serving
     from skyrl_lora.server.embedded.random_model import build_random_model
+    from skyrl_lora.server.presets import random_model_server_argv
 
     model = build_random_model(root, rank=16, size="0.8b")
     torch.cuda.empty_cache()
-    argv = [
-        "--model", str(model.model_dir),
-        "--served-model-name", "perf-llama",
-        "--dtype", "bfloat16",
-        "--max-model-len", "2048",
-        "--enable-lora",
-        "--max-lora-rank", "16",
-        "--max-loras", str(max_loras),
-        "--host", "127.0.0.1",
-        "--port", "0",
-        "--disable-uvicorn-access-log",
-        "--gpu-memory-utilization", str(gpu_mem),
-    ]  # fmt: skip
+    argv = random_model_server_argv(
+        model.model_dir, max_lora_rank=16, max_loras=max_loras, gpu_memory_utilization=gpu_mem
+    )
     started = time.monotonic()
     print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
     log = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "rl_gpu_server.log"

@@ -1,8 +1,9 @@
-"""Ready-made server flags for the embedded tiny model."""
+"""Ready-made server flags: the embedded tiny model (CPU), the random perf models (GPU)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from .embedded import EmbeddedModel
 
@@ -45,3 +46,36 @@ def embedded_server_argv(
         "--disable-uvicorn-access-log",
         *extra,
     ]
+
+
+#: The random perf models' served name (:mod:`.embedded.random_model`).
+RANDOM_MODEL_NAME = "perf-llama"
+
+
+def random_model_server_argv(
+    model_dir: Path,
+    *,
+    max_lora_rank: int,
+    max_loras: int,
+    gpu_memory_utilization: float,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``vllm serve`` flags for a random perf model on CUDA, on a free local port.
+
+    ``gpu_memory_utilization`` is the server's share of the GPU: lower it
+    where trainers or a second server share the card.
+    """
+    return [
+        "--model", str(model_dir),
+        "--served-model-name", RANDOM_MODEL_NAME,
+        "--dtype", "bfloat16",
+        "--max-model-len", "2048",
+        "--enable-lora",
+        "--max-lora-rank", str(max_lora_rank),
+        "--max-loras", str(max_loras),
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--disable-uvicorn-access-log",
+        "--gpu-memory-utilization", str(gpu_memory_utilization),
+        *extra,
+    ]  # fmt: skip

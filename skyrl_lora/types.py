@@ -287,6 +287,10 @@ class ServerInfo(_Wire):
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled
     #: from. See docs/design.md on importance ratios.
     logprobs_mode: str = "raw_logprobs"
+    #: How many objects alive at start-up the API process froze out of its
+    #: garbage collector's reach (0: ``--no-gc-freeze``), as vLLM's own server
+    #: does; full collections then walk only what serving created.
+    gc_frozen_objects: int = 0
 
 
 class ErrorDetail(_Wire):

@@ -55,6 +55,13 @@ def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
     assert pacing == (DEFAULT_ANSWER_PACING if paced else None)
 
 
+@pytest.mark.parametrize(("flags", "frozen"), [([], True), (["--no-gc-freeze"], False)])
+def test_the_gc_freeze_is_on_unless_turned_off(flags: list[str], frozen: bool) -> None:
+    from skyrl_lora.server.http.app import parse_server_args
+
+    assert parse_server_args(["--model", "unused", *flags]).gc_freeze is frozen
+
+
 @pytest.mark.parametrize(("flags", "naps"), [([], True), (["--no-staging-yield"], False)])
 def test_staging_naps_are_on_unless_turned_off(flags: list[str], naps: bool) -> None:
     from skyrl_lora.server.http.app import parse_server_args, staging_yield

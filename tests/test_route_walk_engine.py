@@ -75,6 +75,7 @@ def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> It
             str(store),
             "--no-slot-prefill",
             "--no-staging-yield",
+            "--no-gc-freeze",
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env={**CPU_ENV, **DEV_ENV}))
@@ -190,9 +191,12 @@ async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServ
     assert out.adapter_version == 2
 
 
-async def test_slot_prefill_the_reader_and_naps_can_be_turned_off(dev_server: DevServer) -> None:
+async def test_slot_prefill_the_reader_naps_and_gc_freeze_can_be_turned_off(
+    dev_server: DevServer,
+) -> None:
     status, info = await dev_server.call("GET", "/skyrl/v1/server_info", ADMIN_KEY, None)
     assert status == 200, info
     assert info["adapter_staging"] is True and info["adapter_slot_prefill"] is False
     assert info["adapter_reader_process"] is False
     assert info["adapter_staging_yield"] is False
+    assert info["gc_frozen_objects"] == 0
