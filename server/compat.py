@@ -320,12 +320,48 @@ async def pause_engine_keep(engine_client: Any) -> None:
         await engine_client.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
 
 
+async def abort_requests(engine_client: Any, request_ids: list[str]) -> None:
+    """Abort requests by the ids they were submitted with, leaving nothing of them behind.
+
+    vLLM 0.26 keeps a parallel-sampling request's parent (``n > 1``) in its
+    output processor when its children are aborted by the submitted id: the
+    parent, with every child's final output and each token's logprobs, stays
+    until the server stops. Under RL load (every sync aborts the tenant's
+    samples) that grew the API process by ~12k objects a second on an H100,
+    and its full collections to a second each (docs/gpu.md). The 0.32 build
+    does not keep them; :func:`forget_orphaned_parents` cleans up after either.
+    """
+    if request_ids:
+        await engine_client.abort(request_ids)
+        forget_orphaned_parents(engine_client)
+
+
+def forget_orphaned_parents(engine_client: Any) -> int:
+    """Drop parallel-sampling parents none of whose children vLLM still tracks; returns how many.
+
+    Such a parent gets no output any more; a child added later (its
+    siblings are added one by one) registers it again.
+    """
+    processor = getattr(engine_client, "output_processor", None)
+    parents = getattr(processor, "parent_requests", None)
+    states = getattr(processor, "request_states", None)
+    if not isinstance(parents, dict) or not isinstance(states, dict):
+        return 0
+    orphaned = [
+        parent_id
+        for parent_id, parent in parents.items()
+        if not any(child in states for child in getattr(parent, "child_requests", ()))
+    ]
+    for parent_id in orphaned:
+        del parents[parent_id]
+    return len(orphaned)
+
+
 async def abort_all_requests(engine_client: Any) -> int:
     """Abort every request the engine tracks (a stopping server); returns how many."""
     processor = getattr(engine_client, "output_processor", None)
     request_ids = list(getattr(processor, "request_states", {}))
-    if request_ids:
-        await engine_client.abort(request_ids)
+    await abort_requests(engine_client, request_ids)
     return len(request_ids)
 
 

@@ -168,8 +168,7 @@ class GatedEngine:
         return final
 
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
-        if request_ids:
-            await self.engine_client.abort(list(request_ids))
+        await compat.abort_requests(self.engine_client, list(request_ids))
 
     async def pause(self, lora_name: str) -> tuple[bool, DrainResult]:
         """Pause an adapter, also one not loaded yet (its samples are held
