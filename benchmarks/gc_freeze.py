@@ -45,6 +45,8 @@ ADAPTER = "bench-gc"
 PROBE_EVERY_S = 0.02
 MODES = ("frozen", "not frozen")
 NO_FREEZE: dict[str, tuple[str, ...]] = {"frozen": (), "not frozen": ("--no-gc-freeze",)}
+#: Each GPU server's KV cache: room for 256 samples of 512 tokens and their prompts.
+GPU_KV_CACHE_BYTES = 12 << 30
 _GC_LINE = re.compile(r'^skyrl_gc_pause_seconds_(sum|count)\{generation="(\d)"\} (\S+)$')
 
 
@@ -180,9 +182,11 @@ def _gpu_servers(root: Path) -> Iterator[tuple[dict[str, str], str, list[int], s
     log_dir = Path(os.environ.get("OUT") or root)
 
     def start(mode: str) -> ServeProcess:
+        # A fixed KV cache: two servers profiling GPU memory side by side
+        # otherwise size theirs differently (one ran 1/3 the tokens of the other).
         argv = random_model_server_argv(
             model.model_dir, max_lora_rank=16, max_loras=4, gpu_memory_utilization=0.35,
-            extra=NO_FREEZE[mode],
+            extra=(*NO_FREEZE[mode], "--kv-cache-memory-bytes", str(GPU_KV_CACHE_BYTES)),
         )  # fmt: skip
         return start_serve(["--no-ray", *argv], log_dir / f"gc_freeze_{mode.replace(' ', '_')}.log")
 
