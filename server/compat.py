@@ -327,7 +327,7 @@ async def abort_requests(engine_client: Any, request_ids: list[str]) -> None:
     output processor when its children are aborted by the submitted id: the
     parent, with every child's final output and each token's logprobs, stays
     until the server stops. Under RL load (every sync aborts the tenant's
-    samples) that grew the API process by ~12k objects a second on an H100,
+    samples) that grew the API process by ~5k objects a second on an H100,
     and its full collections to a second each (docs/gpu.md). The 0.32 build
     does not keep them; :func:`forget_orphaned_parents` cleans up after either.
     """
