@@ -16,12 +16,19 @@ from pydantic import BaseModel
 
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
+from skyrl_lora.client.handover import AdapterHandover
 from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot
 from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
 from skyrl_lora.client.results import AbortResult, FanOutResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
-from skyrl_lora.errors import FanOutError, RetryLimitError, ServerError, ServerUnavailableError
+from skyrl_lora.errors import (
+    FanOutError,
+    HandoverUnavailableError,
+    RetryLimitError,
+    ServerError,
+    ServerUnavailableError,
+)
 from skyrl_lora.stitching import SequenceStitcher, resumed_seed
 from skyrl_lora.types import (
     AbortResponse,
@@ -395,7 +402,7 @@ class RemoteInferenceClient:
     async def push_lora_adapter(
         self,
         lora_name: str,
-        adapter: str | os.PathLike[str] | InMemoryAdapter,
+        adapter: str | os.PathLike[str] | InMemoryAdapter | AdapterHandover,
         *,
         swap_policy: SwapPolicy = "abort_resume",
         version: int | None = None,
@@ -408,7 +415,21 @@ class RemoteInferenceClient:
         streamed request, concurrently, checked against the weights' sha256.
         Returns when every server answered (fan-out rules as for loads,
         atomic too).
+
+        An :class:`AdapterHandover` (a trainer on the servers' host) is handed
+        over by handle instead: no bytes on the wire. Where a server cannot
+        open it (hand-overs off, another host or GPU) its bytes are pushed,
+        to every server, so that all of them serve the same version.
         """
+        if isinstance(adapter, AdapterHandover):
+            try:
+                return await self._hand_over(lora_name, adapter, swap_policy, version)
+            except (HandoverUnavailableError, FanOutError) as exc:
+                if not _handover_unavailable(exc):
+                    raise
+                logger.info("hand-over of %s refused, pushing its bytes: %s", lora_name, exc)
+                self._metrics.handover_fallbacks += 1
+                adapter = await asyncio.to_thread(adapter.to_memory)
         payload = await asyncio.to_thread(adapter_payload, adapter)
         path = f"{API}/adapters/push"
         version = await self._fan_out_version(lora_name, version)
@@ -421,6 +442,30 @@ class RemoteInferenceClient:
                 )
 
         return LoadResult(await self._all_or_none(path, send, lora_name, version))
+
+    async def _hand_over(
+        self,
+        lora_name: str,
+        adapter: AdapterHandover,
+        swap_policy: SwapPolicy,
+        version: int | None,
+    ) -> LoadResult:
+        body = {
+            "lora_name": lora_name,
+            "swap_policy": swap_policy,
+            "version": await self._fan_out_version(lora_name, version),
+            **adapter.request(),
+        }
+        if len(self.urls) > 1:
+            body["keep_previous_s"] = self.config.commit_timeout_s
+        path = f"{API}/adapters/handover"
+
+        async def send(url: str) -> bytes:
+            return await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
+
+        infos = await self._all_or_none(path, send, lora_name, body["version"])
+        self._metrics.handovers += 1
+        return LoadResult(infos)
 
     async def _all_or_none(
         self,
@@ -570,6 +615,15 @@ def _sample_request(
         prompt_logprobs=prompt_logprobs,
         lora_version=lora_version,
     )
+
+
+def _handover_unavailable(exc: Exception) -> bool:
+    """Whether a hand-over failed only because some server could not take one
+    (then its bytes go instead); any other failure is the caller's to see."""
+    if isinstance(exc, FanOutError):
+        failures = list(exc.failures.values())
+        return bool(failures) and all(isinstance(e, HandoverUnavailableError) for e in failures)
+    return isinstance(exc, HandoverUnavailableError)
 
 
 __all__ = ["RemoteInferenceClient"]

@@ -25,6 +25,8 @@ class ClientMetricsSnapshot:
     resumed_tokens: int
     held_seconds: float
     errors: Mapping[str, int]
+    handovers: int = 0
+    handover_fallbacks: int = 0
 
 
 @dataclass
@@ -41,6 +43,10 @@ class ClientMetrics:
     held_seconds: float = 0.0
     #: Failed sample calls, by the exception's class name.
     errors: Counter[str] = field(default_factory=Counter)
+    #: Adapters handed over by handle (:class:`~skyrl_lora.client.AdapterHandover`).
+    handovers: int = 0
+    #: Hand-overs a server could not take, pushed as bytes instead.
+    handover_fallbacks: int = 0
 
     def snapshot(self) -> ClientMetricsSnapshot:
         return ClientMetricsSnapshot(
@@ -50,4 +56,6 @@ class ClientMetrics:
             resumed_tokens=self.resumed_tokens,
             held_seconds=self.held_seconds,
             errors=MappingProxyType(dict(self.errors)),
+            handovers=self.handovers,
+            handover_fallbacks=self.handover_fallbacks,
         )

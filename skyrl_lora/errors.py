@@ -125,6 +125,16 @@ class PayloadTooLargeError(ServerError):
     error_type = "payload_too_large"
 
 
+class HandoverUnavailableError(ServerError):
+    """The server cannot take weights from the trainer's memory: hand-overs are
+    off there (``serve --allow-handover``), or it cannot reach that memory
+    (another host, a GPU it does not see). Push the bytes instead; the
+    client's push does so by itself."""
+
+    status = 422
+    error_type = "handover_unavailable"
+
+
 class EngineUnavailableError(ServerError, ServerUnavailableError):
     """The server answers but its engine is dead (crash, OOM, killed process).
 
@@ -154,6 +164,7 @@ _BY_TYPE: dict[str, type[ServerError]] = {
         VersionGoneError,
         LeaseNotFoundError,
         PayloadTooLargeError,
+        HandoverUnavailableError,
         EngineUnavailableError,
         InternalServerError,
     )

@@ -188,6 +188,87 @@ class LoadAdapterRequest(_Wire):
     keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
+#: Element types a hand-over may carry (what PEFT adapters are saved in).
+HandoverDtype = Literal["float16", "bfloat16", "float32"]
+HANDOVER_ITEM_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class HandoverTensor(_Wire):
+    """One tensor of a hand-over: a contiguous slice of the shared buffer,
+    ``offset`` bytes from its start, in PEFT's naming."""
+
+    name: str = Field(min_length=1, max_length=512)
+    dtype: HandoverDtype
+    shape: list[int] = Field(min_length=1, max_length=8)
+    offset: int = Field(ge=0)
+
+    @property
+    def item_bytes(self) -> int:
+        return HANDOVER_ITEM_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        count = self.item_bytes
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def end(self) -> int:
+        """The byte after its last."""
+        return self.offset + self.nbytes
+
+
+class CudaIpcBuffer(_Wire):
+    """A trainer's CUDA memory, shared by CUDA IPC (what ``torch.multiprocessing``
+    sends for a CUDA tensor, spelled out: no pickle crosses the wire).
+
+    ``device_uuid`` names the GPU, since device numbers differ between
+    processes with different ``CUDA_VISIBLE_DEVICES``. The handles are base64.
+    """
+
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    nbytes: int = Field(ge=1)
+    device_uuid: str = Field(min_length=1, max_length=64)
+    handle: str = Field(min_length=1, max_length=256)
+    storage_size_bytes: int = Field(ge=1)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: str = Field(min_length=1, max_length=512)
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None = Field(default=None, max_length=256)
+    event_sync_required: bool = False
+
+
+class SharedMemoryBuffer(_Wire):
+    """A trainer's host memory, shared as a POSIX shared-memory file named
+    ``skyrl-handover-`` and 32 hex digits: an unguessable name is the
+    capability to read it."""
+
+    kind: Literal["shm"] = "shm"
+    nbytes: int = Field(ge=1)
+    name: str = Field(pattern=r"^skyrl-handover-[0-9a-f]{32}$")
+
+
+class HandoverRequest(_Wire):
+    """Load an adapter from a trainer's memory on the server's own host, without
+    serialising it: the server copies the tensors out of the shared ``buffer``
+    (device to host for CUDA, one copy) before it answers, so the trainer may
+    overwrite the buffer once the call returns.
+
+    Versions, swap policy and ``keep_previous_s`` are a load's. A hand-over
+    always makes a new version: its weights have no digest to tell a repeat by.
+    ``config`` is PEFT's ``adapter_config.json``.
+    """
+
+    lora_name: str = Field(min_length=1)
+    config: dict[str, object]
+    buffer: CudaIpcBuffer | SharedMemoryBuffer = Field(discriminator="kind")
+    tensors: list[HandoverTensor] = Field(min_length=1, max_length=100_000)
+    version: int | None = Field(default=None, ge=1)
+    swap_policy: SwapPolicy = "abort_resume"
+    keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+
+
 class LeaseRequest(_Wire):
     """Keep one version of an adapter loaded for pinned samples (``lora_version``).
 
@@ -282,6 +363,9 @@ class ServerInfo(_Wire):
     #: Whether a staging gives the GIL back to the engine's step loop in naps
     #: while the engine steps (see ``skyrl_lora.server.weights.staging_yield``).
     adapter_staging_yield: bool = False
+    #: Whether the server takes adapter weights from a trainer's memory on its
+    #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
+    adapter_handover: bool = False
     #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
     #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled

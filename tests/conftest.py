@@ -93,6 +93,7 @@ def engine_server(
             "--max-adapter-bytes",
             str(MAX_ADAPTER_BYTES),
             "--adapter-reader",  # opt-in; the route-walk server runs without
+            "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))

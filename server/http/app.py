@@ -37,6 +37,7 @@ from ..engine.gated import GatedEngine, admitted_versions
 from ..reaper import start_reaper
 from ..tinker.routes import tinker_surface
 from ..weights import staging
+from ..weights.handover import HandoverAccess
 from ..weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
 from ..weights.registry import AdapterRegistry
 from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
@@ -79,6 +80,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         default=DEFAULT_MAX_ADAPTER_BYTES,
         help="largest adapter upload /skyrl/v1/adapters/push accepts, in bytes "
         f"(default {DEFAULT_MAX_ADAPTER_BYTES})",
+    )
+    group.add_argument(
+        "--allow-handover",
+        action="store_true",
+        help="take adapter weights from a trainer's memory on this host "
+        "(POST /skyrl/v1/adapters/handover: CUDA IPC or shared memory) instead of bytes; "
+        "only for trainers trusted as much as the server",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -265,6 +273,11 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     tokenizer = await compat.get_tokenizer(engine_client)
     frozen = compat.freeze_gc_heap() if getattr(args, "gc_freeze", True) else 0
     logger.info("skyrl-lora froze %d start-up objects out of the GC's reach", frozen)
+    handovers = HandoverAccess(
+        allowed=getattr(args, "allow_handover", False),
+        staging=lora_engine.available,
+        device_uuids=lora_engine.device_uuids,
+    )
     info = ServerInfo(
         model=app.state.openai_serving_models.model_name(),
         max_model_len=max_model_len,
@@ -274,11 +287,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_slot_prefill=lora_engine.slot_prefill,
         adapter_reader_process=lora_engine.reader_process,
         adapter_staging_yield=lora_engine.staging_yield,
+        adapter_handover=handovers.enabled,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
     )
     sampler = Sampler(gated, max_model_len)
-    app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes))
+    app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes, handovers))
     # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
     tinker = tinker_surface(sampler.sample, gated, info, lambda r: request_key(r.scope))
     app.include_router(tinker.router)

@@ -80,6 +80,8 @@ class PushedAdapter:
     swap_policy: SwapPolicy = "abort_resume"
     version: int | None = None
     keep_previous_s: float | None = None
+    #: What the version's record says it came from (default: the push and its digest).
+    source: str | None = None
 
 
 async def receive_push(
@@ -136,7 +138,7 @@ def write_pushed_files(
 async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy | None:
     """Load a checked push as the adapter's next version (or as its ``version``);
     returns the policy applied, None for a repeat of the current version."""
-    source = f"push:sha256={pushed.sha256}"
+    source = pushed.source or f"push:sha256={pushed.sha256}"
     try:
         return await engine.swap(
             pushed.lora_name,

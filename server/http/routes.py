@@ -7,7 +7,7 @@ import shutil
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from skyrl_lora.errors import PermissionDeniedError, ServerError
+from skyrl_lora.errors import ConflictError, PermissionDeniedError, ServerError
 from skyrl_lora.types import (
     AbortResponse,
     AdapterInfo,
@@ -15,6 +15,7 @@ from skyrl_lora.types import (
     AdapterRef,
     ErrorBody,
     ErrorDetail,
+    HandoverRequest,
     LeaseRequest,
     LeaseResponse,
     LoadAdapterRequest,
@@ -30,9 +31,10 @@ from skyrl_lora.types import (
 from .. import compat
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
+from ..weights.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from ..weights.leases import Lease
 from .auth import ApiKey, request_key
-from .push import PUSH_FORM_SCHEMA, load_pushed, receive_push
+from .push import PUSH_FORM_SCHEMA, PushedAdapter, load_pushed, receive_push
 from .sample import Sampler
 
 PREFIX = "/skyrl/v1"
@@ -73,7 +75,11 @@ def _check_may_pause(key: ApiKey | None, lora_name: str, names: list[str]) -> No
 
 
 def build_router(
-    engine: GatedEngine, sampler: Sampler, info: ServerInfo, max_adapter_bytes: int
+    engine: GatedEngine,
+    sampler: Sampler,
+    info: ServerInfo,
+    max_adapter_bytes: int,
+    handovers: HandoverAccess = NO_HANDOVERS,
 ) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
@@ -177,6 +183,46 @@ def build_router(
             raise
         applied = await load_pushed(engine, pushed)
         return adapter_info(pushed.lora_name, applied=applied)
+
+    @router.post(
+        "/adapters/handover",
+        responses={
+            413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"},
+            422: {"model": ErrorBody, "description": "this server cannot open that memory"},
+        },
+    )
+    async def handover_adapter(body: HandoverRequest, request: Request) -> AdapterInfo:
+        """Load adapter weights from a trainer's memory on this host (CUDA IPC or
+        shared memory), copied before the answer, as the next version.
+
+        Same rules as a push; 422 where hand-overs are off or the memory is out
+        of this server's reach (the client then pushes the bytes).
+        """
+        handovers.check(body, max_adapter_bytes)
+        names = engine.registry.names()
+        _check_may_load(request_key(request.scope), body.lora_name, names)
+        if body.lora_name in names and body.version == engine.registry.version(body.lora_name):
+            raise ConflictError(
+                f"adapter {body.lora_name!r} is already at version {body.version}; a hand-over "
+                "always makes a new version (its weights carry no digest to tell a repeat by)"
+            )
+        folder = engine.registry.upload_dir()
+        try:
+            write_handover(folder, body)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        pushed = PushedAdapter(
+            body.lora_name,
+            folder,
+            sha256="",
+            swap_policy=body.swap_policy,
+            version=body.version,
+            keep_previous_s=body.keep_previous_s,
+            source=f"handover:{body.buffer.kind}",
+        )
+        applied = await load_pushed(engine, pushed)
+        return adapter_info(body.lora_name, applied=applied)
 
     @router.post("/adapters/unload")
     async def unload_adapter(body: AdapterRef) -> AdapterRef:

@@ -53,6 +53,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .. import compat
@@ -64,9 +65,10 @@ from ..observability import (
     log_engine_event,
     log_event,
 )
-from . import tensor_pickle
+from . import handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
+from .handover import HandedOverFile
 from .slots import SlotPrefill
 from .staging_yield import (
     DEFAULT_STAGING_YIELD,
@@ -98,6 +100,8 @@ FAILED = "failed"
 READER = "reader"
 ONE_BUFFER = "one_buffer"
 SAFETENSORS = "safetensors"
+#: Copied out of a trainer's memory (:mod:`.handover`), not read from a file.
+HANDOVER = "handover"
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
 STAGING_SWITCH_INTERVAL_S = 0.0005
@@ -175,17 +179,24 @@ class _WorkerStaging:
             logger.warning("skyrl-lora adapter reader did not start, reads stay here: %s", exc)
             return None
         routed = ReaderRoutedLoader(
-            model_cls, reader, lambda: getattr(self._staging_thread, "loading", False)
+            model_cls,
+            reader,
+            lambda: getattr(self._staging_thread, "loading", False)
+            and getattr(self._staging_thread, "handed_over", None) is None,
         )
         setattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, routed)
         return routed
 
-    def _open_in_one_buffer(self, path: str) -> OneBufferFile | None:
-        """vLLM's loader's ``safe_open``: on the staging thread, one read into
-        one buffer (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere,
-        and for a file that reader leaves to safetensors."""
+    def _open_in_one_buffer(self, path: str) -> OneBufferFile | HandedOverFile | None:
+        """vLLM's loader's ``safe_open``: on the staging thread, the tensors of a
+        hand-over, or one read into one buffer
+        (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere, and for
+        a file that reader leaves to safetensors."""
         if not getattr(self._staging_thread, "loading", False):
             return None
+        handed_over = getattr(self._staging_thread, "handed_over", None)
+        if handed_over is not None:
+            return handed_over
         try:
             opened = OneBufferFile(path, self._host_buffers)
         except UnsupportedFile as exc:
@@ -275,8 +286,10 @@ class _WorkerStaging:
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
         self._staging_thread.loading = True
         self._staging_thread.one_buffer = False
+        self._staging_thread.handed_over = None
         try:
             with self.yield_points.yielding() as naps:
+                self._staging_thread.handed_over = self._take_handover(lora_request)
                 model = self._load_from_files(lora_request)
                 loaded = time.perf_counter()
                 if self._pack is not None:
@@ -287,11 +300,15 @@ class _WorkerStaging:
             in_slot = self._slots is not None and self._slots.write(model)
         finally:
             self._staging_thread.loading = False
+            handed_over = self._staging_thread.handed_over is not None
+            self._staging_thread.handed_over = None
             sys.setswitchinterval(switch_interval)
         done = time.perf_counter()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
         read = SAFETENSORS
-        if times is not None:
+        if handed_over:
+            read = HANDOVER
+        elif times is not None:
             read = READER
         elif self._staging_thread.one_buffer:
             read = ONE_BUFFER
@@ -310,6 +327,19 @@ class _WorkerStaging:
             nap_ms=naps.slept_ms,
         )
         return _Staged(model, read, naps.count)
+
+    def _take_handover(self, lora_request: Any) -> HandedOverFile | None:
+        """A hand-over's tensors, copied out of the trainer's memory, with the
+        snapshot's weights file written from them (None for an adapter of files)."""
+        folder = Path(lora_request.lora_path)
+        description = handover.take_handover(folder)
+        if description is None:
+            return None
+        tensors = handover.materialise(
+            description, self._host_buffers, handover.cuda_device_index
+        )
+        handover.write_weights(folder, tensors)
+        return HandedOverFile(tensors)
 
     def _pack_unless_packed(self, model: Any) -> None:
         """The model manager's packing, skipped for a model packed while staged."""
@@ -381,8 +411,9 @@ class LoRAStagingExtension:
         slot_prefill: bool = True,
         reader_process: bool = False,
         staging_yield: dict[str, float] | None = None,
-    ) -> dict[str, bool]:
-        """Set staging up (once, at the server's start); says which parts are on.
+    ) -> dict[str, Any]:
+        """Set staging up (once, at the server's start); says which parts are on
+        and which GPU the worker drives (``device_uuid``, None on a CPU).
 
         ``staging_yield`` holds :class:`StagingYield`'s fields (None: stagings
         never nap). Also reports the engine process's long garbage collections
@@ -395,6 +426,7 @@ class LoRAStagingExtension:
             "slot_prefill": stager.slot_prefill,
             "reader_process": stager.reader_process,
             "staging_yield": stager.staging_yield,
+            "device_uuid": handover.cuda_device_uuid(getattr(self, "device", None)),
         }
 
     def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
@@ -456,6 +488,8 @@ class StagedLoRAEngine:
         self.slot_prefill = False
         self.reader_process = False
         self.staging_yield = False
+        #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
+        self.device_uuids: frozenset[str] = frozenset()
 
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
@@ -471,6 +505,7 @@ class StagedLoRAEngine:
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
             self.staging_yield = all(p["staging_yield"] for p in parts)
+            self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)
             self.available = False

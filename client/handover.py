@@ -1,0 +1,179 @@
+"""Adapter weights handed to a server on the same host, without serialising them.
+
+A trainer colocated with its server pays, for an HTTP push, a copy from the
+GPU to host memory, a safetensors file, the upload, the server's parse and
+write, and the server's read back and copy to the GPU. :class:`AdapterHandover`
+instead packs the adapter's tensors into one flat buffer it keeps (on the
+tensors' GPU, or in a shared-memory file for host tensors) and sends the
+server a handle to it (CUDA IPC, spelled out as plain fields: no pickle
+crosses the wire). The server copies the buffer out before it answers.
+
+Torch is imported only here and only when a hand-over is made: the client
+itself installs without it. Where a server cannot open the memory (another
+host or GPU, hand-overs off), :meth:`RemoteInferenceClient.push_lora_adapter
+<skyrl_lora.client.RemoteInferenceClient.push_lora_adapter>` pushes the bytes
+instead (:meth:`AdapterHandover.to_memory`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from skyrl_lora.client.push import InMemoryAdapter
+from skyrl_lora.types import HANDOVER_ITEM_BYTES, HandoverTensor
+
+SHM_DIR = Path("/dev/shm")
+#: Each tensor starts at a multiple of this many bytes (any element size divides it).
+ALIGN = 64
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+class AdapterHandover:
+    """One trainer's adapter, shared with servers on its host by handle.
+
+    Call :meth:`update` with the adapter's tensors (PEFT's naming, all on
+    one device: one CUDA GPU, or the CPU) each time before a push; the
+    tensors are copied into the buffer, so the trainer may keep training
+    its own. The buffer is kept and reused while the layout stays the same.
+    :meth:`close` frees it (a shared-memory file is removed).
+    """
+
+    def __init__(self, config: Mapping[str, Any] | bytes) -> None:
+        self.config: dict[str, Any] = dict(
+            json.loads(config) if isinstance(config, bytes) else config
+        )
+        self._buffer: Any = None
+        self._layout: list[HandoverTensor] = []
+        self._shm: Path | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else int(self._buffer.numel())
+
+    def update(self, tensors: Mapping[str, Any]) -> None:
+        """Copy ``tensors`` into the buffer (waits until the copy is done)."""
+        import torch
+
+        if not tensors:
+            raise ValueError("an adapter needs at least one tensor")
+        devices = {t.device for t in tensors.values()}
+        if len(devices) != 1:
+            raise ValueError(f"hand over tensors of one device, got {sorted(map(str, devices))}")
+        device = devices.pop()
+        layout = self._plan(tensors)
+        if layout != self._layout or self._buffer is None or self._buffer.device != device:
+            self._allocate(layout, device)
+        with torch.no_grad():
+            for entry in self._layout:
+                self._slice(entry).copy_(tensors[entry.name])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def request(self) -> dict[str, Any]:
+        """The body fields of ``POST /skyrl/v1/adapters/handover`` but the adapter's name
+        and version (a fresh CUDA share each time: its event covers the last update)."""
+        if self._buffer is None:
+            raise RuntimeError("nothing to hand over yet: call update() first")
+        tensors = [t.model_dump() for t in self._layout]
+        return {"config": self.config, "buffer": self._share(), "tensors": tensors}
+
+    def to_memory(self) -> InMemoryAdapter:
+        """The same adapter as bytes, for a push (one device-to-host copy)."""
+        if self._buffer is None:
+            raise RuntimeError("nothing to hand over yet: call update() first")
+        host = self._buffer.cpu()
+        tensors = {t.name: self._slice(t, host).clone() for t in self._layout}
+        return InMemoryAdapter(weights=tensors, config=self.config)
+
+    def close(self) -> None:
+        self._buffer = None
+        self._layout = []
+        if self._shm is not None:
+            self._shm.unlink(missing_ok=True)
+            self._shm = None
+
+    def __enter__(self) -> AdapterHandover:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _plan(tensors: Mapping[str, Any]) -> list[HandoverTensor]:
+        layout = []
+        offset = 0
+        for name, tensor in tensors.items():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in HANDOVER_ITEM_BYTES:
+                raise ValueError(
+                    f"tensor {name!r} is {dtype}; a hand-over takes {sorted(HANDOVER_ITEM_BYTES)}"
+                )
+            entry = HandoverTensor.model_validate(
+                {"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset}
+            )
+            layout.append(entry)
+            offset += -(-entry.nbytes // ALIGN) * ALIGN
+        return layout
+
+    def _allocate(self, layout: list[HandoverTensor], device: Any) -> None:
+        import torch
+
+        self.close()
+        nbytes = layout[-1].end
+        if device.type == "cuda":
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            path = SHM_DIR / f"skyrl-handover-{secrets.token_hex(16)}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            self._shm = path
+            self._buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        self._layout = layout
+
+    def _slice(self, entry: HandoverTensor, buffer: Any = None) -> Any:
+        import torch
+
+        buffer = self._buffer if buffer is None else buffer
+        flat = buffer[entry.offset : entry.end]
+        return flat.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def _share(self) -> dict[str, Any]:
+        import torch
+
+        nbytes = self.nbytes
+        if self._shm is not None:
+            return {"kind": "shm", "nbytes": nbytes, "name": self._shm.name}
+        (
+            _device,
+            handle,
+            storage_size_bytes,
+            storage_offset_bytes,
+            ref_counter_handle,
+            ref_counter_offset,
+            event_handle,
+            event_sync_required,
+        ) = self._buffer.untyped_storage()._share_cuda_()
+        return {
+            "kind": "cuda_ipc",
+            "nbytes": nbytes,
+            "device_uuid": str(torch.cuda.get_device_properties(self._buffer.device).uuid),
+            "handle": _b64(handle),
+            "storage_size_bytes": storage_size_bytes,
+            "storage_offset_bytes": storage_offset_bytes,
+            "ref_counter_handle": _b64(ref_counter_handle),
+            "ref_counter_offset": ref_counter_offset,
+            "event_handle": _b64(event_handle),
+            "event_sync_required": bool(event_sync_required),
+        }

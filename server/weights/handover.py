@@ -1,0 +1,263 @@
+"""Adapter weights handed over from a trainer's memory on the server's host.
+
+A trainer colocated with the server (same host, often the same GPU) need not
+write its adapter to bytes and send them over HTTP: it shares one flat
+buffer holding every tensor (CUDA IPC for GPU memory, a shared-memory file
+for host memory) and sends a small JSON description of it
+(:class:`skyrl_lora.types.HandoverRequest`). The API server writes that
+description into the push folder as :data:`HANDOVER_FILE`, beside the
+adapter's config, and loads the folder like any push. The engine's staging
+thread (:mod:`.staging`) finds the file, copies the buffer in one go into
+host memory (pinned where vLLM pins: one device-to-host copy for CUDA),
+writes the adapter's weights file into the snapshot (vLLM reads it again if
+it ever evicts the version), and gives vLLM's own loader the copied tensors
+instead of reading that file back. The trainer's memory is read only
+before the server answers, so the trainer may overwrite its buffer as soon
+as the call returns.
+
+Nothing is unpickled: the description carries plain numbers and handles,
+checked here (:func:`check_layout`) before any memory is opened.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
+from skyrl_lora.types import HandoverRequest, HandoverTensor
+
+from .tensor_pickle import read_exactly
+
+#: In a push folder instead of the weights file: where the weights are.
+HANDOVER_FILE = "handover.json"
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+#: Where POSIX shared memory lives on Linux (``shm_open`` names).
+SHM_DIR = Path("/dev/shm")
+
+@dataclass(frozen=True)
+class HandoverAccess:
+    """Whether this server takes hand-overs, and from which GPUs.
+
+    Off unless ``serve --allow-handover``: a hand-over lets a caller make the
+    engine process open memory it names, which only a trainer on the same
+    host, trusted as much as the server, should do. It also needs the
+    engine's staging thread, which copies the memory out.
+    """
+
+    allowed: bool = False
+    staging: bool = False
+    device_uuids: frozenset[str] = frozenset()
+
+    @property
+    def enabled(self) -> bool:
+        return self.allowed and self.staging
+
+    def check(self, request: HandoverRequest, max_bytes: int) -> None:
+        """Refuse what this server cannot or will not open, before anything is opened."""
+        if not self.allowed:
+            raise HandoverUnavailableError(
+                "this server takes no hand-overs (serve --allow-handover): push the weights"
+            )
+        if not self.staging:
+            raise HandoverUnavailableError(
+                "hand-overs need adapter staging, which this engine lacks: push the weights"
+            )
+        check_layout(request, max_bytes)
+        check_reachable(request, self.device_uuids)
+
+
+#: A server that takes none (the default).
+NO_HANDOVERS = HandoverAccess()
+
+
+def check_layout(request: HandoverRequest, max_bytes: int) -> None:
+    """Refuse a description whose tensors do not lie inside the buffer, overlap
+    badly aligned, or repeat a name, and a buffer above ``--max-adapter-bytes``."""
+    nbytes = request.buffer.nbytes
+    if nbytes > max_bytes:
+        raise PayloadTooLargeError(
+            f"the handed-over adapter ({nbytes} bytes) is larger than the server's limit of "
+            f"{max_bytes} bytes (--max-adapter-bytes)"
+        )
+    seen: set[str] = set()
+    for tensor in request.tensors:
+        if tensor.name in seen:
+            raise BadRequestError(f"tensor {tensor.name!r} is described twice")
+        seen.add(tensor.name)
+        if any(dim < 1 for dim in tensor.shape):
+            raise BadRequestError(f"tensor {tensor.name!r} has shape {tensor.shape}")
+        item = tensor.item_bytes
+        if tensor.offset % item:
+            raise BadRequestError(
+                f"tensor {tensor.name!r} starts at byte {tensor.offset}, not a multiple of "
+                f"its element size {item}"
+            )
+        if tensor.end > nbytes:
+            raise BadRequestError(
+                f"tensor {tensor.name!r} ends at byte {tensor.end}, past the buffer's "
+                f"{nbytes} bytes"
+            )
+
+
+def check_reachable(request: HandoverRequest, device_uuids: frozenset[str]) -> None:
+    """Refuse, as unavailable (the client then pushes bytes), memory this
+    server cannot open: another GPU, or a shared-memory file it cannot see."""
+    buffer = request.buffer
+    if buffer.kind == "cuda_ipc":
+        if buffer.device_uuid not in device_uuids:
+            raise HandoverUnavailableError(
+                f"the trainer's GPU {buffer.device_uuid} is not one of this server's "
+                f"({', '.join(sorted(device_uuids)) or 'none'}): push the weights instead"
+            )
+        return
+    path = SHM_DIR / buffer.name
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise HandoverUnavailableError(
+            f"shared memory {buffer.name!r} is not on this server's host ({exc.strerror}): "
+            "push the weights instead"
+        ) from exc
+    if size < buffer.nbytes:
+        raise BadRequestError(
+            f"shared memory {buffer.name!r} holds {size} bytes, the description says "
+            f"{buffer.nbytes}"
+        )
+
+
+def write_handover(folder: Path, request: HandoverRequest) -> None:
+    """The push folder of a hand-over: the adapter's config and the description."""
+    (folder / CONFIG_FILE).write_text(json.dumps(request.config))
+    description = {
+        "buffer": request.buffer.model_dump(),
+        "tensors": [t.model_dump() for t in request.tensors],
+    }
+    (folder / HANDOVER_FILE).write_text(json.dumps(description))
+
+
+def take_handover(folder: Path) -> dict[str, Any] | None:
+    """The description in a snapshot folder, if it came by hand-over (None for files)."""
+    path = folder / HANDOVER_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return dict(json.loads(text))
+
+
+def materialise(
+    description: dict[str, Any], allocate: Callable[[int], Any], device_index: Callable[[str], int]
+) -> dict[str, Any]:
+    """Copy the shared buffer into ``allocate(nbytes)`` (a host ``uint8``
+    tensor) and return the tensors as views of that copy, by name.
+
+    ``device_index`` maps a GPU's UUID to this process's device number.
+    """
+    import torch
+
+    buffer = description["buffer"]
+    nbytes = int(buffer["nbytes"])
+    host = allocate(nbytes)
+    if buffer["kind"] == "shm":
+        with (SHM_DIR / buffer["name"]).open("rb", buffering=0) as shared:
+            read_exactly(shared, host, nbytes, buffer["name"])
+    else:
+        index = device_index(buffer["device_uuid"])
+        with torch.cuda.device(index):
+            shared = _open_cuda_ipc(buffer, index)
+            host.copy_(shared)
+            torch.cuda.current_stream().synchronize()
+            del shared  # closes the handle: the trainer's memory is its own again
+    tensors = [HandoverTensor(**t) for t in description["tensors"]]
+    return {t.name: _view(host, t) for t in tensors}
+
+
+def cuda_device_index(uuid: str) -> int:
+    """This process's number for the GPU with ``uuid`` (as torch prints it)."""
+    import torch
+
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise HandoverUnavailableError(f"GPU {uuid} is not visible to the engine")
+
+
+def cuda_device_uuid(device: Any) -> str | None:
+    """The UUID of a worker's device, None for a CPU worker."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def write_weights(folder: Path, tensors: dict[str, Any]) -> None:
+    """The snapshot's weights file (vLLM reads it again if it evicts the
+    version); the description goes, so the folder is an ordinary adapter."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / HANDOVER_FILE).unlink()
+
+
+class HandedOverFile:
+    """What vLLM's loader uses of ``safetensors.safe_open``, answered from
+    handed-over tensors (as :class:`.adapter_file.OneBufferFile` answers from one read)."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._tensors = tensors
+
+    def keys(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def get_tensor(self, name: str) -> Any:
+        return self._tensors[name]
+
+    def metadata(self) -> dict[str, str] | None:
+        return {"format": "pt"}
+
+    def __enter__(self) -> HandedOverFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _view(host: Any, tensor: HandoverTensor) -> Any:
+    import torch
+
+    flat = host[tensor.offset : tensor.end]
+    return flat.view(getattr(torch, tensor.dtype)).view(tensor.shape)
+
+
+def _open_cuda_ipc(buffer: dict[str, Any], index: int) -> Any:
+    """The trainer's buffer as a ``uint8`` CUDA tensor of this process: what
+    torch's own ``rebuild_cuda_tensor`` does with the pieces a CUDA tensor
+    is pickled into, from checked fields instead of a pickle."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    event = buffer.get("event_handle")
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (int(buffer["nbytes"]),),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        index,
+        base64.b64decode(buffer["handle"]),
+        int(buffer["storage_size_bytes"]),
+        int(buffer["storage_offset_bytes"]),
+        False,
+        base64.b64decode(buffer["ref_counter_handle"]),
+        int(buffer["ref_counter_offset"]),
+        base64.b64decode(event) if event else None,
+        bool(buffer["event_sync_required"]),
+    )

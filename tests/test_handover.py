@@ -1,0 +1,178 @@
+"""Hand-overs without an engine: the client's buffer, the server's checks and copy.
+
+The client packs tensors into one shared buffer and describes it; the
+server checks the description and copies the buffer out. Both sides are
+run here against each other on host memory (a shared-memory file), so the
+layout they agree on is tested without vLLM; the real engine's side is in
+``test_handover_engine.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from skyrl_lora.client import AdapterHandover
+from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
+from skyrl_lora.server.weights import handover
+from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.types import HandoverRequest
+
+CONFIG = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "peft_type": "LORA"}
+
+
+def lora_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(2, 8, generator=gen),
+        "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(8, 2, generator=gen).to(
+            torch.bfloat16
+        ),
+        "base_model.model.layers.1.q_proj.lora_A.weight": torch.randn(2, 8, generator=gen).half(),
+    }
+
+
+def request_of(adapter: AdapterHandover, **fields) -> HandoverRequest:
+    return HandoverRequest.model_validate({"lora_name": "a", **adapter.request(), **fields})
+
+
+def test_a_buffer_round_trips_through_the_servers_copy() -> None:
+    tensors = lora_tensors()
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(tensors)
+        request = request_of(adapter)
+        assert request.buffer.kind == "shm"
+        access = handover.HandoverAccess(allowed=True, staging=True)
+        access.check(request, max_bytes=1 << 20)
+        description = {
+            "buffer": request.buffer.model_dump(),
+            "tensors": [t.model_dump() for t in request.tensors],
+        }
+        copied = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
+    assert copied.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert copied[name].dtype == tensor.dtype
+        assert torch.equal(copied[name], tensor)
+
+
+def test_the_buffer_is_reused_and_the_copy_is_the_servers_own() -> None:
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors(0))
+        name = request_of(adapter).buffer.name  # type: ignore[union-attr]
+        description = {
+            "buffer": request_of(adapter).buffer.model_dump(),
+            "tensors": [t.model_dump() for t in request_of(adapter).tensors],
+        }
+        first = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
+        adapter.update(lora_tensors(1))  # same layout: same buffer, new values
+        assert request_of(adapter).buffer.name == name  # type: ignore[union-attr]
+        key = next(iter(first))
+        assert torch.equal(first[key], lora_tensors(0)[key])  # the copy kept the old values
+        assert (handover.SHM_DIR / name).exists()
+    assert not (handover.SHM_DIR / name).exists()  # close() removes the shared file
+
+
+def test_the_bytes_fallback_holds_the_same_tensors() -> None:
+    tensors = lora_tensors()
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(tensors)
+        memory = adapter.to_memory()
+    assert memory.config == CONFIG
+    assert isinstance(memory.weights, dict)
+    for name, tensor in tensors.items():
+        assert torch.equal(memory.weights[name], tensor)
+
+
+def test_off_by_default_and_without_staging() -> None:
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors())
+        request = request_of(adapter)
+        with pytest.raises(HandoverUnavailableError, match="allow-handover"):
+            handover.NO_HANDOVERS.check(request, 1 << 20)
+        with pytest.raises(HandoverUnavailableError, match="staging"):
+            handover.HandoverAccess(allowed=True).check(request, 1 << 20)
+
+
+def test_descriptions_that_point_outside_the_buffer_are_refused() -> None:
+    access = handover.HandoverAccess(allowed=True, staging=True)
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors())
+        good = adapter.request()
+        end = good["buffer"]["nbytes"]
+        cases = {
+            "past the buffer": [{**good["tensors"][0], "offset": end}],
+            "not a multiple": [{**good["tensors"][0], "offset": 2}],
+            "described twice": [good["tensors"][0], good["tensors"][0]],
+            "has shape": [{**good["tensors"][0], "shape": [0, 8]}],
+        }
+        for message, tensors in cases.items():
+            request = HandoverRequest.model_validate({**good, "lora_name": "a", "tensors": tensors})
+            with pytest.raises(BadRequestError, match=message):
+                access.check(request, 1 << 20)
+        with pytest.raises(PayloadTooLargeError):
+            access.check(request_of(adapter), max_bytes=end - 1)
+        small = {**good["buffer"], "nbytes": end * 2}
+        with pytest.raises(BadRequestError, match="holds"):
+            access.check(request_of(adapter, buffer=small), 1 << 20)
+
+
+def test_memory_out_of_reach_is_unavailable_not_bad() -> None:
+    access = handover.HandoverAccess(allowed=True, staging=True, device_uuids=frozenset({"g0"}))
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors())
+        good = adapter.request()
+    gone = request_of_dict(good, buffer={**good["buffer"], "name": "skyrl-handover-" + "0" * 32})
+    with pytest.raises(HandoverUnavailableError, match="not on this server's host"):
+        access.check(gone, 1 << 20)
+    cuda = {
+        "kind": "cuda_ipc",
+        "nbytes": good["buffer"]["nbytes"],
+        "device_uuid": "another-gpu",
+        "handle": "AA==",
+        "storage_size_bytes": good["buffer"]["nbytes"],
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": "AA==",
+        "ref_counter_offset": 0,
+    }
+    with pytest.raises(HandoverUnavailableError, match="another-gpu"):
+        access.check(request_of_dict(good, buffer=cuda), 1 << 20)
+
+
+def request_of_dict(good: dict, **fields) -> HandoverRequest:
+    return HandoverRequest.model_validate({**good, "lora_name": "a", **fields})
+
+
+def test_wire_refuses_names_that_are_not_capabilities_and_other_dtypes() -> None:
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors())
+        good = adapter.request()
+    for buffer in (
+        {**good["buffer"], "name": "../etc/passwd"},
+        {**good["buffer"], "name": "skyrl-handover-short"},
+        {**good["buffer"], "kind": "pickle"},
+    ):
+        with pytest.raises(ValidationError):
+            request_of_dict(good, buffer=buffer)
+    with pytest.raises(ValidationError):
+        request_of_dict(good, tensors=[{**good["tensors"][0], "dtype": "int8"}])
+    with pytest.raises(ValueError, match="a hand-over takes"):
+        AdapterHandover(CONFIG).update({"x": torch.zeros(2, dtype=torch.int64)})
+
+
+def test_the_snapshot_gets_a_weights_file_and_loses_the_description(tmp_path: Path) -> None:
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors())
+        request = request_of(adapter)
+        handover.write_handover(tmp_path, request)
+        description = handover.take_handover(tmp_path)
+        assert description is not None
+        tensors = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
+    handover.write_weights(tmp_path, tensors)
+    assert handover.take_handover(tmp_path) is None
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / handover.WEIGHTS_FILE))
+    assert all(torch.equal(saved[k], v) for k, v in lora_tensors().items())
