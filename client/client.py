@@ -390,14 +390,7 @@ class RemoteInferenceClient:
             "swap_policy": swap_policy,
             "version": await self._fan_out_version(lora_name, version),
         }
-        if len(self.urls) > 1:
-            body["keep_previous_s"] = self.config.commit_timeout_s
-        path = f"{API}/adapters/load"
-
-        async def send(url: str) -> bytes:
-            return await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
-
-        return LoadResult(await self._all_or_none(path, send, lora_name, body["version"]))
+        return LoadResult(await self._load_everywhere(f"{API}/adapters/load", body))
 
     async def push_lora_adapter(
         self,
@@ -456,16 +449,19 @@ class RemoteInferenceClient:
             "version": await self._fan_out_version(lora_name, version),
             **adapter.request(),
         }
+        infos = await self._load_everywhere(f"{API}/adapters/handover", body)
+        self._metrics.handovers += 1
+        return LoadResult(infos)
+
+    async def _load_everywhere(self, path: str, body: dict[str, Any]) -> list[AdapterInfo]:
+        """POST a JSON load (``lora_name``, ``version``, ...) to every server, all or none."""
         if len(self.urls) > 1:
             body["keep_previous_s"] = self.config.commit_timeout_s
-        path = f"{API}/adapters/handover"
 
         async def send(url: str) -> bytes:
             return await self._call(url, "POST", path, body, timeout=self.config.control_timeout)
 
-        infos = await self._all_or_none(path, send, lora_name, body["version"])
-        self._metrics.handovers += 1
-        return LoadResult(infos)
+        return await self._all_or_none(path, send, body["lora_name"], body["version"])
 
     async def _all_or_none(
         self,
