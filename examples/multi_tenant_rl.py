@@ -67,6 +67,8 @@ from skyrl_lora.rl_accounting import OffPolicyConfig, staleness_counts
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}
 MODES: tuple[PauseMode, ...] = ("per_adapter", "finish_old", "global")
+#: Every mode a run may ask for (``--modes``).
+ALL_MODES: tuple[PauseMode, ...] = ("per_adapter", "per_adapter_staged", "finish_old", "global")
 CPU_MODES: tuple[PauseMode, ...] = ("per_adapter", "global")
 #: GPU tenants' target tokens: tenant i says tokens [32 i, 32 i + 32) of the
 #: 256-token vocabulary, an eighth of it (a fresh LoRA says them ~12% of the time).
@@ -328,8 +330,35 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s_finish_old_over_global": ratio("tokens_per_s", "finish_old"),
         },
         "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant,
+        "order_balanced": order_balanced(modes),
         "summary": summary,
     }
+
+
+def order_balanced(modes: dict[str, Any]) -> dict[str, Any]:
+    """Each mode's mean over its positions in the run (``mode``, ``mode#2``,
+    ...: an ABBA order puts every mode first once), and its ratio to the
+    global pause's, for the figures a single order skews."""
+    keys = ("time_to_target_s", "tokens_per_s", "on_policy_share", "seconds_per_step")
+    by_base: dict[str, dict[str, list[float]]] = {}
+    for mode, data in modes.items():
+        base = mode.split("#")[0]
+        for key in keys:
+            value = data["median_over_tenants"][key]
+            if value is not None:
+                by_base.setdefault(base, {}).setdefault(key, []).append(value)
+    means = {
+        base: {key: sum(v) / len(v) for key, v in figures.items()}
+        for base, figures in by_base.items()
+    }
+    ratios = {
+        f"{key}_{base}_over_global": means[base][key] / means["global"][key]
+        for base in means
+        if base != "global" and "global" in means
+        for key in keys
+        if key in means[base] and means["global"].get(key)
+    }
+    return {"means": means, "ratios": ratios}
 
 
 def _commit() -> str:
@@ -395,9 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = shape.modes
     if args.modes:
         requested = [m for m in args.modes.split(",") if m]
-        unknown = set(requested) - set(MODES)
+        unknown = set(requested) - set(ALL_MODES)
         if unknown:
-            parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+            parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
         modes = tuple(m for m in requested)  # type: ignore[misc]
     shape = dataclasses.replace(shape, loop=loop, learner=learner, modes=modes)
     name = "rl_gpu" if args.gpu else "rl"

@@ -239,8 +239,20 @@ def _base_model(model_dir: Path, config: LearnerConfig) -> torch.nn.Module:
 # of its own it shares nothing with the samplers but the CPU.
 
 _LEARNER: Learner | None = None
-#: The learner's hand-over buffer (made at the first hand-over, reused after).
-_HANDOVER: AdapterHandover | None = None
+
+
+@dataclass
+class _Sender:
+    """The learner process's hand-over buffer, event loop and client, made at
+    its first hand-over and kept: a sync pays for neither a new loop nor a
+    new connection."""
+
+    handover: AdapterHandover
+    loop: asyncio.AbstractEventLoop
+    client: RemoteInferenceClient
+
+
+_SENDER: _Sender | None = None
 
 
 def _start(model_dir: Path, targets: frozenset[int], config: LearnerConfig) -> None:
@@ -271,21 +283,19 @@ def _save(folder: Path) -> Path:
 def _hand_over(url: str, lora_name: str, version: int, policy: SwapPolicy) -> int:
     """Hand the adapter to the server by handle from this process, where the
     tensors live: only a small JSON body leaves it (CUDA IPC on a GPU)."""
-    global _HANDOVER
+    global _SENDER
     learner = _learner()
-    if _HANDOVER is None:
-        _HANDOVER = AdapterHandover(learner.adapter_config())
-    _HANDOVER.update(learner.adapter_state())
-
-    async def push() -> int:
-        async with RemoteInferenceClient(url) as client:
-            assert _HANDOVER is not None
-            loaded = await client.push_lora_adapter(
-                lora_name, _HANDOVER, swap_policy=policy, version=version
-            )
-            return loaded.version
-
-    return asyncio.run(push())
+    if _SENDER is None or _SENDER.client.urls != [url]:
+        loop = asyncio.new_event_loop()
+        client = RemoteInferenceClient(url)
+        _SENDER = _Sender(AdapterHandover(learner.adapter_config()), loop, client)
+    _SENDER.handover.update(learner.adapter_state())
+    loaded = _SENDER.loop.run_until_complete(
+        _SENDER.client.push_lora_adapter(
+            lora_name, _SENDER.handover, swap_policy=policy, version=version
+        )
+    )
+    return loaded.version
 
 
 def _reset() -> None:

@@ -32,7 +32,7 @@ from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import VersionGoneError
 from skyrl_lora.types import SwapPolicy
 
-PauseMode = Literal["per_adapter", "finish_old", "global"]
+PauseMode = Literal["per_adapter", "per_adapter_staged", "finish_old", "global"]
 #: "push" sends the weights over HTTP (trainer and servers share no disk);
 #: "load" has the server read the trainer's folder (it must be under one of
 #: the server's ``--adapter-root`` folders when it has any); "handover" has the
@@ -168,13 +168,15 @@ async def sync_adapter(
 
     ``finish_old`` pauses nothing: the push itself keeps the old version
     for the requests in flight (or falls back to abort-resume where no
-    LoRA slot is free for both).
+    LoRA slot is free for both). ``per_adapter_staged`` leaves the pause to
+    the server's ``abort_resume`` swap: the new version is staged while the
+    old one still serves, and the adapter is paused (its requests aborted
+    and resumed) only around the install, instead of for the whole sync.
     """
     started = time.monotonic()
-    if mode == "finish_old":
-        version = await send_adapter(
-            client, name, learner, folder, transfer, version, "finish_old"
-        )
+    if mode in ("finish_old", "per_adapter_staged"):
+        policy: SwapPolicy = "finish_old" if mode == "finish_old" else "abort_resume"
+        version = await send_adapter(client, name, learner, folder, transfer, version, policy)
         end = time.monotonic()
         return Swap(started, end, version, 0, 0.0, push_s=end - started)
     lora = name if mode == "per_adapter" else None

@@ -287,6 +287,7 @@ class _WorkerStaging:
         self._staging_thread.loading = True
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
+        self._staging_thread.handover_ms = (None, None)
         try:
             with self.yield_points.yielding() as naps:
                 self._staging_thread.handed_over = self._take_handover(lora_request)
@@ -325,6 +326,9 @@ class _WorkerStaging:
             slot_ms=round((done - packed) * 1000, 2) if in_slot else None,
             naps=naps.count,
             nap_ms=naps.slept_ms,
+            # a hand-over's copy out of the trainer's memory and snapshot write, within read_ms
+            handover_copy_ms=self._staging_thread.handover_ms[0],
+            handover_write_ms=self._staging_thread.handover_ms[1],
         )
         return _Staged(model, read, naps.count)
 
@@ -335,10 +339,16 @@ class _WorkerStaging:
         description = handover.take_handover(folder)
         if description is None:
             return None
+        started = time.perf_counter()
         tensors = handover.materialise(
             description, self._host_buffers, handover.cuda_device_index
         )
+        copied = time.perf_counter()
         handover.write_weights(folder, tensors)
+        self._staging_thread.handover_ms = (
+            round((copied - started) * 1000, 2),
+            round((time.perf_counter() - copied) * 1000, 2),
+        )
         return HandedOverFile(tensors)
 
     def _pack_unless_packed(self, model: Any) -> None:
