@@ -73,3 +73,10 @@ def test_snapshot_refuses_a_link_out_of_the_roots(tmp_path: Path) -> None:
             str(tmp_path / "src"), tmp_path / "snap" / "v1", roots=[tmp_path / "src"]
         )
     assert not (tmp_path / "snap" / "v1").exists()
+
+
+def test_a_path_the_os_refuses_to_look_up_is_a_bad_request(tmp_path: Path) -> None:
+    """``Path.is_dir`` raises for a name over the file system's limit (found by the fuzz test)."""
+    with pytest.raises(BadRequestError, match="cannot be read"):
+        snapshot_adapter_dir("0" * 300, tmp_path / "snap" / "v1")
+    assert not (tmp_path / "snap").exists()

@@ -518,7 +518,11 @@ def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None =
     On failure nothing is left at ``target``.
     """
     source = Path(path)
-    if not source.is_dir():
+    try:
+        is_dir = source.is_dir()
+    except OSError as exc:  # is_dir() raises for a name too long, not only False
+        raise BadRequestError(f"adapter path {path!r} cannot be read: {exc.strerror}") from exc
+    if not is_dir:
         raise BadRequestError(f"adapter path {path!r} is not a directory")
     resolved = _checked(source, path, roots)
     if target.exists():
