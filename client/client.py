@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
 from skyrl_lora.client.handover import AdapterHandover
-from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot
+from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot, export_in_process
 from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
 from skyrl_lora.client.results import AbortResult, FanOutResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
@@ -89,6 +89,8 @@ class RemoteInferenceClient:
         self._metrics = ClientMetrics()
         #: Names this client's hold of the global pause (see :meth:`pause_all`).
         self.holder = f"client-{uuid.uuid4().hex[:12]}"
+        #: Its counters on an in-process server's /metrics, labelled with ``holder``.
+        self._unexport = export_in_process(self._metrics, self.holder)
 
     async def __aenter__(self) -> RemoteInferenceClient:
         return self
@@ -97,6 +99,9 @@ class RemoteInferenceClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._unexport is not None:
+            self._unexport()
+            self._unexport = None
         await self._transport.aclose()
 
     def metrics(self) -> ClientMetricsSnapshot:

@@ -299,3 +299,23 @@ async def test_a_resumed_seeded_sample_draws_anew_and_is_counted() -> None:
         assert (metrics.samples, metrics.resubmits) == (1, 2)
         assert (metrics.resumed_segments, metrics.resumed_tokens) == (1, 2)
         assert dict(metrics.errors) == {}
+
+
+async def test_an_in_process_server_shows_each_clients_counters_on_its_metrics() -> None:
+    import importlib
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    importlib.import_module("skyrl_lora.server.observability")  # a server in this process
+    async with FakeServer() as server:
+        server.script = [answer(seq([1, 2], "abort")), answer(seq([3], "length"))]
+        async with RemoteInferenceClient(server.url) as one, RemoteInferenceClient(
+            server.url
+        ) as two:
+            await one.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3}, lora_name="a")
+            text = generate_latest(REGISTRY).decode()
+            assert f'skyrl_client_samples_total{{client="{one.holder}"}} 1.0' in text
+            assert f'skyrl_client_resubmits_total{{client="{one.holder}"}} 1.0' in text
+            assert f'skyrl_client_resumed_tokens_total{{client="{one.holder}"}} 1.0' in text
+            assert f'skyrl_client_samples_total{{client="{two.holder}"}} 0.0' in text
+    assert one.holder not in generate_latest(REGISTRY).decode()  # gone once closed
