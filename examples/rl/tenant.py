@@ -119,10 +119,11 @@ def random_lengths(cfg: LoopConfig, seed: int) -> Callable[[], int]:
 def random_prompts(word_ids: range, words: int, seed: int) -> Callable[[], list[int]]:
     """Prompts of random words from a seeded generator: both modes draw the same.
 
-    vLLM's sampling is left unseeded: ``sample_with_retry`` resubmits an
-    aborted sample with the same ``seed``, so a seeded sample would replay
-    its random stream after every abort and its tokens would no longer be
-    independent draws from the policy.
+    vLLM's sampling is left unseeded, each group its own draws. A seeded
+    sample would be safe too: ``sample_with_retry`` resubmits an aborted
+    one with a seed derived from the original and the tokens so far
+    (:func:`skyrl_lora.stitching.resumed_seed`), so a resumed segment never
+    replays the first one's random stream.
     """
     rng = random.Random(seed)
     return lambda: [rng.randrange(word_ids.start, word_ids.stop) for _ in range(words)]
