@@ -5,13 +5,28 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skyrl_lora.client import RemoteInferenceClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def current_commit() -> str:
+    """The checkout's short commit, for the figures a benchmark writes ("unknown" outside git)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
 
 
 def greeting_prompt(model: Any) -> list[int]:

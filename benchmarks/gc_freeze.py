@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.common import current_commit
 from benchmarks.stats import Spread, Tail
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -149,11 +149,6 @@ def run(urls: dict[str, str], prompt: list[int], load: Load) -> dict[str, Any]:
     }
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 @contextlib.contextmanager
 def _cpu_servers() -> Iterator[tuple[dict[str, str], str, list[int], str]]:
     """Both servers on the embedded model (Ray actors): urls, adapter path, prompt, machine."""
@@ -229,7 +224,7 @@ def main() -> None:
         infos = {mode: asyncio.run(_prepare(url, adapter)) for mode, url in urls.items()}
         figures = run(urls, prompt, load)
     result = {
-        "commit": _commit(),
+        "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{machine}, vLLM {infos[MODES[0]]['vllm_version']}, "
         f"load average {os.getloadavg()[0]:.1f} at the end",

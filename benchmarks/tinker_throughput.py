@@ -19,12 +19,12 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.common import current_commit
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -107,16 +107,6 @@ def _describe(result: dict[str, Any]) -> str:
     )
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (default: start one on the embedded model)")
@@ -138,7 +128,7 @@ def main() -> None:
         if adapter_path is None:
             parser.error("--adapter-path is needed with --url")
         result = asyncio.run(measure(url, args.api_key, adapter_path, load))
-    result["commit"] = _commit()
+    result["commit"] = current_commit()
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result["machine"] = (
         f"{platform.machine()}, {os.cpu_count()} cores, "

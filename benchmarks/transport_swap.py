@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import current_commit
 from benchmarks.stats import Spread, Tail
 from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 
@@ -223,13 +223,6 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return out.stdout.strip() or os.environ.get("SKYRL_COMMIT", "unknown")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.8b", help="perf model size on CUDA (0.8b, 8b)")
@@ -237,7 +230,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=TransportConfig.rounds)
     parser.add_argument("--swaps", type=int, default=TransportConfig.swaps)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/transport_swap.json")
-    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or _commit())
+    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or current_commit())
     args = parser.parse_args()
     cfg = TransportConfig(rounds=args.rounds, swaps=args.swaps)
     with server(args.size, args.rank, cfg.others + 1) as (url, folders, machine):
