@@ -100,7 +100,7 @@ class IsolationConfig:
 
     @property
     def names(self) -> list[str]:
-        return [f"iso-{chr(ord('a') + i)}" for i in range(self.tenants)]
+        return [f"iso-{chr(ord('a') + i)}" if i < 26 else f"iso-{i}" for i in range(self.tenants)]
 
 
 @dataclass

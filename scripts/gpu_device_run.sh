@@ -9,6 +9,11 @@
 #                                            example's GPU shape (examples/multi_tenant_rl.py
 #                                            --gpu ARGS); its JSON, plot and server log
 #                                            land in $OUT (rl_gpu.json, rl_gpu.png, ...)
+#   scripts/gpu_device_run.sh bg NAME CMD... the same install, then CMD detached (it outlives
+#                                            the call's 600 s), then as `wait NAME`; CMD gets
+#                                            $OUT=$HOME/bg/NAME and $SITE_RUN (this script)
+#   scripts/gpu_device_run.sh wait NAME [S]  wait up to S s (default 560) for NAME, copy its
+#                                            log and $OUT into this call's $OUT; rc 3: still running
 #
 # The machine keeps $HOME only while it stays warm (about 30 s after a call),
 # so the stash calls and the test call must follow each other closely.
@@ -27,7 +32,39 @@ install() {
     touch "$site/.complete"
 }
 
+wait_bg() {
+    local name="$1" limit="${2:-560}" dir="$HOME/bg/$1" waited=0
+    while [[ ! -f "$dir.rc" && $waited -lt $limit ]]; do
+        sleep 5
+        waited=$((waited + 5))
+    done
+    mkdir -p "${OUT:-$HOME/out}/$name"
+    cp -r "$dir"/. "${OUT:-$HOME/out}/$name/" 2>/dev/null || true
+    cp "$dir.log" "${OUT:-$HOME/out}/$name.log"
+    tail -n 40 "$dir.log"
+    if [[ -f "$dir.rc" ]]; then
+        echo "$name ended, rc $(cat "$dir.rc")"
+        return 0
+    fi
+    echo "$name still running after ${waited} s"
+    return 3
+}
+
 case "${1:-}" in
+    wait)
+        shift
+        wait_bg "$@"
+        ;;
+    bg)
+        name="$2"
+        shift 2
+        install
+        mkdir -p "$HOME/bg/$name"
+        rm -f "$HOME/bg/$name.rc"
+        OUT="$HOME/bg/$name" SITE_RUN="$(pwd)/scripts/gpu_device_run.sh" setsid nohup bash -c \
+            '"$@"; echo $? > "$HOME/bg/'"$name"'.rc"' bash "$@" > "$HOME/bg/$name.log" 2>&1 < /dev/null &
+        wait_bg "$name"
+        ;;
     stash)
         mkdir -p "$stash"
         cp ".p$2"/part.* "$stash/"

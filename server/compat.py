@@ -198,7 +198,7 @@ def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool
     return _hook_before(model_runner, "execute_model", hook)
 
 
-def fold_lora_scalings(lora_model: Any) -> None:
+def fold_lora_scalings(lora_model: Any) -> dict[float, list[Any]] | None:
     """Fold every layer's scaling into its B, as vLLM's ``optimize`` does, in
     one tensor call per distinct scaling (an adapter usually has one).
 
@@ -210,10 +210,14 @@ def fold_lora_scalings(lora_model: Any) -> None:
     ``B *= scaling`` with a Python float (a float scalar list rounds
     differently in bf16). Layers whose scaling is not a plain number, or
     whose B is missing, are left to their own ``optimize``.
+
+    Returns the B tensors multiplied, by factor, or None where some layer was
+    left to its own ``optimize`` (whose arithmetic is not told).
     """
     import torch
 
     by_factor: dict[float, list[Any]] = {}
+    folded: dict[float, list[Any]] | None = {}
     for weights in lora_model.loras.values():
         scaling = getattr(weights, "scaling", None)
         lora_b = getattr(weights, "lora_b", None)
@@ -222,10 +226,35 @@ def fold_lora_scalings(lora_model: Any) -> None:
                 by_factor.setdefault(float(scaling), []).append(weights)
         else:
             weights.optimize()
+            folded = None
     for factor, layers in by_factor.items():
-        torch._foreach_mul_([w.lora_b for w in layers], torch.tensor(factor, dtype=torch.float64))
+        products = [w.lora_b for w in layers]
+        torch._foreach_mul_(products, torch.tensor(factor, dtype=torch.float64))
         for weights in layers:  # only once B holds the product
             weights.scaling = 1
+        if folded is not None:
+            folded[factor] = products
+    return folded
+
+
+def lora_model_layers(lora_model: Any) -> dict[str, Any]:
+    """A ``LoRAModel``'s weights objects by module name (0.26 and 0.32: ``loras``)."""
+    return dict(lora_model.loras)
+
+
+def lora_model_skeleton(lora_model: Any) -> Any:
+    """``lora_model`` without its layers: what :func:`lora_model_from_skeleton`
+    fills (``clone`` keeps every other field of the version's ``LoRAModel``)."""
+    skeleton = lora_model.clone(lora_model.id)
+    skeleton.loras = {}
+    return skeleton
+
+
+def lora_model_from_skeleton(skeleton: Any, lora_model_id: int, layers: dict[str, Any]) -> Any:
+    """A ``LoRAModel`` like ``skeleton``, with id ``lora_model_id`` and ``layers``."""
+    model = skeleton.clone(lora_model_id)
+    model.loras = layers
+    return model
 
 
 async def collective_rpc(engine_client: Any, method: str, *args: Any) -> list[Any]:

@@ -9,6 +9,7 @@ layout they agree on is tested without vLLM; the real engine's side is in
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from pydantic import ValidationError
 
 from skyrl_lora.client import AdapterHandover
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
-from skyrl_lora.server.weights import handover
+from skyrl_lora.server.weights import handover, snapshot_writer
+from skyrl_lora.server.weights.snapshot_writer import SnapshotWriter
 from skyrl_lora.server.weights.tensor_pickle import host_buffers
 from skyrl_lora.types import HandoverRequest
 
@@ -51,7 +53,8 @@ def test_a_buffer_round_trips_through_the_servers_copy() -> None:
             "buffer": request.buffer.model_dump(),
             "tensors": [t.model_dump() for t in request.tensors],
         }
-        copied = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
+        (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
+        copied = handover.tensor_views(host, description)
     assert copied.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert copied[name].dtype == tensor.dtype
@@ -66,7 +69,12 @@ def test_the_buffer_is_reused_and_the_copy_is_the_servers_own() -> None:
             "buffer": request_of(adapter).buffer.model_dump(),
             "tensors": [t.model_dump() for t in request_of(adapter).tensors],
         }
-        first = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
+        copies = handover.copy_out(
+            description, host_buffers(False), handover.cuda_device_index, copies=2
+        )
+        assert copies[0].data_ptr() != copies[1].data_ptr()
+        assert torch.equal(copies[0], copies[1])
+        first = handover.tensor_views(copies[0], description)
         adapter.update(lora_tensors(1))  # same layout: same buffer, new values
         assert request_of(adapter).buffer.name == name  # type: ignore[union-attr]
         key = next(iter(first))
@@ -169,10 +177,45 @@ def test_the_snapshot_gets_a_weights_file_and_loses_the_description(tmp_path: Pa
         handover.write_handover(tmp_path, request)
         description = handover.take_handover(tmp_path)
         assert description is not None
-        tensors = handover.materialise(description, host_buffers(False), handover.cuda_device_index)
-    handover.write_weights(tmp_path, tensors)
+        (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
+    writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
+    writer.submit(tmp_path, host, description["tensors"])
+    writer.wait(tmp_path)
+    handover.wait_for_weights(tmp_path, timeout_s=5)
     assert handover.take_handover(tmp_path) is None
+    assert not list(tmp_path.glob("*.partial"))
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     saved = load_file(str(tmp_path / handover.WEIGHTS_FILE))
+    assert saved.keys() == lora_tensors().keys()
     assert all(torch.equal(saved[k], v) for k, v in lora_tensors().items())
+    with safe_open(str(tmp_path / handover.WEIGHTS_FILE), framework="pt") as opened:
+        assert opened.metadata() == {"format": "pt"}
+
+
+def test_a_snapshot_write_survives_short_writes(tmp_path: Path, monkeypatch) -> None:
+    """``os.writev`` may write less than asked: the rest follows, in order."""
+    tensors = lora_tensors()
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(tensors)
+        request = request_of(adapter)
+        description = {
+            "buffer": request.buffer.model_dump(),
+            "tensors": [t.model_dump() for t in request.tensors],
+        }
+        (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
+    real_writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, chunks: real_writev(fd, [bytes(chunks[0])[:7]]))
+    snapshot_writer.write_safetensors(tmp_path / "a.safetensors", host, description["tensors"])
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "a.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in tensors.items())
+
+
+def test_a_retired_folder_is_no_error_for_the_writer(tmp_path: Path) -> None:
+    folder = tmp_path / "gone"
+    writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
+    writer.submit(folder, torch.zeros(4, dtype=torch.uint8), [])
+    writer.wait(folder)  # returns: nothing to write into, nothing raised

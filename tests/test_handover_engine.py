@@ -24,8 +24,10 @@ from skyrl_lora.errors import (
     HandoverUnavailableError,
     PermissionDeniedError,
 )
+from skyrl_lora.server.weights import handover
 from tests.conftest import TENANT_KEYS, EngineServer
 from tests.test_push_engine import LONG, admin, sample, wait_running, words
+from tests.test_server_engine import counts_by_label
 
 pytestmark = pytest.mark.engine
 
@@ -58,6 +60,35 @@ async def test_a_handed_over_adapter_serves_like_the_same_weights_pushed(
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+
+
+async def test_a_layout_seen_before_builds_from_its_template_and_serves_the_same(
+    engine_server, admin, http
+) -> None:
+    """The second hand-over of a layout skips vLLM's loader and packing
+    (:mod:`skyrl_lora.server.weights.handover_template`): it must serve what
+    the same weights pushed as files serve, token for token, and its snapshot
+    must hold the weights as handed over (not with the scaling folded in)."""
+    woof = Path(engine_server.model.adapters["woof"]) / "adapter_model.safetensors"
+    with handover_of(engine_server, "meow") as adapter:
+        await admin.push_lora_adapter("handed-tpl", adapter)  # the layout is known from now
+        before = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        adapter.update(load_file(str(woof)))
+        (info,) = await admin.push_lora_adapter("handed-tpl", adapter)
+    assert info.version == 2
+    after = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+    assert after.get("handover_template", 0) == before.get("handover_template", 0) + 1
+    await admin.push_lora_adapter("handed-tpl-pushed", engine_server.model.adapters["woof"])
+    handed = (await sample(admin, engine_server, "handed-tpl", 24)).sequences[0]
+    pushed = (await sample(admin, engine_server, "handed-tpl-pushed", 24)).sequences[0]
+    assert handed.tokens == pushed.tokens
+    assert handed.logprobs == pytest.approx(pushed.logprobs, abs=1e-5)
+    snapshot = engine_server.snapshot_dir / "handed-tpl" / "v2"
+    handover.wait_for_weights(snapshot, timeout_s=30)
+    saved = load_file(str(snapshot / "adapter_model.safetensors"))
+    original = load_file(str(woof))
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
 
 
 async def test_a_hand_over_mid_sample_aborts_resumes_and_loses_nothing(

@@ -25,6 +25,7 @@ from skyrl_lora.errors import ConflictError
 
 from ..engine.gated import GatedEngine
 from ..http.push import FILES, load_pushed, write_pushed_files
+from ..weights.handover import wait_for_weights
 
 #: How a pushed version's ``source_path`` reads in the registry.
 PUSHED_PREFIX = "push:sha256="
@@ -88,6 +89,7 @@ def source_of(source_path: str, origin: Any = None) -> AdapterSource:
 def snapshot_files(engine: GatedEngine, lora_name: str, version: int) -> dict[str, bytes]:
     """The files of one loaded version, from the server's own immutable snapshot."""
     snapshot = Path(engine.registry.record(lora_name, version).lora_request.lora_path)
+    wait_for_weights(snapshot)  # a hand-over's file is written after its swap
     return {name: (snapshot / name).read_bytes() for name in FILES}
 
 

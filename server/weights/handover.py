@@ -9,11 +9,12 @@ description into the push folder as :data:`HANDOVER_FILE`, beside the
 adapter's config, and loads the folder like any push. The engine's staging
 thread (:mod:`.staging`) finds the file, copies the buffer in one go into
 host memory (pinned where vLLM pins: one device-to-host copy for CUDA),
-writes the adapter's weights file into the snapshot (vLLM reads it again if
-it ever evicts the version), and gives vLLM's own loader the copied tensors
-instead of reading that file back. The trainer's memory is read only
-before the server answers, so the trainer may overwrite its buffer as soon
-as the call returns.
+and gives vLLM's own loader the copied tensors instead of a file (or, for a
+layout it has seen, re-points the last model's views, :mod:`.handover_template`).
+The adapter's weights file, which vLLM reads again if it ever evicts the
+version, is written into the snapshot after the swap (:mod:`.snapshot_writer`).
+The trainer's memory is read only before the server answers, so the trainer
+may overwrite its buffer as soon as the call returns.
 
 Nothing is unpickled: the description carries plain numbers and handles,
 checked here (:func:`check_layout`) before any memory is opened.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 #: Where POSIX shared memory lives on Linux (``shm_open`` names).
 SHM_DIR = Path("/dev/shm")
+
 
 @dataclass(frozen=True)
 class HandoverAccess:
@@ -151,31 +154,54 @@ def take_handover(folder: Path) -> dict[str, Any] | None:
     return dict(json.loads(text))
 
 
-def materialise(
-    description: dict[str, Any], allocate: Callable[[int], Any], device_index: Callable[[str], int]
-) -> dict[str, Any]:
-    """Copy the shared buffer into ``allocate(nbytes)`` (a host ``uint8``
-    tensor) and return the tensors as views of that copy, by name.
+def copy_out(
+    description: dict[str, Any],
+    allocate: Callable[[int], Any],
+    device_index: Callable[[str], int],
+    copies: int = 1,
+) -> list[Any]:
+    """Copy the shared buffer into ``copies`` fresh ``allocate(nbytes)``
+    (host ``uint8`` tensors), each whole, and let go of the shared memory.
 
-    ``device_index`` maps a GPU's UUID to this process's device number.
+    ``device_index`` maps a GPU's UUID to this process's device number. The
+    staging takes two: one becomes the model (its B tensors are scaled in
+    place), the other the snapshot file, written later as handed over.
     """
     import torch
 
     buffer = description["buffer"]
     nbytes = int(buffer["nbytes"])
-    host = allocate(nbytes)
+    hosts = [allocate(nbytes) for _ in range(copies)]
     if buffer["kind"] == "shm":
         with (SHM_DIR / buffer["name"]).open("rb", buffering=0) as shared:
-            read_exactly(shared, host, nbytes, buffer["name"])
+            read_exactly(shared, hosts[0], nbytes, buffer["name"])
+        for host in hosts[1:]:
+            host.copy_(hosts[0])
     else:
         index = device_index(buffer["device_uuid"])
         with torch.cuda.device(index):
             shared = _open_cuda_ipc(buffer, index)
-            host.copy_(shared)
+            for host in hosts:
+                host.copy_(shared, non_blocking=host.is_pinned())
             torch.cuda.current_stream().synchronize()
             del shared  # closes the handle: the trainer's memory is its own again
+    return hosts
+
+
+def tensor_views(host: Any, description: dict[str, Any]) -> dict[str, Any]:
+    """The handed-over tensors as views of ``host`` (a copy of the buffer), by name."""
     tensors = [HandoverTensor(**t) for t in description["tensors"]]
     return {t.name: _view(host, t) for t in tensors}
+
+
+def wait_for_weights(folder: Path, timeout_s: float = 120.0) -> None:
+    """Wait while ``folder``'s weights file is still being written from a
+    hand-over (:mod:`.snapshot_writer`); at once for a folder of files."""
+    deadline = time.monotonic() + timeout_s
+    while (folder / HANDOVER_FILE).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the snapshot of {folder.name} was not written in {timeout_s} s")
+        time.sleep(0.01)
 
 
 def cuda_device_index(uuid: str) -> int:
@@ -195,15 +221,6 @@ def cuda_device_uuid(device: Any) -> str | None:
     if device is None or torch.device(device).type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-
-
-def write_weights(folder: Path, tensors: dict[str, Any]) -> None:
-    """The snapshot's weights file (vLLM reads it again if it evicts the
-    version); the description goes, so the folder is an ordinary adapter."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / HANDOVER_FILE).unlink()
 
 
 class HandedOverFile:

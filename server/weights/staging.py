@@ -69,7 +69,9 @@ from . import handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
 from .handover import HandedOverFile
+from .handover_template import HandoverTemplates, layout_key
 from .slots import SlotPrefill
+from .snapshot_writer import SnapshotWriter
 from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
@@ -100,11 +102,26 @@ FAILED = "failed"
 READER = "reader"
 ONE_BUFFER = "one_buffer"
 SAFETENSORS = "safetensors"
-#: Copied out of a trainer's memory (:mod:`.handover`), not read from a file.
+#: Copied out of a trainer's memory (:mod:`.handover`), not read from a file,
+#: and built by vLLM's loader, or from the last model of the same layout
+#: (:mod:`.handover_template`).
 HANDOVER = "handover"
+HANDOVER_TEMPLATE = "handover_template"
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
 STAGING_SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class _HandedOver:
+    """A hand-over copied out of the trainer's memory: the model's copy, the
+    snapshot's (written after the swap), and what its build depends on."""
+
+    folder: Path
+    description: dict[str, Any]
+    model_buffer: Any
+    snapshot_buffer: Any
+    layout: str
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,9 @@ class _WorkerStaging:
             logger.warning("skyrl-lora leaves adapter file reads to safetensors: %r", exc)
         #: Each staging's result, by adapter id.
         self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
+        #: Hand-overs' models by layout, and their snapshot files, written after the swap.
+        self._templates = HandoverTemplates()
+        self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
         lora_manager._load_adapter = self._load_adapter
@@ -181,8 +201,10 @@ class _WorkerStaging:
         routed = ReaderRoutedLoader(
             model_cls,
             reader,
-            lambda: getattr(self._staging_thread, "loading", False)
-            and getattr(self._staging_thread, "handed_over", None) is None,
+            lambda: (
+                getattr(self._staging_thread, "loading", False)
+                and getattr(self._staging_thread, "handed_over", None) is None
+            ),
         )
         setattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, routed)
         return routed
@@ -287,27 +309,36 @@ class _WorkerStaging:
         self._staging_thread.loading = True
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
-        self._staging_thread.handover_ms = (None, None)
+        copy_ms = None
         try:
             with self.yield_points.yielding() as naps:
-                self._staging_thread.handed_over = self._take_handover(lora_request)
-                model = self._load_from_files(lora_request)
-                loaded = time.perf_counter()
-                if self._pack is not None:
-                    compat.fold_lora_scalings(model)  # batched: the pack's own folds are no-ops
-                    self._pack(model)
+                handed = self._take_handover(lora_request)
+                if handed is not None:
+                    copy_ms = round((time.perf_counter() - started) * 1000, 2)
+                template = None if handed is None else self._templates.get(handed.layout)
+                if template is not None:
+                    assert handed is not None
+                    model = template.instantiate(handed.model_buffer, lora_request.lora_int_id)
                     self._packed.add(model)
-                packed = time.perf_counter()
+                    loaded = packed = time.perf_counter()
+                else:
+                    model, loaded = self._build(lora_request, handed)
+                    packed = time.perf_counter()
             in_slot = self._slots is not None and self._slots.write(model)
         finally:
             self._staging_thread.loading = False
-            handed_over = self._staging_thread.handed_over is not None
             self._staging_thread.handed_over = None
             sys.setswitchinterval(switch_interval)
+        if handed is not None:  # the swap goes on; the file follows
+            self._snapshots.submit(
+                handed.folder, handed.snapshot_buffer, handed.description["tensors"]
+            )
         done = time.perf_counter()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
         read = SAFETENSORS
-        if handed_over:
+        if template is not None:
+            read = HANDOVER_TEMPLATE
+        elif handed is not None:
             read = HANDOVER
         elif times is not None:
             read = READER
@@ -326,30 +357,56 @@ class _WorkerStaging:
             slot_ms=round((done - packed) * 1000, 2) if in_slot else None,
             naps=naps.count,
             nap_ms=naps.slept_ms,
-            # a hand-over's copy out of the trainer's memory and snapshot write, within read_ms
-            handover_copy_ms=self._staging_thread.handover_ms[0],
-            handover_write_ms=self._staging_thread.handover_ms[1],
+            # a hand-over's copies out of the trainer's memory, within read_ms
+            handover_copy_ms=copy_ms,
         )
         return _Staged(model, read, naps.count)
 
-    def _take_handover(self, lora_request: Any) -> HandedOverFile | None:
-        """A hand-over's tensors, copied out of the trainer's memory, with the
-        snapshot's weights file written from them (None for an adapter of files)."""
+    def _build(self, lora_request: Any, handed: _HandedOver | None) -> tuple[Any, float]:
+        """vLLM's model for the request, packed; when it was loaded.
+
+        A hand-over's tensors stand in for the files, and its packed model
+        becomes the template of its layout (:mod:`.handover_template`).
+        """
+        if handed is not None:
+            views = handover.tensor_views(handed.model_buffer, handed.description)
+            self._staging_thread.handed_over = HandedOverFile(views)
+            # vLLM's loader looks for the file before it opens it (the opening
+            # is ours); the real one replaces this after the swap, and until
+            # then the folder's hand-over description says it is not written.
+            (handed.folder / handover.WEIGHTS_FILE).touch()
+        model = self._load_from_files(lora_request)
+        loaded = time.perf_counter()
+        if self._pack is not None:
+            folded = compat.fold_lora_scalings(model)  # batched: the pack's own folds are no-ops
+            self._pack(model)
+            self._packed.add(model)
+            if handed is not None and not self._templates.known(handed.layout):
+                self._templates.learn(handed.layout, model, handed.model_buffer, folded)
+        return model, loaded
+
+    def _take_handover(self, lora_request: Any) -> _HandedOver | None:
+        """A hand-over's buffer, copied out of the trainer's memory twice (the
+        model's copy and the snapshot's); None for an adapter of files."""
         folder = Path(lora_request.lora_path)
         description = handover.take_handover(folder)
         if description is None:
             return None
-        started = time.perf_counter()
-        tensors = handover.materialise(
-            description, self._host_buffers, handover.cuda_device_index
+        model_buffer, snapshot_buffer = handover.copy_out(
+            description, self._host_buffers, handover.cuda_device_index, copies=2
         )
-        copied = time.perf_counter()
-        handover.write_weights(folder, tensors)
-        self._staging_thread.handover_ms = (
-            round((copied - started) * 1000, 2),
-            round((time.perf_counter() - copied) * 1000, 2),
+        config = (folder / handover.CONFIG_FILE).read_text()
+        extra = (
+            getattr(lora_request, "is_3d_lora_weight", None),
+            getattr(lora_request, "tensorizer_config_dict", None),
         )
-        return HandedOverFile(tensors)
+        return _HandedOver(
+            folder,
+            description,
+            model_buffer,
+            snapshot_buffer,
+            layout_key(description, config, extra),
+        )
 
     def _pack_unless_packed(self, model: Any) -> None:
         """The model manager's packing, skipped for a model packed while staged."""
@@ -383,6 +440,7 @@ class _WorkerStaging:
             future = self._staged.pop(lora_request.lora_int_id, None)
         if future is not None and future.done() and future.exception() is None:
             return future.result().model
+        self._snapshots.wait(lora_request.lora_path)  # a hand-over's file, still being written
         return self._load_from_files(lora_request)
 
 

@@ -1,0 +1,324 @@
+"""Swap cost at realistic scale: adapter size, transport, tenant count.
+
+``python -m benchmarks.scale`` serves the random 8B-shaped model (``--size``;
+:mod:`skyrl_lora.server.embedded.random_model`) on one GPU and measures two
+curves on that one server:
+
+* **swap cost against adapter bytes**: for each rank (``--ranks``; adapters
+  on every linear layer), a trainer's sync (pause, weights in, resume) by
+  each transport (``path``, HTTP ``push``, GPU ``handover``), idle and while
+  7 other tenants sample, in interleaved rounds
+  (:func:`benchmarks.transport_swap.measure`);
+* **the other tenants' cost against tenant count**: for each count
+  (``--tenants``), one tenant reloads once a period while the others
+  stream, per-adapter pause against vLLM's global keep-mode pause, in
+  interleaved windows (:func:`benchmarks.isolation.run`): the others'
+  tokens/s over no-swap windows and their inter-token gaps during and
+  outside swaps.
+
+The server is started once with ``--max-lora-rank`` the largest rank and
+``--max-loras`` the largest tenant count (a restart per count would cost
+minutes of a lent GPU each). Raw figures go to ``--json`` (one entry per
+curve point, with ``commit``, ``date``, ``machine`` and ``model``);
+``--plot JSON`` draws the curves from such a file into PNGs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks import isolation, transport_swap
+from benchmarks.common import current_commit
+from benchmarks.stats import IsolationChecks, UntrustworthyRunError
+from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.errors import AdapterNotFoundError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The others' load while a rank's syncs are timed: 7 tenants of 8 streams.
+SWAP_LOAD = transport_swap.TransportConfig(rounds=3, swaps=3, others=7, streams=8)
+#: One tenant reloads (by path, no hold) once a second while the others stream.
+TENANT_LOAD = isolation.IsolationConfig(
+    rounds=3,
+    max_tokens=128,
+    swaps_per_window=4,
+    hold_s=0.0,
+    own_processes=True,
+    warmup_s=3.0,
+    checks=IsolationChecks(baseline_tolerance=0.15),
+)
+#: Streams per other tenant by tenant count: about 60 streams in all.
+TOTAL_STREAMS = 60
+
+
+def streams_per_tenant(tenants: int) -> int:
+    return max(2, TOTAL_STREAMS // (tenants - 1))
+
+
+async def unload(url: str, names: list[str]) -> None:
+    async with RemoteInferenceClient(url) as client:
+        for name in names:
+            with contextlib.suppress(AdapterNotFoundError):  # a run that failed early
+                await client.unload_lora_adapter(name)
+
+
+def swap_cost_points(
+    url: str, folders: dict[int, list[Path]], load: transport_swap.TransportConfig
+) -> list[dict[str, Any]]:
+    """One point per rank, load and transport: the sync's spread over rounds and its tail."""
+    points = []
+    for rank, pair in folders.items():
+        cfg = replace(load, swapper=f"swap-r{rank}")
+        started = time.monotonic()
+        result = asyncio.run(transport_swap.measure(url, pair, cfg))
+        asyncio.run(unload(url, [cfg.swapper]))  # an idle adapter would hold a slot
+        print(f"rank {rank}: measured in {time.monotonic() - started:.0f} s", flush=True)
+        print(transport_swap.table(result), flush=True)
+        adapter_bytes = (pair[0] / "adapter_model.safetensors").stat().st_size
+        for load_kind in ("idle", "under_load"):
+            for transport, figures in result[load_kind].items():
+                points.append(
+                    {
+                        "rank": rank,
+                        "adapter_bytes": adapter_bytes,
+                        "load": load_kind,
+                        "transport": transport,
+                        **figures,
+                    }
+                )
+    return points
+
+
+def tenant_points(url: str, model: Any, counts: list[int]) -> list[dict[str, Any]]:
+    """One point per tenant count: the others' rate ratio and gap tails by mode."""
+    prompt = list(range(10, 74))  # 64 prompt tokens
+    points = []
+    for tenants in counts:
+        streams = streams_per_tenant(tenants)
+        cfg = replace(TENANT_LOAD, tenants=tenants, streams=streams, streamed=min(4, streams))
+        started = time.monotonic()
+        try:
+            result = asyncio.run(isolation.run(url, model, prompt, cfg))
+        except UntrustworthyRunError as why:  # the other points still count
+            print(f"{tenants} tenants: no figures, {why}", flush=True)
+            points.append({"tenants": tenants, "untrustworthy": str(why)})
+            continue
+        finally:
+            asyncio.run(unload(url, cfg.names))
+        try:
+            result.check()
+            trusted: str | None = None
+        except UntrustworthyRunError as why:
+            trusted = str(why)
+        figures = result.to_json()
+        print(
+            f"{tenants} tenants ({time.monotonic() - started:.0f} s): "
+            f"{json.dumps(figures['others_ratio'])} untrusted={trusted}",
+            flush=True,
+        )
+        points.append(
+            {
+                "tenants": tenants,
+                "streams_per_other": streams,
+                "others_ratio": figures["others_ratio"],
+                "others_ratio_pooled": figures["others_ratio_pooled"],
+                "others_tok_s_no_swap": figures["others_tok_s_no_swap"],
+                "gap_ms": figures["stall_ms"],
+                "longest_gaps_during_swaps": figures["longest_gaps_during_swaps"],
+                "swaps": figures["swaps"],
+                "untrustworthy": trusted,
+            }
+        )
+    return points
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from skyrl_lora.server.cluster.process import serving
+    from skyrl_lora.server.embedded.random_model import build_random_model, write_model_adapter
+    from skyrl_lora.server.presets import random_model_server_argv
+
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="skyrl-scale-out-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="skyrl-scale-"))
+    started = time.monotonic()
+    model = build_random_model(work, rank=64, size=args.size)
+    folders = {
+        r: [write_model_adapter(model.model_dir, work / f"r{r}-{i}", r, 20 + i) for i in (1, 2)]
+        for r in args.ranks
+    }
+    torch.cuda.empty_cache()
+    built_s = time.monotonic() - started
+    argv = random_model_server_argv(
+        model.model_dir,
+        max_lora_rank=max(args.ranks),
+        max_loras=max(args.tenants),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        extra=["--allow-handover"],
+    )
+    meta: dict[str, Any] = {
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{torch.cuda.get_device_name(0)}, vLLM 0.26.0",
+        "model": args.size,
+        "server": {"max_lora_rank": max(args.ranks), "max_loras": max(args.tenants)},
+        "swap_load": SWAP_LOAD.__dict__,
+        "model_build_s": round(built_s, 1),
+    }
+    result: dict[str, Any] = {**meta, "swap_cost": [], "tenants": []}
+
+    def save() -> None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+    started = time.monotonic()
+    with serving(["--no-ray", *argv], out / "scale_server.log") as running:
+        result["server_start_s"] = round(time.monotonic() - started, 1)
+        print(f"server up in {result['server_start_s']} s", flush=True)
+        save()
+        if "tenants" in args.parts:
+            result["tenants"] = tenant_points(running.url, model, args.tenants)
+            save()
+        if "swap_cost" in args.parts:
+            result["swap_cost"] = swap_cost_points(running.url, folders, SWAP_LOAD)
+            save()
+    return result
+
+
+def plot(path: Path) -> list[Path]:
+    """The curves of a ``scale.json`` as PNGs beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    label = f"{data['model']} model, {data['machine']}, {data['commit']} ({data['date']})"
+    made = []
+    if data["swap_cost"]:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, load in zip(axes, ("idle", "under_load")):
+            for transport in transport_swap.TRANSPORTS:
+                points = sorted(
+                    (
+                        p
+                        for p in data["swap_cost"]
+                        if p["load"] == load and p["transport"] == transport
+                    ),
+                    key=lambda p: p["adapter_bytes"],
+                )
+                mb = [p["adapter_bytes"] / 1e6 for p in points]
+                ax.errorbar(
+                    mb,
+                    [p["sync_ms"]["median"] for p in points],
+                    yerr=[
+                        [p["sync_ms"]["median"] - p["sync_ms"]["min"] for p in points],
+                        [p["sync_ms"]["max"] - p["sync_ms"]["median"] for p in points],
+                    ],
+                    marker="o",
+                    capsize=3,
+                    label=transport,
+                )
+                for p, x in zip(points, mb):
+                    ax.annotate(f"r{p['rank']}", (x, p["sync_ms"]["median"]), fontsize=7)
+            ax.set_title(f"sync, {load.replace('_', ' ')}")
+            ax.set_xlabel("adapter MB (bf16, every linear layer)")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("pause + weights in + resume, ms (median of rounds, min-max)")
+        axes[0].legend()
+        fig.suptitle(label, fontsize=9)
+        fig.tight_layout()
+        made.append(path.with_name("scale_swap_cost.png"))
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    if data["tenants"]:
+        points = sorted(
+            (p for p in data["tenants"] if "others_ratio" in p), key=lambda p: p["tenants"]
+        )
+        counts = [p["tenants"] for p in points]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for mode in isolation.SWAP_MODES:
+            spreads = [p["others_ratio"][mode] for p in points]
+            axes[0].errorbar(
+                counts,
+                [s["median"] for s in spreads],
+                yerr=[
+                    [s["median"] - s["min"] for s in spreads],
+                    [s["max"] - s["median"] for s in spreads],
+                ],
+                marker="o",
+                capsize=3,
+                label=isolation_title(mode),
+            )
+        axes[0].axhline(0.97, color="grey", ls=":", label="target 0.97x")
+        axes[0].set_xlabel("tenants (one swapping once a second)")
+        axes[0].set_ylabel("others' tokens/s during swaps / no swap")
+        axes[0].legend()
+        for kind, color in (("per_adapter_during_swap", "C3"), ("per_adapter_outside_swap", "C0")):
+            where = kind.replace("per_adapter_", "").replace("_", " ")
+            for tail, style in (("max", "o-"), ("p99", "s:")):
+                axes[1].plot(
+                    counts,
+                    [p["gap_ms"][kind][tail]["median"] for p in points],
+                    style,
+                    color=color,
+                    label=f"{tail} gap, {where}",
+                )
+        axes[1].set_xlabel("tenants")
+        axes[1].set_ylabel("others' inter-token gap, ms (median of rounds)")
+        axes[1].legend(fontsize=8)
+        for ax in axes:
+            ax.set_xticks(counts)
+            ax.grid(alpha=0.3)
+        fig.suptitle(label, fontsize=9)
+        fig.tight_layout()
+        made.append(path.with_name("scale_tenants.png"))
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    return made
+
+
+def isolation_title(mode: str) -> str:
+    return {"per_adapter": "per-adapter pause", "global": "global keep pause"}[mode]
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="8b")
+    parser.add_argument(
+        "--ranks", type=lambda s: [int(r) for r in s.split(",")], default=[8, 32, 64, 128]
+    )
+    parser.add_argument(
+        "--tenants", type=lambda s: [int(t) for t in s.split(",")], default=[8, 16, 32]
+    )
+    parser.add_argument("--parts", default="tenants,swap_cost")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--work", help="where the model and adapters are built (reused)")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/scale.json")
+    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or current_commit())
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="only draw the curves of JSON")
+    args = parser.parse_args()
+    if args.plot:
+        for made in plot(args.plot):
+            print(f"wrote {made}")
+        return 0
+    run(args)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

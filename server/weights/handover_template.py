@@ -1,0 +1,194 @@
+"""Build a handed-over adapter's vLLM model from the last one of its layout.
+
+A trainer hands over the same adapter every step: the same tensor names,
+shapes, dtypes and offsets in its flat buffer, the same config; only the
+numbers change. vLLM's loader and the model manager's packing nevertheless
+rebuild the whole ``LoRAModel`` each time, a few Python calls per tensor,
+and while the engine steps the staging thread runs them in short slices
+between naps (:mod:`.staging_yield`): on an H100 a rank-16 hand-over of the
+0.8B perf model staged in 40 ms idle and 140 ms under load, 73 ms of it naps.
+
+So the first hand-over of a layout goes through vLLM as before, and its
+packed model is kept as a :class:`HandoverTemplate`: for every layer, the
+weights object and, for each of its tensors, the place in the host buffer
+it is a view of. The next hand-over of that layout gets its model by
+re-pointing those views at its own buffer (one ``as_strided`` per tensor)
+and folding the scalings the first one folded (one multiply per factor).
+No file is opened, no name parsed, no yield point passed.
+
+A layout is only templated when every tensor of the packed model is a view
+of the buffer (vLLM neither converted nor copied any) and every scaling was
+folded by :func:`skyrl_lora.server.compat.fold_lora_scalings`; anything else
+keeps going through vLLM, so the template never changes what is built, only
+how long it takes. ``tests/test_handover_template.py`` checks that a model
+from a template equals vLLM's, tensor for tensor, on the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import compat
+
+logger = logging.getLogger("vllm.skyrl_lora.handover_template")
+
+#: How many layouts a worker keeps templates of (one per tenant's adapter shape).
+MAX_TEMPLATES = 64
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Where one of the model's tensors lies in the host buffer (in elements of its dtype)."""
+
+    dtype: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+#: A weights attribute: one leaf, a list of leaves (None for an absent slice).
+_Field = _Leaf | tuple[_Leaf | None, ...]
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+class NotTemplatable(Exception):
+    """vLLM built this model in a way a template would not reproduce."""
+
+
+def layout_key(description: dict[str, Any], config_text: str, extra: Any = None) -> str:
+    """What a model's build depends on besides the numbers: the config, the
+    tensors' names, dtypes, shapes and offsets, the buffer's size."""
+    tensors = [
+        (t["name"], t["dtype"], tuple(t["shape"]), t["offset"]) for t in description["tensors"]
+    ]
+    text = json.dumps([config_text, tensors, description["buffer"]["nbytes"], repr(extra)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class HandoverTemplate:
+    """A packed model's structure, re-pointable at another buffer of the same layout."""
+
+    def __init__(
+        self,
+        skeleton: Any,
+        layers: list[tuple[str, Any, dict[str, _Field]]],
+        folds: list[tuple[float, tuple[_Leaf, ...]]],
+    ) -> None:
+        self._skeleton = skeleton
+        self._layers = layers
+        self._folds = folds
+
+    @classmethod
+    def of(cls, model: Any, buffer: Any, folded: dict[float, list[Any]] | None) -> HandoverTemplate:
+        """The template of ``model`` (packed, scalings folded as ``folded``
+        says), built from views of ``buffer``; :class:`NotTemplatable` if it was not."""
+        if folded is None:
+            raise NotTemplatable("a layer's scaling was folded by its own optimize()")
+        if getattr(model, "modules_to_save", None):
+            raise NotTemplatable("the adapter has fully trained modules")
+        storage = buffer.untyped_storage().data_ptr()
+        leaves: dict[int, _Leaf] = {}
+
+        def leaf(tensor: Any) -> _Leaf:
+            if tensor.untyped_storage().data_ptr() != storage:
+                raise NotTemplatable("a tensor is not a view of the handed-over buffer")
+            spec = _Leaf(
+                tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+            )
+            leaves[id(tensor)] = spec
+            return spec
+
+        layers = []
+        for name, weights in compat.lora_model_layers(model).items():
+            fields: dict[str, _Field] = {}
+            for attribute, value in vars(weights).items():
+                if isinstance(value, torch.Tensor):
+                    fields[attribute] = leaf(value)
+                elif isinstance(value, (list, tuple)) and any(
+                    isinstance(v, torch.Tensor) for v in value
+                ):
+                    if not all(v is None or isinstance(v, torch.Tensor) for v in value):
+                        raise NotTemplatable(f"{name}.{attribute} mixes tensors and other values")
+                    fields[attribute] = tuple(None if v is None else leaf(v) for v in value)
+            blank = copy.copy(weights)
+            for attribute in fields:
+                setattr(blank, attribute, None)
+            layers.append((name, blank, fields))
+        folds = []
+        for factor, products in folded.items():
+            try:
+                folds.append((factor, tuple(leaves[id(t)] for t in products)))
+            except KeyError:
+                raise NotTemplatable("a folded B is not among the packed model's tensors") from None
+        return cls(compat.lora_model_skeleton(model), layers, folds)
+
+    def instantiate(self, buffer: Any, lora_model_id: int) -> Any:
+        """The model for ``buffer`` (the same layout, other numbers), scalings
+        folded into it in place, as vLLM's packing would have left it."""
+        views: dict[_Leaf, Any] = {}
+        typed: dict[Any, Any] = {}
+
+        def view(spec: _Leaf) -> Any:
+            found = views.get(spec)
+            if found is None:
+                whole = typed.get(spec.dtype)
+                if whole is None:
+                    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+                    usable = buffer.numel() - buffer.numel() % itemsize
+                    whole = typed[spec.dtype] = buffer[:usable].view(spec.dtype)
+                found = views[spec] = whole.as_strided(spec.size, spec.stride, spec.offset)
+            return found
+
+        layers = {}
+        for name, blank, fields in self._layers:
+            weights = copy.copy(blank)
+            for attribute, field in fields.items():
+                if isinstance(field, _Leaf):
+                    setattr(weights, attribute, view(field))
+                else:
+                    setattr(weights, attribute, [None if s is None else view(s) for s in field])
+            layers[name] = weights
+        for factor, products in self._folds:
+            torch._foreach_mul_(
+                [view(s) for s in products], torch.tensor(factor, dtype=torch.float64)
+            )
+        return compat.lora_model_from_skeleton(self._skeleton, lora_model_id, layers)
+
+
+class HandoverTemplates:
+    """A worker's templates by layout (:func:`layout_key`), oldest dropped first."""
+
+    def __init__(self, capacity: int = MAX_TEMPLATES) -> None:
+        self._capacity = capacity
+        self._templates: dict[str, HandoverTemplate | None] = {}
+
+    def get(self, key: str) -> HandoverTemplate | None:
+        return self._templates.get(key)
+
+    def known(self, key: str) -> bool:
+        """Whether ``key`` was seen (a template, or found not templatable)."""
+        return key in self._templates
+
+    def learn(
+        self, key: str, model: Any, buffer: Any, folded: dict[float, list[Any]] | None
+    ) -> bool:
+        """Keep ``model``'s template under ``key``; False (and remembered) when it has none."""
+        try:
+            template: HandoverTemplate | None = HandoverTemplate.of(model, buffer, folded)
+        except NotTemplatable as why:
+            logger.info("skyrl-lora builds every hand-over of this layout with vLLM: %s", why)
+            template = None
+        if len(self._templates) >= self._capacity:
+            self._templates.pop(next(iter(self._templates)))
+        self._templates[key] = template
+        return template is not None
