@@ -309,9 +309,10 @@ async def test_an_in_process_server_shows_each_clients_counters_on_its_metrics()
     importlib.import_module("skyrl_lora.server.observability")  # a server in this process
     async with FakeServer() as server:
         server.script = [answer(seq([1, 2], "abort")), answer(seq([3], "length"))]
-        async with RemoteInferenceClient(server.url) as one, RemoteInferenceClient(
-            server.url
-        ) as two:
+        async with (
+            RemoteInferenceClient(server.url) as one,
+            RemoteInferenceClient(server.url) as two,
+        ):
             await one.sample_with_retry(PROMPT, sampling_params={"max_tokens": 3}, lora_name="a")
             text = generate_latest(REGISTRY).decode()
             assert f'skyrl_client_samples_total{{client="{one.holder}"}} 1.0' in text
