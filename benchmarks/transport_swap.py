@@ -137,7 +137,17 @@ async def others_sampling(
     return tokens
 
 
-async def measure(url: str, folders: list[Path], cfg: TransportConfig) -> dict[str, Any]:
+async def measure(
+    url: str, folders: list[Path], cfg: TransportConfig, strict: bool = True
+) -> dict[str, Any]:
+    """Every transport's syncs, idle and under load, in rotating order.
+
+    First each transport loads the same weights and answers one greedy
+    prompt: different tokens raise (``strict``), or are recorded. A large
+    random model's logits are near ties, and vLLM's LoRA kernels on a GPU
+    do not add in a fixed order, so the 8B model's answers can part after
+    a few tokens even between two loads of one file by path.
+    """
     others = [f"other{i}" for i in range(cfg.others)]
     tensors = [device_tensors(f) for f in folders]
     config = json.loads((folders[0] / "adapter_config.json").read_text())
@@ -155,7 +165,8 @@ async def measure(url: str, folders: list[Path], cfg: TransportConfig) -> dict[s
                 params = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
                 out = await client.sample([1, 2, 3], sampling_params=params, lora_name=cfg.swapper)
                 greedy[transport] = out.sequences[0].tokens
-            if len({tuple(tokens) for tokens in greedy.values()}) != 1:
+            same = len({tuple(tokens) for tokens in greedy.values()}) == 1
+            if strict and not same:
                 raise RuntimeError(f"the transports' weights answer differently: {greedy}")
             for round_ in range(cfg.rounds):
                 order = TRANSPORTS[round_ % 3 :] + TRANSPORTS[: round_ % 3]
@@ -189,7 +200,8 @@ async def measure(url: str, folders: list[Path], cfg: TransportConfig) -> dict[s
     if metrics.handover_fallbacks:
         raise RuntimeError(f"{metrics.handover_fallbacks} hand-overs fell back to bytes")
     return {
-        "greedy_same_tokens": True,
+        "greedy_same_tokens": same,
+        "greedy_tokens": greedy,
         **{load: summarise(by_transport) for load, by_transport in times.items()},
     }
 
@@ -211,10 +223,8 @@ def summarise(by_transport: dict[str, list[list[float]]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = ["| load | transport | sync ms, median (min-max over rounds) | p99 / max | over path |"]
     lines.append("| --- | --- | --- | --- | --- |")
-    for load, by_transport in result.items():
-        if not isinstance(by_transport, dict):
-            continue
-        for transport, fig in by_transport.items():
+    for load in ("idle", "under_load"):
+        for transport, fig in result[load].items():
             s, p, r = fig["sync_ms"], fig["pooled"], fig["over_path"]
             lines.append(
                 f"| {load} | {transport} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | "

@@ -198,7 +198,9 @@ def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool
     return _hook_before(model_runner, "execute_model", hook)
 
 
-def fold_lora_scalings(lora_model: Any) -> dict[float, list[Any]] | None:
+def fold_lora_scalings(
+    lora_model: Any, multiply: Callable[[list[Any], float], None] | None = None
+) -> dict[float, list[Any]] | None:
     """Fold every layer's scaling into its B, as vLLM's ``optimize`` does, in
     one tensor call per distinct scaling (an adapter usually has one).
 
@@ -210,6 +212,9 @@ def fold_lora_scalings(lora_model: Any) -> dict[float, list[Any]] | None:
     ``B *= scaling`` with a Python float (a float scalar list rounds
     differently in bf16). Layers whose scaling is not a plain number, or
     whose B is missing, are left to their own ``optimize``.
+
+    ``multiply(tensors, factor)`` does the multiplying in place where given
+    (on the GPU: :mod:`skyrl_lora.server.weights.scale_fold`).
 
     Returns the B tensors multiplied, by factor, or None where some layer was
     left to its own ``optimize`` (whose arithmetic is not told).
@@ -229,7 +234,10 @@ def fold_lora_scalings(lora_model: Any) -> dict[float, list[Any]] | None:
             folded = None
     for factor, layers in by_factor.items():
         products = [w.lora_b for w in layers]
-        torch._foreach_mul_(products, torch.tensor(factor, dtype=torch.float64))
+        if multiply is not None:
+            multiply(products, factor)
+        else:
+            torch._foreach_mul_(products, torch.tensor(factor, dtype=torch.float64))
         for weights in layers:  # only once B holds the product
             weights.scaling = 1
         if folded is not None:

@@ -279,8 +279,9 @@ async def test_a_paused_reload_with_every_slot_in_use_is_written_off_the_loop(
     slots = max(4, len(engine_server.model.adapters))  # embedded_server_argv's --max-loras
     names = [f"full-{i}" for i in range(slots)]
     words = {name: ("meow", "moo")[i % 2] for i, name in enumerate(names)}
-    for name in names:  # each install activates its adapter: every slot is taken
+    for name in names:  # each serves a request, which activates it: every slot is taken
         await load(http, engine_server, name, words[name])
+        await sample(http, engine_server, name, max_tokens=1)
     before = await staged_into_slots(http, engine_server)
     await post(http, engine_server, "/skyrl/v1/pause", {"lora_name": names[0]})
     await load(http, engine_server, names[0], "woof")

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from .scale_fold import multiply_in_place
 
 logger = logging.getLogger("vllm.skyrl_lora.handover_template")
 
@@ -132,9 +133,10 @@ class HandoverTemplate:
                 raise NotTemplatable("a folded B is not among the packed model's tensors") from None
         return cls(compat.lora_model_skeleton(model), layers, folds)
 
-    def instantiate(self, buffer: Any, lora_model_id: int) -> Any:
+    def instantiate(self, buffer: Any, lora_model_id: int, device: Any = None) -> Any:
         """The model for ``buffer`` (the same layout, other numbers), scalings
-        folded into it in place, as vLLM's packing would have left it."""
+        folded into it in place (on ``device``'s GPU where there is one, see
+        :mod:`.scale_fold`), as vLLM's packing would have left it."""
         views: dict[_Leaf, Any] = {}
         typed: dict[Any, Any] = {}
 
@@ -159,9 +161,7 @@ class HandoverTemplate:
                     setattr(weights, attribute, [None if s is None else view(s) for s in field])
             layers[name] = weights
         for factor, products in self._folds:
-            torch._foreach_mul_(
-                [view(s) for s in products], torch.tensor(factor, dtype=torch.float64)
-            )
+            multiply_in_place([view(s) for s in products], factor, device)
         return compat.lora_model_from_skeleton(self._skeleton, lora_model_id, layers)
 
 
