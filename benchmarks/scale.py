@@ -205,7 +205,10 @@ def plot(path: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    label = f"{data['model']} model, {data['machine']}, {data['commit']} ({data['date']})"
+    commit = data["commit"]
+    if isinstance(commit, dict):  # curves measured at different commits
+        commit = ", ".join(f"{part} {c}" for part, c in commit.items())
+    label = f"{data['model']} model, {data['machine']}, {commit} ({data['date']})"
     made = []
     if data["swap_cost"]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -236,7 +239,7 @@ def plot(path: Path) -> list[Path]:
             ax.set_title(f"sync, {load.replace('_', ' ')}")
             ax.set_xlabel("adapter MB (bf16, every linear layer)")
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("pause + weights in + resume, ms (median of rounds, min-max)")
+        axes[0].set_ylabel("pause + weights in + resume, ms")
         axes[0].legend()
         fig.suptitle(label, fontsize=9)
         fig.tight_layout()

@@ -22,14 +22,24 @@ Here the expensive part moves to a background thread of each worker:
 2. Where an engine LoRA slot is free, the staging thread also copies the
    packed model into it (:mod:`skyrl_lora.server.weights.slots`): no request reads
    a slot before an adapter is active in it.
-3. The API server polls :meth:`LoRAStagingExtension.skyrl_lora_staged` (a
-   dictionary look-up per call) until the model is ready or failed.
-4. The ordinary ``add_lora`` then finds the staged model: the worker's
-   ``_load_adapter`` is wrapped to hand it out instead of reading the files
-   again, the model manager's packing skips a model staging already packed,
-   and its activation claims the slot already written, so what runs in the
-   step loop is the cache insert and the slot bookkeeping (the copy into a
-   slot too, when none was free while staging).
+3. The API server waits until the model is ready or failed: each worker
+   writes the staging's final status into a folder the API server polls
+   (:meth:`_WorkerStaging.publish_statuses_to`), or, for a worker that cannot
+   see it, answers :meth:`LoRAStagingExtension.skyrl_lora_staged` calls.
+4. Nothing is called to install it: the version's first request makes vLLM
+   load the adapter in that step (:meth:`StagedLoRAEngine.add_lora`), and it
+   finds the staged model: the worker's ``_load_adapter`` is wrapped to hand
+   it out instead of reading the files again, the model manager's packing
+   skips a model staging already packed, and its activation claims the slot
+   already written, so what runs in the step loop is the cache insert and
+   the slot bookkeeping (the copy into a slot too, when none was free while
+   staging).
+
+A hand-over (:mod:`.handover`) is copied out of the trainer's memory, and a
+layout seen before is built from its template (:mod:`.handover_template`)
+instead of by vLLM's loader; its snapshot file is written after the swap
+(:mod:`.snapshot_writer`). Scalings are folded on the GPU where the tensors
+are pinned (:mod:`.scale_fold`).
 
 The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
@@ -615,9 +625,9 @@ class StagedLoRAEngine:
     """The engine's LoRA calls as the registry sees them, with loads staged.
 
     ``stage`` builds the model on every worker and waits until it is ready;
-    vLLM's ``add_lora`` then installs the ready model; ``remove_lora``
-    passes through. Without the extension ``stage`` does nothing and
-    ``add_lora`` loads in the step loop, as vLLM does.
+    the version's first request then installs it (``add_lora`` calls
+    nothing for it); ``remove_lora`` passes through. Without the extension
+    ``stage`` does nothing and ``add_lora`` loads in the step loop, as vLLM does.
     """
 
     def __init__(self, engine_client: Any, config: StagingConfig = StagingConfig()) -> None:
