@@ -593,16 +593,20 @@ class StagingConfig:
     """How the API server waits for a staging: polls back off from
     ``first_poll_s`` to ``max_poll_s``.
 
-    A poll is a dictionary look-up run between two engine steps, so polling
-    often costs the step loop next to nothing, while every millisecond
-    between the model being ready and the poll that sees it is added to the
-    swap (a backoff up to 20 ms added about 8 ms to a 20 ms staging; on the
-    H100 a rank-16 staging took 7 polls of 2-4 ms).
+    A poll looks for the workers' status files (where they publish them; else
+    it is a dictionary look-up run between two engine steps), so polling
+    often costs next to nothing, while every millisecond between the model
+    being ready and the poll that sees it is added to the swap (a backoff up
+    to 20 ms added about 8 ms to a 20 ms staging; on the H100 a rank-16
+    staging took 7 polls of 2-4 ms).
     """
 
     first_poll_s: float = 0.001
     max_poll_s: float = 0.002
     timeout_s: float = 600.0
+    #: Where workers publish statuses as files, they are still asked by RPC
+    #: this often: a staging whose file never came (its write failed) ends.
+    rpc_check_s: float = 1.0
     #: Copy staged adapters into a free engine slot on the staging thread
     #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
@@ -760,9 +764,13 @@ class StagedLoRAEngine:
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
         polls = 0
+        asked_at = loop.time()
         while True:
             polls += 1
-            statuses = await self._statuses(lora_id)
+            by_rpc = loop.time() - asked_at >= self._config.rpc_check_s
+            if by_rpc:
+                asked_at = loop.time()
+            statuses = await self._statuses(lora_id, by_rpc)
             states = [s["state"] for s in statuses]
             failed = [s["error"] for s in statuses if s["state"] == FAILED]
             if failed:
@@ -777,14 +785,17 @@ class StagedLoRAEngine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._config.max_poll_s)
 
-    async def _statuses(self, lora_id: int) -> list[dict[str, Any]]:
+    async def _statuses(self, lora_id: int, by_rpc: bool = False) -> list[dict[str, Any]]:
         """Every worker's status of one staging: from the files the workers
-        publish (a finished staging's file is read once, then removed), else
+        publish (a finished staging's file is read once, then removed), else,
+        or when ``by_rpc`` (a file that never came must not hang the load),
         by RPC, served between two engine steps."""
         if self._workers is None or self._status_dir is None:
             return list(await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id))
         paths = [self._status_dir / status_file(lora_id, w) for w in self._workers]
         if not all(path.exists() for path in paths):
+            if by_rpc:
+                return list(await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id))
             return [{"state": PENDING}]
         statuses = [json.loads(path.read_text()) for path in paths]
         for path in paths:
