@@ -93,12 +93,12 @@ async def test_a_leased_old_version_answers_with_its_own_weights_until_released(
         {"prompt_token_ids": [1, 2], "lora_name": name, "lora_version": 1},
     )
     assert status == 410 and body["error"]["type"] == "version_gone"
-    for _ in range(100):  # retired: its engine slot and snapshot are freed
-        if not (engine_server.snapshot_dir / name / "v1").exists():
+    for _ in range(100):  # retired: listed as draining until its slot and snapshot are freed
+        if (await state(admin, name)).draining == []:
             break
         await asyncio.sleep(0.02)
-    assert not (engine_server.snapshot_dir / name / "v1").exists()
     assert (await state(admin, name)).draining == []
+    assert not (engine_server.snapshot_dir / name / "v1").exists()
     status, body = await release(engine_server, granted["lease_id"])
     assert status == 404 and body["error"]["type"] == "lease_not_found"
 
