@@ -199,7 +199,7 @@ def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool
 
 
 def fold_lora_scalings(
-    lora_model: Any, multiply: Callable[[list[Any], float], None] | None = None
+    lora_model: Any, multiply: Callable[[list[Any], float], None]
 ) -> dict[float, list[Any]] | None:
     """Fold every layer's scaling into its B, as vLLM's ``optimize`` does, in
     one tensor call per distinct scaling (an adapter usually has one).
@@ -207,14 +207,11 @@ def fold_lora_scalings(
     ``optimize`` multiplies each B by its scaling and sets the scaling to 1,
     so the packing that follows does no arithmetic of its own. Called one
     layer at a time that is one GIL hand-over per layer (112 for a rank-16
-    adapter of the perf model), each a wait on the busy step loop. The
-    factor goes in as a float64 0-dim tensor: that rounds exactly as
-    ``B *= scaling`` with a Python float (a float scalar list rounds
-    differently in bf16). Layers whose scaling is not a plain number, or
-    whose B is missing, are left to their own ``optimize``.
-
-    ``multiply(tensors, factor)`` does the multiplying in place where given
-    (on the GPU: :mod:`skyrl_lora.server.weights.scale_fold`).
+    adapter of the perf model), each a wait on the busy step loop.
+    ``multiply(tensors, factor)`` multiplies one factor's B tensors in place
+    (:func:`skyrl_lora.server.weights.scale_fold.multiply_in_place`: on the
+    GPU where they are pinned, else on the host). Layers whose scaling is not
+    a plain number, or whose B is missing, are left to their own ``optimize``.
 
     Returns the B tensors multiplied, by factor, or None where some layer was
     left to its own ``optimize`` (whose arithmetic is not told).
@@ -234,10 +231,7 @@ def fold_lora_scalings(
             folded = None
     for factor, layers in by_factor.items():
         products = [w.lora_b for w in layers]
-        if multiply is not None:
-            multiply(products, factor)
-        else:
-            torch._foreach_mul_(products, torch.tensor(factor, dtype=torch.float64))
+        multiply(products, factor)
         for weights in layers:  # only once B holds the product
             weights.scaling = 1
         if folded is not None:

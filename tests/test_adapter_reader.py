@@ -30,6 +30,7 @@ from skyrl_lora.server.weights.adapter_reader import (  # noqa: E402
     ReaderRoutedLoader,
     ReaderUnavailable,
 )
+from skyrl_lora.server.weights.scale_fold import multiply_in_place  # noqa: E402
 
 #: The embedded model's LoRA targets (``server/embedded/builder.py``).
 _MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -45,7 +46,7 @@ def _load_args(path: Path) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def _in_process(path: Path) -> Any:
     args, kwargs = _load_args(path)
     model = lora_model.LoRAModel.from_local_checkpoint(*args, **kwargs)
-    compat.fold_lora_scalings(model)
+    compat.fold_lora_scalings(model, multiply_in_place)
     return model
 
 
@@ -122,7 +123,7 @@ def test_the_batched_fold_is_vllms_optimize_bit_for_bit(embedded_model) -> None:
     for model in (folded, optimized):  # scalings of all kinds, 1 (no-op) included
         for i, weights in enumerate(model.loras.values()):
             weights.scaling = (1, 0.37, 2.5, 1 / 3)[i % 4]
-    compat.fold_lora_scalings(folded)
+    compat.fold_lora_scalings(folded, multiply_in_place)
     for weights in optimized.loras.values():
         weights.optimize()
     assert sorted(folded.loras) == sorted(optimized.loras)

@@ -25,6 +25,7 @@ from skyrl_lora.server.weights.handover_template import (
     NotTemplatable,
     layout_key,
 )
+from skyrl_lora.server.weights.scale_fold import multiply_in_place
 from skyrl_lora.server.weights.tensor_pickle import host_buffers
 
 pytest.importorskip("vllm")
@@ -68,7 +69,7 @@ def vllm_build(description: dict, host: torch.Tensor, lora_id: int):
         device="cpu",
         dtype=torch.bfloat16,
     )
-    folded = compat.fold_lora_scalings(model)
+    folded = compat.fold_lora_scalings(model, multiply_in_place)
     for layer in range(2):
         prefix = f"model.layers.{layer}.self_attn."
         parts = [model.loras.pop(prefix + name) for name in PACKED["qkv_proj"]]

@@ -54,6 +54,7 @@ from typing import Any
 
 from .. import compat
 from . import tensor_pickle
+from .scale_fold import multiply_in_place
 
 logger = logging.getLogger("vllm.skyrl_lora.reader")
 
@@ -216,7 +217,7 @@ def _serve(connection: Connection) -> None:
         try:
             loader, args, kwargs, path = pickle.loads(request)
             model = loader.from_local_checkpoint(*args, **kwargs)
-            compat.fold_lora_scalings(model)
+            compat.fold_lora_scalings(model, multiply_in_place)  # on the host: no GPU here
             with open(path, "wb") as data:
                 skeleton, nbytes = tensor_pickle.dump(model, data)
             reply: tuple[Any, ...] = ("ok", skeleton, nbytes, _ms_since(started))

@@ -58,10 +58,6 @@ class _Leaf:
 _Field = _Leaf | tuple[_Leaf | None, ...]
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
 class NotTemplatable(Exception):
     """vLLM built this model in a way a template would not reproduce."""
 

@@ -12,7 +12,10 @@ the GPU, multiplies there and copies them back, on a CUDA stream of its own
 On a CPU, or for unpinned tensors, it multiplies in place on the host.
 
 Both ways compute each product in float32 and round it once to the tensors'
-dtype, so a version folded on the GPU holds the bytes a host fold would.
+dtype, so a version folded on the GPU holds the bytes a host fold would. On
+the host the factor goes in as a float64 0-dim tensor: that rounds exactly
+as ``B *= scaling`` with a Python float (a float scalar list rounds
+differently in bf16).
 """
 
 from __future__ import annotations

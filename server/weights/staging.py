@@ -301,16 +301,9 @@ class _WorkerStaging:
             future = self._staged.get(lora_int_id)
         if future is None:  # discarded meanwhile
             return
-        error = future.exception()
-        if error is not None:
-            status: dict[str, Any] = {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
-        else:
-            staged = future.result()
-            in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
-            status = {"state": READY, "in_slot": in_slot, "read": staged.read, "naps": staged.naps}
         path = self._status_dir / status_file(lora_int_id, self.worker_token)
         partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(status))
+        partial.write_text(json.dumps(self._finished_status(lora_int_id, future)))
         os.replace(partial, path)
 
     def _drop_replaced(self, lora_id: int) -> None:
@@ -350,9 +343,18 @@ class _WorkerStaging:
             return {"state": UNKNOWN}
         if not future.done():
             return {"state": PENDING}
+        status = self._finished_status(lora_int_id, future)
+        if status["state"] == FAILED:
+            self.discard(lora_int_id)
+        return status
+
+    def _finished_status(
+        self, lora_int_id: int, future: concurrent.futures.Future[_Staged]
+    ) -> dict[str, Any]:
+        """A finished staging's status, as :meth:`status` answers and
+        :meth:`_publish` writes it."""
         error = future.exception()
         if error is not None:
-            self.discard(lora_int_id)
             return {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
         in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
         staged = future.result()
@@ -790,17 +792,16 @@ class StagedLoRAEngine:
         publish (a finished staging's file is read once, then removed), else,
         or when ``by_rpc`` (a file that never came must not hang the load),
         by RPC, served between two engine steps."""
-        if self._workers is None or self._status_dir is None:
-            return list(await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id))
-        paths = [self._status_dir / status_file(lora_id, w) for w in self._workers]
-        if not all(path.exists() for path in paths):
-            if by_rpc:
-                return list(await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id))
-            return [{"state": PENDING}]
-        statuses = [json.loads(path.read_text()) for path in paths]
-        for path in paths:
-            path.unlink()
-        return statuses
+        if self._workers is not None and self._status_dir is not None:
+            paths = [self._status_dir / status_file(lora_id, w) for w in self._workers]
+            if all(path.exists() for path in paths):
+                statuses = [json.loads(path.read_text()) for path in paths]
+                for path in paths:
+                    path.unlink()
+                return statuses
+            if not by_rpc:
+                return [{"state": PENDING}]
+        return list(await compat.collective_rpc(self._engine, "skyrl_lora_staged", lora_id))
 
     async def remove_lora(self, lora_id: int) -> bool:
         self._ready.discard(lora_id)
