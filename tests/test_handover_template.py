@@ -129,3 +129,21 @@ def test_the_layout_key_tells_layouts_and_configs_apart() -> None:
     assert layout_key(description, "{}") != layout_key(description, '{"r": 8}')
     moved = {**description, "tensors": [{**description["tensors"][0], "offset": 64}]}
     assert layout_key(description, "{}") != layout_key(moved, "{}")
+
+
+def test_repoint_moves_a_built_model_onto_a_copy_of_its_buffer_unscaled() -> None:
+    first, first_host = handed_over(0)
+    model, folded = vllm_build(first, first_host, lora_id=1)
+    template = HandoverTemplate.of(model, first_host, folded)
+    second, second_host = handed_over(1)
+    buffer = second_host.clone()
+    built = template.instantiate(buffer, lora_model_id=7)
+    copy = buffer.clone()  # after the fold: repoint must not fold again
+    buffer.zero_()
+    template.repoint(built, copy)
+    expected, _ = vllm_build(second, second_host, lora_id=7)
+    storage = copy.untyped_storage().data_ptr()
+    for name, weights in expected.loras.items():
+        for got, want in zip(flat(built.loras[name]), flat(weights), strict=True):
+            assert got.untyped_storage().data_ptr() == storage, name
+            assert torch.equal(got, want), name

@@ -161,13 +161,18 @@ def copy_out(
     copies: int = 1,
 ) -> list[Any]:
     """Copy the shared buffer into ``copies`` fresh ``allocate(nbytes)``
-    (host ``uint8`` tensors), each whole, and let go of the shared memory.
+    (``uint8`` tensors, on the host, or on the trainer's GPU for a CUDA
+    buffer), each whole, and let go of the shared memory.
 
     ``device_index`` maps a GPU's UUID to this process's device number. The
     staging takes two: one becomes the model (its B tensors are scaled in
     place), the other the snapshot file, written later as handed over.
+    CUDA copies run on a side stream (:mod:`.cuda_streams`): on the
+    engine's stream they queued behind a whole step's kernels under load.
     """
     import torch
+
+    from .cuda_streams import side_stream
 
     buffer = description["buffer"]
     nbytes = int(buffer["nbytes"])
@@ -179,11 +184,12 @@ def copy_out(
             host.copy_(hosts[0])
     else:
         index = device_index(buffer["device_uuid"])
-        with torch.cuda.device(index):
-            shared = _open_cuda_ipc(buffer, index)
-            for host in hosts:
-                host.copy_(shared, non_blocking=host.is_pinned())
-            torch.cuda.current_stream().synchronize()
+        stream = side_stream(torch.device("cuda", index))
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            shared = _open_cuda_ipc(buffer, index)  # waits for the trainer's event, if any
+            for copy in hosts:
+                copy.copy_(shared, non_blocking=copy.is_cuda or copy.is_pinned())
+            stream.synchronize()
             del shared  # closes the handle: the trainer's memory is its own again
     return hosts
 

@@ -131,34 +131,63 @@ class HandoverTemplate:
 
     def instantiate(self, buffer: Any, lora_model_id: int, device: Any = None) -> Any:
         """The model for ``buffer`` (the same layout, other numbers), scalings
-        folded into it in place (on ``device``'s GPU where there is one, see
-        :mod:`.scale_fold`), as vLLM's packing would have left it."""
-        views: dict[_Leaf, Any] = {}
-        typed: dict[Any, Any] = {}
-
-        def view(spec: _Leaf) -> Any:
-            found = views.get(spec)
-            if found is None:
-                whole = typed.get(spec.dtype)
-                if whole is None:
-                    itemsize = torch.empty((), dtype=spec.dtype).element_size()
-                    usable = buffer.numel() - buffer.numel() % itemsize
-                    whole = typed[spec.dtype] = buffer[:usable].view(spec.dtype)
-                found = views[spec] = whole.as_strided(spec.size, spec.stride, spec.offset)
-            return found
-
+        folded into it in place (on ``device``'s GPU where there is one, or
+        on the buffer's own GPU, see :mod:`.scale_fold`), as vLLM's packing
+        would have left it."""
+        view = _Viewer(buffer)
         layers = {}
         for name, blank, fields in self._layers:
             weights = copy.copy(blank)
-            for attribute, field in fields.items():
-                if isinstance(field, _Leaf):
-                    setattr(weights, attribute, view(field))
-                else:
-                    setattr(weights, attribute, [None if s is None else view(s) for s in field])
+            self._point(weights, fields, view)
             layers[name] = weights
         for factor, products in self._folds:
             multiply_in_place([view(s) for s in products], factor, device)
         return compat.lora_model_from_skeleton(self._skeleton, lora_model_id, layers)
+
+    def repoint(self, model: Any, buffer: Any) -> None:
+        """Point ``model`` (built by :meth:`instantiate`) at ``buffer``, a copy
+        of the buffer it was built on, already folded: nothing is multiplied.
+
+        A hand-over staged on the GPU serves from device memory until the
+        swap is done; then its host copy takes over (:mod:`.staging`), which
+        is what vLLM's CPU cache should hold. Each tensor attribute is
+        replaced whole, so a reader sees the old tensor or the new one, both
+        with the same numbers.
+        """
+        view = _Viewer(buffer)
+        layers = compat.lora_model_layers(model)
+        for name, _, fields in self._layers:
+            self._point(layers[name], fields, view)
+
+    @staticmethod
+    def _point(weights: Any, fields: dict[str, _Field], view: _Viewer) -> None:
+        for attribute, field in fields.items():
+            if isinstance(field, _Leaf):
+                setattr(weights, attribute, view(field))
+            else:
+                setattr(weights, attribute, [None if s is None else view(s) for s in field])
+
+
+class _Viewer:
+    """Views of one buffer by leaf, each made once (a leaf shared by two
+    layers, or by a layer and a fold, is one tensor, as in vLLM's build)."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+        self._views: dict[_Leaf, Any] = {}
+        self._typed: dict[Any, Any] = {}
+
+    def __call__(self, spec: _Leaf) -> Any:
+        found = self._views.get(spec)
+        if found is None:
+            whole = self._typed.get(spec.dtype)
+            if whole is None:
+                buffer = self._buffer
+                itemsize = torch.empty((), dtype=spec.dtype).element_size()
+                usable = buffer.numel() - buffer.numel() % itemsize
+                whole = self._typed[spec.dtype] = buffer[:usable].view(spec.dtype)
+            found = self._views[spec] = whole.as_strided(spec.size, spec.stride, spec.offset)
+        return found
 
 
 class HandoverTemplates:

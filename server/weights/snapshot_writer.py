@@ -27,6 +27,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +101,17 @@ class SnapshotWriter:
         self._lock = threading.Lock()
         self._pending: dict[str, concurrent.futures.Future[None]] = {}
 
-    def submit(self, folder: Path, buffer: Any, tensors: list[dict[str, Any]]) -> None:
+    def submit(
+        self, folder: Path, buffer: Any | Callable[[], Any], tensors: list[dict[str, Any]]
+    ) -> None:
         """Write ``folder``'s weights file from ``buffer`` (kept until written),
-        then remove its hand-over description."""
+        then remove its hand-over description.
+
+        ``buffer`` may be a function that returns it, run on the writer's
+        thread first: a hand-over staged on the GPU copies its host buffers
+        there, after the swap (:mod:`.staging`), and whoever waits for the
+        file waits for that too.
+        """
         key = str(folder)
         future = self._pool.submit(self._write, folder, buffer, tensors)
         with self._lock:
@@ -121,8 +130,12 @@ class SnapshotWriter:
             if self._pending.get(key) is done:
                 del self._pending[key]
 
-    def _write(self, folder: Path, buffer: Any, tensors: list[dict[str, Any]]) -> None:
+    def _write(
+        self, folder: Path, buffer: Any | Callable[[], Any], tensors: list[dict[str, Any]]
+    ) -> None:
         started = time.perf_counter()
+        if callable(buffer):
+            buffer = buffer()
         try:
             write_safetensors(folder / self._weights_file, buffer, tensors)
             (folder / self._handover_file).unlink(missing_ok=True)
