@@ -363,6 +363,10 @@ class ServerInfo(_Wire):
     #: Whether a staging gives the GIL back to the engine's step loop in naps
     #: while the engine steps (see ``skyrl_lora.server.weights.staging_yield``).
     adapter_staging_yield: bool = False
+    #: Whether stage requests reach the engine's workers over a socket beside
+    #: the step loop, not by an RPC served between two steps (see
+    #: ``skyrl_lora.server.weights.stage_channel``).
+    adapter_stage_channel: bool = False
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False

@@ -93,6 +93,7 @@ async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -
     info = await get(http, engine_server, "/skyrl/v1/server_info")
     assert info["adapter_staging"] is True  # the worker extension is live in vLLM's workers
     assert info["adapter_slot_prefill"] is True  # and writes engine slots off the loop too
+    assert info["adapter_stage_channel"] is True  # asked beside the step loop, not through it
     name = "staged-load"
     await post(
         http,

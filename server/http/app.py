@@ -287,6 +287,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_slot_prefill=lora_engine.slot_prefill,
         adapter_reader_process=lora_engine.reader_process,
         adapter_staging_yield=lora_engine.staging_yield,
+        adapter_stage_channel=lora_engine.stage_channel,
         adapter_handover=handovers.enabled,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,

@@ -93,6 +93,7 @@ from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
 from .snapshot_writer import SnapshotWriter
+from .stage_channel import StageChannel, StageListener, socket_path
 from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
@@ -131,6 +132,12 @@ HANDOVER_TEMPLATE = "handover_template"
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
 STAGING_SWITCH_INTERVAL_S = 0.0005
+
+#: The longest a staging from the stage channel waits for the replaced
+#: version's drop (one step boundary) before it leaves its slot write to vLLM.
+DROP_WAIT_S = 2.0
+#: How many dropped versions a worker remembers for stagings that may wait for them.
+MAX_DROPS_REMEMBERED = 64
 
 
 def status_file(lora_int_id: int, worker: str) -> str:
@@ -208,8 +215,15 @@ class _WorkerStaging:
         lora_manager.add_adapter = self._timed_install
         lora_manager.remove_adapter = self._remove_adapter
         #: Where each staging's status is published for the API server to read
-        #: without a call into the step loop (:meth:`publish_statuses_to`).
+        #: without a call into the step loop (:meth:`publish_statuses_to`),
+        #: and where stage requests come in beside it (:mod:`.stage_channel`).
         self._status_dir: Path | None = None
+        self._listener: StageListener | None = None
+        #: Stagings from the channel that may wait for a replaced version's
+        #: slot, by adapter id; versions the step loop dropped since.
+        self._dropped = threading.Condition()
+        self._slot_awaits: dict[int, int] = {}
+        self._dropped_ids: dict[int, None] = {}
         self.worker_token = uuid.uuid4().hex
         #: Models packed on the staging thread; the in-loop packing skips them.
         self._packed: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -290,12 +304,57 @@ class _WorkerStaging:
         """
         if replaces is not None:
             self._drop_replaced(replaces)
+        self._submit(lora_request)
+
+    def stage_beside_loop(self, lora_request: Any, replaces: int | None = None) -> None:
+        """:meth:`stage` for a request that came over the stage channel
+        (:mod:`.stage_channel`), on its thread, not in the step loop.
+
+        The replaced version can only be removed in the step loop: the API
+        server asks for that by RPC (:meth:`drop_replaced`), sent before any
+        request that could install this version, so vLLM still removes it
+        first. The staging does not wait for it unless it needs its engine
+        slot (no other is free), and then only until the next step boundary.
+        """
+        if replaces is not None:
+            with self._dropped:
+                self._slot_awaits[lora_request.lora_int_id] = replaces
+        self._submit(lora_request)
+
+    def drop_replaced(self, lora_id: int) -> None:
+        """The step loop's half of :meth:`stage_beside_loop`: drop ``lora_id``
+        and tell a staging waiting for its slot."""
+        self._drop_replaced(lora_id)
+        with self._dropped:
+            self._dropped_ids[lora_id] = None
+            while len(self._dropped_ids) > MAX_DROPS_REMEMBERED:  # nobody waited for the oldest
+                self._dropped_ids.pop(next(iter(self._dropped_ids)))
+            self._dropped.notify_all()
+
+    def _submit(self, lora_request: Any) -> None:
         future = self._pool.submit(self._timed_load, lora_request)
         lora_id = lora_request.lora_int_id
         with self._lock:
             self._staged[lora_id] = future
         if self._status_dir is not None:
-            future.add_done_callback(lambda _: self._publish(lora_id))
+            future.add_done_callback(lambda done: self._publish(lora_id, done))
+
+    def _write_slot(self, model: Any) -> bool:
+        """Write ``model`` into a free slot; where none is and its staging
+        came over the channel replacing a version, once more after that
+        version's drop (:meth:`stage_beside_loop`)."""
+        if self._slots is None:
+            return False
+        written = self._slots.write(model)
+        with self._dropped:
+            replaced = self._slot_awaits.pop(model.id, None)
+            if written or replaced is None:
+                return written
+            dropped = self._dropped.wait_for(
+                lambda: replaced in self._dropped_ids, timeout=DROP_WAIT_S
+            )
+            self._dropped_ids.pop(replaced, None)
+        return dropped and self._slots.write(model)
 
     def publish_statuses_to(self, folder: str | None) -> bool:
         """Write each staging's final status into ``folder`` (a directory the
@@ -309,12 +368,31 @@ class _WorkerStaging:
         self._status_dir = Path(folder) if folder and os.path.isdir(folder) else None
         return self._status_dir is not None
 
-    def _publish(self, lora_int_id: int) -> None:
+    def listen(self) -> str | None:
+        """Take stage requests on a socket in the status folder
+        (:mod:`.stage_channel`); its path, or None where there is no folder
+        or no socket could be made (the API server then stages by RPC)."""
+        if self._status_dir is None:
+            return None
+        if self._listener is None:
+            path = socket_path(self._status_dir, self.worker_token)
+            try:
+                self._listener = StageListener(path, self._take_request)
+            except OSError as exc:
+                logger.warning("skyrl-lora takes stage requests by RPC only: %s", exc)
+                return None
+        return str(self._listener.path)
+
+    def _take_request(self, message: dict[str, Any]) -> None:
+        request = compat.lora_request_class()(**message["request"])
+        self.stage_beside_loop(request, message.get("replaces"))
+
+    def _publish(self, lora_int_id: int, done: concurrent.futures.Future[_Staged]) -> None:
         """The status of a finished staging, as a file (written whole, then renamed)."""
         assert self._status_dir is not None
         with self._lock:
             future = self._staged.get(lora_int_id)
-        if future is None:  # discarded meanwhile
+        if future is not done:  # discarded meanwhile, or staged again (a request sent twice)
             return
         path = self._status_dir / status_file(lora_int_id, self.worker_token)
         partial = path.with_suffix(".partial")
@@ -414,7 +492,7 @@ class _WorkerStaging:
                 else:
                     model, loaded = self._build(lora_request, handed)
                     packed = time.perf_counter()
-            in_slot = self._slots is not None and self._slots.write(model)
+            in_slot = self._write_slot(model)
         finally:
             self._staging_thread.loading = False
             self._staging_thread.handed_over = None
@@ -650,11 +728,15 @@ class LoRAStagingExtension:
             "staging_yield": stager.staging_yield,
             "device_uuid": handover.cuda_device_uuid(getattr(self, "device", None)),
             "status_files": stager.publish_statuses_to(status_dir),
+            "stage_socket": stager.listen(),
             "worker": stager.worker_token,
         }
 
     def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request), replaces)
+
+    def skyrl_drop_replaced(self, lora_int_id: int) -> None:
+        self._skyrl_stager().drop_replaced(lora_int_id)
 
     def skyrl_lora_staged(self, lora_int_id: int) -> dict[str, Any]:
         return self._skyrl_stager().status(lora_int_id)
@@ -725,6 +807,15 @@ class StagedLoRAEngine:
         #: Versions staged on every worker and not installed by ``add_lora``:
         #: their first request installs them (see :meth:`add_lora`).
         self._ready: set[int] = set()
+        #: Stage requests beside the step loop (:mod:`.stage_channel`); None: by RPC.
+        self._channel: StageChannel | None = None
+        #: Drops of replaced versions sent to the step loop, not yet answered.
+        self._drops: set[asyncio.Task[list[Any]]] = set()
+
+    @property
+    def stage_channel(self) -> bool:
+        """Whether stage requests reach the workers beside the step loop."""
+        return self._channel is not None and self._channel.open
 
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
@@ -745,10 +836,21 @@ class StagedLoRAEngine:
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
             if all(p.get("status_files") for p in parts):
                 self._status_dir, self._workers = status_dir, [p["worker"] for p in parts]
+                sockets = [p.get("stage_socket") for p in parts]
+                if all(sockets):
+                    self._channel = self._connect([Path(p) for p in sockets])
         except Exception as exc:  # no extension, or an engine without collective_rpc
             logger.warning("adapter staging off, loads run in the step loop: %s", exc)
             self.available = False
         return self.available
+
+    @staticmethod
+    def _connect(sockets: list[Path]) -> StageChannel | None:
+        try:
+            return StageChannel(sockets)
+        except OSError as exc:
+            logger.warning("stage requests go by RPC: the workers' sockets refused: %s", exc)
+            return None
 
     def _make_status_dir(self) -> Path:
         """A private folder for the workers' status files, in memory where
@@ -785,6 +887,7 @@ class StagedLoRAEngine:
             lora_name=lora_request.lora_name,
             stage_ms=round((loop.time() - started) * 1000, 2),
             polls=polls,
+            channel=self.stage_channel,
             in_slot=in_slot,
             read=read,
             naps=naps,
@@ -834,7 +937,7 @@ class StagedLoRAEngine:
             "lora_int_id": lora_id,
             "lora_path": lora_request.lora_path,
         }
-        await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields, replaces)
+        await self._request_staging(fields, replaces)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
@@ -859,6 +962,34 @@ class StagedLoRAEngine:
                 raise StagingError(f"staging of adapter {lora_id} was lost or timed out")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._config.max_poll_s)
+
+    async def _request_staging(self, fields: dict[str, Any], replaces: int | None) -> None:
+        """Ask every worker to stage: over the stage channel where there is
+        one (no step boundary to wait for), else by RPC.
+
+        Over the channel, the replaced version's drop still runs in the step
+        loop, by an RPC that is sent here and not waited for: the engine
+        serves its input in order, so the drop comes before any request that
+        could install the new version (those are sent after the staging is
+        ready, and this task sends its message at its first turn, within the
+        first poll below).
+        """
+        channel = self._channel
+        if channel is not None and channel.send({"request": fields, "replaces": replaces}):
+            if replaces is not None:
+                drop = asyncio.create_task(
+                    compat.collective_rpc(self._engine, "skyrl_drop_replaced", replaces)
+                )
+                self._drops.add(drop)
+                drop.add_done_callback(self._dropped)
+            return
+        self._channel = None
+        await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields, replaces)
+
+    def _dropped(self, drop: asyncio.Task[list[Any]]) -> None:
+        self._drops.discard(drop)
+        if not drop.cancelled() and drop.exception() is not None:
+            logger.warning("the replaced version's drop failed: %r", drop.exception())
 
     async def _statuses(self, lora_id: int, by_rpc: bool = False) -> list[dict[str, Any]]:
         """Every worker's status of one staging: from the files the workers
