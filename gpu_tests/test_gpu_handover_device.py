@@ -16,12 +16,20 @@ from skyrl_lora.server.weights.handover_template import HandoverTemplate
 from tests.test_handover_template import flat, handed_over, vllm_build
 
 
+def pinned_handover(seed: int) -> tuple[dict, torch.Tensor]:
+    """As the engine copies a hand-over out on a GPU machine: into pinned
+    memory (vLLM pins a loaded adapter's tensors there, which copies any
+    tensor not pinned already, and a copy is no view of the buffer)."""
+    description, host = handed_over(seed)
+    return description, host.pin_memory()
+
+
 def test_a_model_built_on_the_gpu_and_settled_on_the_host_equals_vllms() -> None:
-    first, first_host = handed_over(0)
+    first, first_host = pinned_handover(0)
     model, folded = vllm_build(first, first_host, lora_id=1)
     template = HandoverTemplate.of(model, first_host, folded)
 
-    second, second_host = handed_over(1)
+    second, second_host = pinned_handover(1)
     expected, _ = vllm_build(second, second_host.clone(), lora_id=7)
     on_device = second_host.to("cuda:0")
     built = template.instantiate(on_device, lora_model_id=7, device="cuda:0")

@@ -128,3 +128,18 @@ async def http(engine_server: EngineServer) -> AsyncIterator[aiohttp.ClientSessi
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         yield session
+
+
+#: How a staging reads an adapter's file in one call (``skyrl_adapter_reads_total``'s labels).
+FILE_READS = ("one_buffer", "file_template")
+
+
+async def staged_file_reads(url: str, reads: tuple[str, ...] = FILE_READS) -> float:
+    """Files one replica staged by one read (of the kinds ``reads``): one
+    per version loaded from a file."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    prefixes = tuple(f'skyrl_adapter_reads_total{{read="{r}"}} ' for r in reads)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefixes)
+    )

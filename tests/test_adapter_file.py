@@ -239,3 +239,19 @@ def test_staging_reads_in_one_call_and_the_step_loop_by_safetensors(
             staging._staging_thread.loading = False
     finally:
         module.safetensors = original
+
+
+def test_a_large_read_goes_in_parallel_chunks_and_lands_whole(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tensor_pickle, "PARALLEL_READ_BYTES", 4096)
+    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"head" + data.numpy().tobytes() + b"tail")
+    buffer = torch.empty(len(data), dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as file:
+        file.seek(4)
+        tensor_pickle.read_exactly(file, buffer, len(data), str(path))
+        assert file.read() == b"tail"  # left just after the read
+    assert torch.equal(buffer, data)
+    with open(path, "rb", buffering=0) as file, pytest.raises(EOFError, match="ended"):
+        file.seek(1000)
+        tensor_pickle.read_exactly(file, buffer, len(data), str(path))

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import FanOutError, PayloadTooLargeError
+from tests.conftest import staged_file_reads
 
 pytestmark = pytest.mark.engine
 
@@ -78,14 +78,6 @@ async def everywhere(group: Any, tokenizer: Any, name: str) -> list[tuple[Any, A
     return [await served(url, tokenizer, name) for url in group.urls]
 
 
-async def staged_loads(url: str) -> float:
-    """``skyrl_adapter_reads_total{read="one_buffer"}``: one per version staged."""
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    prefix = 'skyrl_adapter_reads_total{read="one_buffer"} '
-    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
-
-
 async def test_a_push_one_replica_refuses_lands_nowhere(group, embedded_model, tokenizer) -> None:
     adapters = embedded_model.adapters
     push = group.push_lora_adapter
@@ -93,11 +85,11 @@ async def test_a_push_one_replica_refuses_lands_nowhere(group, embedded_model, t
     assert [i.version for i in infos] == [1, 1]
     assert await everywhere(group, tokenizer, "atom") == [(1, {"moo"})] * 2
 
-    before = [await staged_loads(url) for url in group.urls]
+    before = [await staged_file_reads(url) for url in group.urls]
     with pytest.raises(PayloadTooLargeError) as caught:
         await asyncio.to_thread(push, "atom", padded(adapters["woof"]))
     # Replica 0 staged (and installed) version 2; replica 1 refused it unread.
-    assert [await staged_loads(url) for url in group.urls] == [before[0] + 1, before[1]]
+    assert [await staged_file_reads(url) for url in group.urls] == [before[0] + 1, before[1]]
     assert "--max-adapter-bytes" in str(caught.value)
     assert any("replica 1" in note for note in getattr(caught.value, "__notes__", []))
     # Replica 0 had loaded version 2: it serves version 1's weights again.

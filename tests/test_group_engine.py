@@ -15,13 +15,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import FanOutError
 from skyrl_lora.types import SampleResponse
-from tests.conftest import replica_group
+from tests.conftest import replica_group, staged_file_reads
 
 pytestmark = pytest.mark.engine
 
@@ -59,22 +58,14 @@ def text(tokenizer: Any, result: SampleResponse) -> list[str]:
     return tokenizer.decode(result.sequences[0].tokens).split()
 
 
-async def one_buffer_reads(url: str) -> float:
-    """``skyrl_adapter_reads_total{read="one_buffer"}`` of one replica."""
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    prefix = 'skyrl_adapter_reads_total{read="one_buffer"} '
-    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
-
-
 async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -> None:
     """...and each replica stages the adapter's file in one read (``weights/adapter_file.py``)."""
     assert len(set(group.urls)) == 2
-    before = [await one_buffer_reads(url) for url in group.urls]
+    before = [await staged_file_reads(url) for url in group.urls]
     async with RemoteInferenceClient(group.urls) as client:
         infos = await client.load_lora_adapter("g-meow", str(embedded_model.adapters["meow"]))
         assert [i.version for i in infos] == [1, 1]
-    assert [await one_buffer_reads(url) for url in group.urls] == [b + 1 for b in before]
+    assert [await staged_file_reads(url) for url in group.urls] == [b + 1 for b in before]
 
 
 async def test_push_fans_out_to_every_replica(group, embedded_model, tokenizer) -> None:
@@ -330,3 +321,39 @@ async def test_engine_killed_mid_flight_replica_heals_with_its_adapters(
             f"-> serving again with {rebuilt.adapters} adapters {served_again:.1f} s, "
             f"{len(results)} samples, {lost} lost, {swaps} swaps of h-a during the drill"
         )
+
+
+async def test_a_file_layout_seen_before_builds_from_its_template_and_serves_the_same(
+    group, embedded_model, engine_server
+) -> None:
+    """The replicas read files on their staging threads (no reader process):
+    once a layout was built by vLLM's loader, the next file of that layout
+    is built from its template (``file_template``), and it must serve what
+    vLLM's own build of the same file serves (the session server's reader
+    process builds it with vLLM's loader), token for token."""
+    woof = str(embedded_model.adapters["woof"])
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    prompt = [1, 2, 3]
+    async with RemoteInferenceClient(group.urls) as client:
+        await client.load_lora_adapter("g-tpl", str(embedded_model.adapters["moo"]))
+        before = [await file_template_reads(url) for url in group.urls]
+        await client.load_lora_adapter("g-tpl", woof)
+        assert [await file_template_reads(url) for url in group.urls] == [b + 1 for b in before]
+    built = []
+    for url in group.urls:
+        async with RemoteInferenceClient(url) as replica:
+            built.append(await replica.sample(prompt, sampling_params=params, lora_name="g-tpl"))
+    async with RemoteInferenceClient(
+        engine_server.url, api_key=engine_server.admin_key
+    ) as reference:
+        await reference.load_lora_adapter("g-tpl-ref", woof)
+        expected = await reference.sample(prompt, sampling_params=params, lora_name="g-tpl-ref")
+    (want,) = expected.sequences
+    for out in built:
+        (got,) = out.sequences
+        assert got.tokens == want.tokens
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+async def file_template_reads(url: str) -> float:
+    return await staged_file_reads(url, ("file_template",))

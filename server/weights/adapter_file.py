@@ -34,6 +34,8 @@ import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from skyrl_lora.types import HANDOVER_ITEM_BYTES
+
 from .tensor_pickle import read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
@@ -116,6 +118,25 @@ class OneBufferFile:
                 read_exactly(file, self._buffer, data_bytes, path)
             except EOFError as exc:
                 raise UnsupportedFile(str(exc)) from exc
+
+    @property
+    def buffer(self) -> Any:
+        """The file's data (everything after the header), as read."""
+        return self._buffer
+
+    def layout(self) -> dict[str, Any] | None:
+        """The tensors' places in :attr:`buffer` in a hand-over's terms
+        (:class:`skyrl_lora.types.HandoverTensor` fields), so a file's model
+        can be built like a hand-over's (:mod:`.handover_template`); None
+        for a file with a tensor a hand-over cannot carry (another dtype,
+        a scalar, an empty dimension)."""
+        tensors = []
+        for name, (dtype, shape, begin, _) in self._entries.items():
+            dtype_name = str(dtype).removeprefix("torch.")
+            if dtype_name not in HANDOVER_ITEM_BYTES or not shape or min(shape) < 1:
+                return None
+            tensors.append({"name": name, "dtype": dtype_name, "shape": shape, "offset": begin})
+        return {"buffer": {"nbytes": int(self._buffer.numel())}, "tensors": tensors}
 
     def keys(self) -> list[str]:
         """The tensor names, sorted, as safetensors lists them."""

@@ -16,9 +16,12 @@ pickled by reference, as usual, and must be importable on both sides.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import math
+import os
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -115,14 +118,58 @@ def read_exactly(
     """Fill the first ``nbytes`` of ``buffer`` (a uint8 tensor) from ``file``'s position.
 
     ``readinto`` releases the GIL for the whole read, so the engine's step
-    loop is not kept waiting by the copy. Raises EOFError if the file ends first.
+    loop is not kept waiting by the copy. A read of :data:`PARALLEL_READ_BYTES`
+    or more from a file with a descriptor goes in :data:`READ_THREADS` chunks
+    at once (``os.preadv``, the GIL released too): one thread copies out of
+    the page cache at a few GB/s, so a rank-64 adapter of an 8B model
+    (336 MB) took tens of milliseconds to read. Leaves the file's position
+    after the read. Raises EOFError if the file ends first.
     """
     if nbytes == 0:
         return
     view = memoryview(buffer.numpy()).cast("B")
+    if nbytes >= PARALLEL_READ_BYTES:
+        try:
+            fd, start = file.fileno(), file.tell()
+        except (OSError, io.UnsupportedOperation):
+            fd = None
+        if fd is not None:
+            _read_in_chunks(fd, view, start, nbytes, path)
+            file.seek(start + nbytes)
+            return
     done = 0
     while done < nbytes:
         read = file.readinto(view[done:nbytes])
         if not read:
             raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
         done += read
+
+
+#: Reads this large go in parallel chunks (:func:`read_exactly`).
+PARALLEL_READ_BYTES = 32 << 20
+READ_THREADS = 4
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def _read_in_chunks(fd: int, view: memoryview, start: int, nbytes: int, path: str) -> None:
+    """``nbytes`` from ``fd`` at ``start`` into ``view``, in :data:`READ_THREADS` chunks at once."""
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = concurrent.futures.ThreadPoolExecutor(
+                READ_THREADS, thread_name_prefix="skyrl-lora-read"
+            )
+    step = -(-nbytes // READ_THREADS)
+    chunks = [(begin, min(begin + step, nbytes)) for begin in range(0, nbytes, step)]
+
+    def read_chunk(chunk: tuple[int, int]) -> None:
+        begin, end = chunk
+        while begin < end:
+            read = os.preadv(fd, [view[begin:end]], start + begin)
+            if not read:
+                raise EOFError(f"{path} ended before byte {start + end} of the read")
+            begin += read
+
+    for _ in _readers.map(read_chunk, chunks):
+        pass
