@@ -27,7 +27,7 @@ peft_helper = pytest.importorskip("vllm.lora.peft_helper")
 from safetensors.torch import save_file  # noqa: E402
 
 from skyrl_lora.server import compat  # noqa: E402
-from skyrl_lora.server.weights import tensor_pickle  # noqa: E402
+from skyrl_lora.server.weights import chunked, tensor_pickle  # noqa: E402
 from skyrl_lora.server.weights.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
 from skyrl_lora.server.weights.staging import ONE_BUFFER, READY, _WorkerStaging  # noqa: E402
 
@@ -242,7 +242,7 @@ def test_staging_reads_in_one_call_and_the_step_loop_by_safetensors(
 
 
 def test_a_large_read_goes_in_parallel_chunks_and_lands_whole(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(tensor_pickle, "PARALLEL_READ_BYTES", 4096)
+    monkeypatch.setattr(chunked, "PARALLEL_BYTES", 4096)
     data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
     path = tmp_path / "big.bin"
     path.write_bytes(b"head" + data.numpy().tobytes() + b"tail")

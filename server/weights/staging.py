@@ -89,7 +89,7 @@ from ..observability import (
 from . import handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
-from .cuda_streams import side_stream
+from .cuda_streams import AFTER_SWAP, side_stream
 from .handover import HandedOverFile
 from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
 from .scale_fold import multiply_in_place
@@ -665,7 +665,7 @@ class _WorkerStaging:
             host_model = self._host_buffers(nbytes)
         host_snapshot = None
         device = handed.model_buffer.device
-        stream = side_stream(device)
+        stream = side_stream(device, AFTER_SWAP)
         with torch.cuda.stream(stream):
             host_model.copy_(handed.model_buffer, non_blocking=host_model.is_pinned())
             if handed.is_handover:

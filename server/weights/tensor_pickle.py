@@ -16,14 +16,14 @@ pickled by reference, as usual, and must be importable on both sides.
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
 import math
 import os
 import pickle
-import threading
 from collections.abc import Callable
 from typing import Any, BinaryIO
+
+from . import chunked
 
 #: Every tensor starts at a multiple of this, so views of any dtype are aligned.
 ALIGNMENT = 64
@@ -118,17 +118,17 @@ def read_exactly(
     """Fill the first ``nbytes`` of ``buffer`` (a uint8 tensor) from ``file``'s position.
 
     ``readinto`` releases the GIL for the whole read, so the engine's step
-    loop is not kept waiting by the copy. A read of :data:`PARALLEL_READ_BYTES`
-    or more from a file with a descriptor goes in :data:`READ_THREADS` chunks
-    at once (``os.preadv``, the GIL released too): one thread copies out of
-    the page cache at a few GB/s, so a rank-64 adapter of an 8B model
-    (336 MB) took tens of milliseconds to read. Leaves the file's position
-    after the read. Raises EOFError if the file ends first.
+    loop is not kept waiting by the copy. A large read from a file with a
+    descriptor goes in a few chunks at once (``os.preadv``, the GIL released
+    too, :mod:`.chunked`): one thread copies out of the page cache at a few
+    GB/s, so a rank-64 adapter of an 8B model (336 MB) took tens of
+    milliseconds to read. Leaves the file's position after the read. Raises
+    EOFError if the file ends first.
     """
     if nbytes == 0:
         return
     view = memoryview(buffer.numpy()).cast("B")
-    if nbytes >= PARALLEL_READ_BYTES:
+    if chunked.large(nbytes):
         try:
             fd, start = file.fileno(), file.tell()
         except (OSError, io.UnsupportedOperation):
@@ -145,31 +145,14 @@ def read_exactly(
         done += read
 
 
-#: Reads this large go in parallel chunks (:func:`read_exactly`).
-PARALLEL_READ_BYTES = 32 << 20
-READ_THREADS = 4
-_readers: concurrent.futures.ThreadPoolExecutor | None = None
-_readers_lock = threading.Lock()
-
-
 def _read_in_chunks(fd: int, view: memoryview, start: int, nbytes: int, path: str) -> None:
-    """``nbytes`` from ``fd`` at ``start`` into ``view``, in :data:`READ_THREADS` chunks at once."""
-    global _readers
-    with _readers_lock:
-        if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(
-                READ_THREADS, thread_name_prefix="skyrl-lora-read"
-            )
-    step = -(-nbytes // READ_THREADS)
-    chunks = [(begin, min(begin + step, nbytes)) for begin in range(0, nbytes, step)]
+    """``nbytes`` from ``fd`` at ``start`` into ``view``, in chunks at once."""
 
-    def read_chunk(chunk: tuple[int, int]) -> None:
-        begin, end = chunk
+    def read_chunk(begin: int, end: int) -> None:
         while begin < end:
             read = os.preadv(fd, [view[begin:end]], start + begin)
             if not read:
                 raise EOFError(f"{path} ended before byte {start + end} of the read")
             begin += read
 
-    for _ in _readers.map(read_chunk, chunks):
-        pass
+    chunked.run_in_chunks(nbytes, read_chunk)
