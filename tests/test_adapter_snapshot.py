@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from skyrl_lora.errors import BadRequestError
-from skyrl_lora.server.weights import chunked
 from skyrl_lora.server.weights import registry as adapters
 from skyrl_lora.server.weights.registry import snapshot_adapter_dir
 
@@ -81,31 +80,3 @@ def test_a_path_the_os_refuses_to_look_up_is_a_bad_request(tmp_path: Path) -> No
     with pytest.raises(BadRequestError, match="cannot be read"):
         snapshot_adapter_dir("0" * 300, tmp_path / "snap" / "v1")
     assert not (tmp_path / "snap").exists()
-
-
-def test_a_large_file_is_snapshotted_in_parallel_chunks_byte_for_byte(tmp_path, monkeypatch):
-    monkeypatch.setattr(chunked, "PARALLEL_BYTES", 4096)
-    source = tmp_path / "adapter"
-    source.mkdir()
-    (source / "adapter_config.json").write_text("{}")
-    data = os.urandom(1_000_003)
-    (source / "adapter_model.safetensors").write_bytes(data)
-    target = snapshot_adapter_dir(str(source), tmp_path / "snap")
-    assert (target / "adapter_model.safetensors").read_bytes() == data
-    assert (target / "adapter_config.json").read_text() == "{}"
-
-
-def test_a_file_system_without_copy_file_range_gets_the_whole_copy(tmp_path, monkeypatch):
-    monkeypatch.setattr(chunked, "PARALLEL_BYTES", 4096)
-
-    def cross_device(*args: object) -> int:
-        raise OSError(errno.EXDEV, "not on one file system")
-
-    monkeypatch.setattr(adapters.os, "copy_file_range", cross_device)
-    source = tmp_path / "adapter"
-    source.mkdir()
-    contents = _adapter(source)
-    target = snapshot_adapter_dir(str(source), tmp_path / "snap")
-    assert (target / "adapter_model.safetensors").read_bytes() == contents[
-        "adapter_model.safetensors"
-    ]

@@ -50,7 +50,6 @@ from skyrl_lora.errors import (
 )
 
 from ..observability import log_event
-from . import chunked
 
 logger = logging.getLogger(__name__)
 
@@ -602,23 +601,7 @@ def _copy_contents(src: BinaryIO, dst: BinaryIO) -> None:
     back on every 1 MiB read and write and waits up to the switch interval
     (5 ms) to get it back each time. A 37 MB rank-16 adapter took 420 ms that
     way against a busy thread, and 45 ms with ``sendfile`` (one call per GiB).
-
-    A large file is copied in a few chunks at once (``copy_file_range``, in
-    the kernel too, :mod:`.chunked`): one thread copies page cache to page
-    cache at a few GB/s, and the snapshot of the 8B model's rank-64 adapter
-    (336 MB) was most of a path load's 184 ms on an idle H100 machine
-    (main ff5f88c, 2026-11-25).
     """
-    size = os.fstat(src.fileno()).st_size
-    if chunked.large(size) and hasattr(os, "copy_file_range"):
-        try:
-            _copy_in_chunks(src.fileno(), dst.fileno(), size)
-            return
-        except OSError as exc:  # a file system without copy_file_range: copy as below
-            if exc.errno not in _NO_COPY_FILE_RANGE:
-                raise
-            dst.seek(0)
-            dst.truncate()
     offset = 0
     if not hasattr(os, "sendfile"):
         shutil.copyfileobj(src, dst, 1 << 20)
@@ -630,24 +613,6 @@ def _copy_contents(src: BinaryIO, dst: BinaryIO) -> None:
         if offset or exc.errno not in _NO_SENDFILE:
             raise
         shutil.copyfileobj(src, dst, 1 << 20)
-
-
-_NO_COPY_FILE_RANGE = _NO_SENDFILE | {errno.EXDEV}
-
-
-def _copy_in_chunks(src: int, dst: int, size: int) -> None:
-    """The first ``size`` bytes of ``src`` into ``dst``, in chunks at once
-    (:mod:`.chunked`); a source that ends early is an error (it changed under us)."""
-    os.ftruncate(dst, size)
-
-    def copy_chunk(begin: int, end: int) -> None:
-        while begin < end:
-            copied = os.copy_file_range(src, dst, end - begin, begin, begin)
-            if not copied:
-                raise OSError(errno.EIO, f"the file ended at byte {begin} of {size} while copied")
-            begin += copied
-
-    chunked.run_in_chunks(size, copy_chunk)
 
 
 def _inside(path: Path, roots: Sequence[Path]) -> bool:
