@@ -35,13 +35,16 @@ Here the expensive part moves to a background thread of each worker:
    the slot bookkeeping (the copy into a slot too, when none was free while
    staging).
 
-A hand-over (:mod:`.handover`) is copied out of the trainer's memory, and a
-layout seen before is built from its template (:mod:`.handover_template`)
-instead of by vLLM's loader. From GPU memory to a GPU worker, such a
-hand-over stays on the GPU until it is in its slot: copied device to
-device, folded and written there; its host copies and its snapshot file
-are made after the swap (:mod:`.snapshot_writer`). Scalings are folded on
-the GPU where the tensors are pinned or already there (:mod:`.scale_fold`).
+A hand-over (:mod:`.handover`) or a file read in one call is one buffer of
+known layout (:mod:`.staged_buffer`), and a layout seen before is built
+from its template (:mod:`.handover_template`) instead of by vLLM's loader.
+On a GPU worker such a buffer stays on the GPU until it is in its slot:
+copied there, folded and written there; its host copies (and a
+hand-over's snapshot file, :mod:`.snapshot_writer`) are made after the
+swap. Scalings are folded on the GPU where the tensors are pinned or
+already there (:mod:`.scale_fold`). Stage requests come over a socket
+beside the step loop where the worker shares the API server's host
+(:mod:`.stage_channel`).
 
 The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
@@ -70,12 +73,9 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .. import compat
 from ..loop_monitor import watch_engine_collections
@@ -89,13 +89,13 @@ from ..observability import (
 from . import handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
-from .cuda_streams import AFTER_SWAP, side_stream
 from .handover import HandedOverFile
-from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
+from .handover_template import HandoverTemplates
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
 from .snapshot_writer import SnapshotWriter
 from .stage_channel import StageChannel, StageListener, socket_path
+from .staged_buffer import BufferSource, TakenBuffer
 from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
@@ -132,7 +132,7 @@ SAFETENSORS = "safetensors"
 HANDOVER = "handover"
 HANDOVER_TEMPLATE = "handover_template"
 #: Read in one call (as ``one_buffer``) and built from the template of the
-#: file's layout, as a hand-over is (:meth:`_WorkerStaging._take_file`).
+#: file's layout, as a hand-over is (:mod:`.staged_buffer`).
 FILE_TEMPLATE = "file_template"
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
@@ -148,34 +148,6 @@ MAX_DROPS_REMEMBERED = 64
 def status_file(lora_int_id: int, worker: str) -> str:
     """The name of one worker's status file for one staging."""
     return f"{lora_int_id}-{worker}.json"
-
-
-@dataclass(frozen=True)
-class _HandedOver:
-    """A hand-over copied out of the trainer's memory: the model's copy, the
-    snapshot's (written after the swap), and what its build depends on.
-
-    The copies are in GPU memory when the trainer's buffer is and its
-    layout has a template (:meth:`_WorkerStaging._take_handover`).
-    """
-
-    folder: Path
-    description: dict[str, Any]
-    model_buffer: Any
-    #: None for an adapter read from its file (:meth:`_WorkerStaging._take_file`).
-    snapshot_buffer: Any
-    layout: str
-    #: A file's data as read, in host memory: a model built on the GPU is
-    #: copied back into it after the swap (None: a hand-over's are allocated).
-    host_buffer: Any = None
-
-    @property
-    def on_device(self) -> bool:
-        return bool(self.model_buffer.is_cuda)
-
-    @property
-    def is_handover(self) -> bool:
-        return self.snapshot_buffer is not None
 
 
 @dataclass(frozen=True)
@@ -210,16 +182,16 @@ class _WorkerStaging:
         self._routed_reads = self._route_reads_to_reader(lora_manager) if reader_process else None
         #: Buffers for the staging thread's one-call reads, pinned where vLLM pins.
         self._host_buffers = tensor_pickle.host_buffers(compat.lora_pin_memory())
-        #: On a GPU worker, buffers in its memory for hand-overs staged there.
-        self._device_buffers = _device_buffers(device)
         try:
             compat.route_lora_file_opens(self._open_in_one_buffer)
         except (ImportError, AttributeError) as exc:  # a vLLM whose loader moved
             logger.warning("skyrl-lora leaves adapter file reads to safetensors: %r", exc)
         #: Each staging's result, by adapter id.
         self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
-        #: Hand-overs' models by layout, and their snapshot files, written after the swap.
+        #: Hand-overs' and files' models by layout, and where their bytes come from.
         self._templates = HandoverTemplates()
+        self._buffers = BufferSource(self._host_buffers, device, self._templates)
+        #: Hand-overs' snapshot files, written after the swap.
         self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
         #: Files' models built on the GPU move to the host here, after their swap.
         self._settling = concurrent.futures.ThreadPoolExecutor(
@@ -495,7 +467,7 @@ class _WorkerStaging:
         copy_ms = None
         try:
             with self.yield_points.yielding() as naps:
-                handed = self._take_handover(lora_request) or self._take_file(lora_request)
+                handed = self._take(lora_request)
                 if handed is not None:
                     copy_ms = round((time.perf_counter() - started) * 1000, 2)
                 template = None if handed is None else self._templates.get(handed.layout)
@@ -518,7 +490,7 @@ class _WorkerStaging:
             settle = None
             if handed.on_device:
                 assert template is not None
-                settle = functools.partial(self._settle_on_host, model, template, handed)
+                settle = functools.partial(self._buffers.settle_on_host, model, template, handed)
             if handed.is_handover:
                 snapshot = handed.snapshot_buffer if settle is None else settle
                 self._snapshots.submit(handed.folder, snapshot, handed.description["tensors"])
@@ -556,7 +528,16 @@ class _WorkerStaging:
         )
         return _Staged(model, read, naps.count)
 
-    def _build(self, lora_request: Any, handed: _HandedOver | None) -> tuple[Any, float]:
+    def _take(self, lora_request: Any) -> TakenBuffer | None:
+        """The request's bytes as one buffer (:mod:`.staged_buffer`): a
+        hand-over, or a file unless a reader process reads files; None
+        leaves the read to vLLM's loader."""
+        taken = self._buffers.take_handover(lora_request)
+        if taken is None and self._routed_reads is None:
+            taken = self._buffers.take_file(lora_request)
+        return taken
+
+    def _build(self, lora_request: Any, handed: TakenBuffer | None) -> tuple[Any, float]:
         """vLLM's model for the request, packed; when it was loaded.
 
         A hand-over's tensors stand in for the files, and its packed model
@@ -581,106 +562,6 @@ class _WorkerStaging:
             if handed is not None and not self._templates.known(handed.layout):
                 self._templates.learn(handed.layout, model, handed.model_buffer, folded)
         return model, loaded
-
-    def _take_handover(self, lora_request: Any) -> _HandedOver | None:
-        """A hand-over's buffer, copied out of the trainer's memory twice (the
-        model's copy and the snapshot's); None for an adapter of files.
-
-        A layout with a template, handed over from GPU memory to a GPU
-        worker, is copied device to device: its model is built, folded and
-        written into its slot there, and its host copies, which vLLM's CPU
-        cache and the snapshot file need, are made after the swap
-        (:meth:`_settle_on_host`). Copied to the host first, the rank-128
-        adapter of the 8B model spent 44 of its 100 ms of staging in two
-        device-to-host copies and 17 ms copying back into the slot.
-        """
-        folder = Path(lora_request.lora_path)
-        description = handover.take_handover(folder)
-        if description is None:
-            return None
-        config = (folder / handover.CONFIG_FILE).read_text()
-        layout = layout_key(description, config, _request_extra(lora_request))
-        on_device = (
-            description["buffer"]["kind"] == "cuda_ipc"
-            and self._device_buffers is not None
-            and self._templates.get(layout) is not None
-        )
-        allocate = self._device_buffers if on_device else self._host_buffers
-        assert allocate is not None
-        model_buffer, snapshot_buffer = handover.copy_out(
-            description, allocate, handover.cuda_device_index, copies=2
-        )
-        return _HandedOver(folder, description, model_buffer, snapshot_buffer, layout)
-
-    def _take_file(self, lora_request: Any) -> _HandedOver | None:
-        """An adapter file read into one buffer (:mod:`.adapter_file`), to be
-        built like a hand-over: by vLLM's loader from views of the buffer
-        the first time, from its layout's template after; None for a file
-        that reader leaves to safetensors (vLLM's loader then reads it), or
-        where a reader process reads files.
-
-        On a GPU worker a templated layout is copied to the GPU and built,
-        folded and written into its slot there; the folded model is copied
-        back into the read's buffer after the swap (:meth:`_settle_on_host`).
-        Through vLLM's loader the rank-64 adapter of the 8B model took 241 ms
-        to load by path on an idle H100.
-        """
-        if self._routed_reads is not None:
-            return None
-        folder = Path(lora_request.lora_path)
-        try:
-            config = (folder / handover.CONFIG_FILE).read_text()
-            opened = OneBufferFile(str(folder / handover.WEIGHTS_FILE), self._host_buffers)
-        except (OSError, UnsupportedFile):
-            return None
-        description = opened.layout()
-        if description is None:
-            return None
-        layout = layout_key(description, config, _request_extra(lora_request))
-        model_buffer = opened.buffer
-        if self._device_buffers is not None and self._templates.get(layout) is not None:
-            model_buffer = self._device_buffers(model_buffer.numel())
-            stream = side_stream(model_buffer.device)
-            with torch.cuda.stream(stream):
-                model_buffer.copy_(opened.buffer, non_blocking=opened.buffer.is_pinned())
-            stream.synchronize()
-        return _HandedOver(folder, description, model_buffer, None, layout, opened.buffer)
-
-    def _settle_on_host(self, model: Any, template: HandoverTemplate, handed: _HandedOver) -> Any:
-        """After the swap of an adapter staged on the GPU: copy its model
-        (and a hand-over's snapshot) to the host, point the model at its
-        host copy, and let the GPU copies go. Runs on the snapshot writer's
-        thread for a hand-over, and returns the snapshot's host copy for
-        the file; on a thread of its own for a file (returns None).
-
-        The step loop may have read the model's GPU tensors meanwhile (an
-        install with no slot written copies from them on the engine's
-        stream): the device is synchronized before the GPU memory goes back
-        to torch's allocator, so no copy still queued reads reused memory.
-        """
-        started = time.perf_counter()
-        nbytes = handed.model_buffer.numel()
-        host_model = handed.host_buffer
-        if host_model is None:
-            host_model = self._host_buffers(nbytes)
-        host_snapshot = None
-        device = handed.model_buffer.device
-        stream = side_stream(device, AFTER_SWAP)
-        with torch.cuda.stream(stream):
-            host_model.copy_(handed.model_buffer, non_blocking=host_model.is_pinned())
-            if handed.is_handover:
-                host_snapshot = self._host_buffers(nbytes)
-                host_snapshot.copy_(handed.snapshot_buffer, non_blocking=host_snapshot.is_pinned())
-        stream.synchronize()
-        template.repoint(model, host_model)
-        torch.cuda.synchronize(device)
-        log_engine_event(
-            "handover_settled",
-            folder=handed.folder.name,
-            bytes=nbytes,
-            ms=round((time.perf_counter() - started) * 1000, 2),
-        )
-        return host_snapshot
 
     def _fold(self, tensors: list[Any], factor: float) -> None:
         multiply_in_place(tensors, factor, self._device)
@@ -719,25 +600,6 @@ class _WorkerStaging:
             return future.result().model
         self._snapshots.wait(lora_request.lora_path)  # a hand-over's file, still being written
         return self._load_from_files(lora_request)
-
-
-def _request_extra(lora_request: Any) -> tuple[Any, ...]:
-    """What a request adds to its model's build besides the files."""
-    return (
-        getattr(lora_request, "is_3d_lora_weight", None),
-        getattr(lora_request, "tensorizer_config_dict", None),
-    )
-
-
-def _device_buffers(device: Any) -> Callable[[int], Any] | None:
-    """An ``allocate(nbytes)`` of uint8 tensors on ``device``; None off a GPU."""
-    if device is None or torch.device(device).type != "cuda":
-        return None
-
-    def allocate(nbytes: int) -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    return allocate
 
 
 class LoRAStagingExtension:
