@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import tempfile
 import time
 from dataclasses import replace
@@ -166,14 +167,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_lora_rank=max(args.ranks),
         max_loras=max(args.tenants),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        extra=["--allow-handover"],
+        extra=["--allow-handover", *shlex.split(args.serve_flags)],
     )
     meta: dict[str, Any] = {
         "commit": args.commit,
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{torch.cuda.get_device_name(0)}, vLLM 0.26.0",
         "model": args.size,
-        "server": {"max_lora_rank": max(args.ranks), "max_loras": max(args.tenants)},
+        "server": {
+            "max_lora_rank": max(args.ranks),
+            "max_loras": max(args.tenants),
+            "flags": args.serve_flags,
+        },
         "swap_load": SWAP_LOAD.__dict__,
         "model_build_s": round(built_s, 1),
     }
@@ -313,6 +318,11 @@ def main() -> int:
     parser.add_argument("--parts", default="tenants,swap_cost")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--work", help="where the model and adapters are built (reused)")
+    parser.add_argument(
+        "--serve-flags",
+        default="",
+        help="more `skyrl-lora serve` flags, e.g. --no-gpu-staging for an A/B",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/scale.json")
     parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or current_commit())
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only draw the curves of JSON")

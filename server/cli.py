@@ -40,7 +40,8 @@ usage: skyrl-lora serve [--embedded] [--no-ray] [skyrl-lora flags] [vllm serve f
 
 skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir,
 --max-adapter-bytes, --no-resume-pacing, --no-answer-pacing, --no-slot-prefill,
---no-staging-yield, --adapter-reader, --stall-stacks) and every `vllm serve` flag follow.
+--no-gpu-staging, --no-staging-yield, --adapter-reader, --stall-stacks) and every
+`vllm serve` flag follow.
 """
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 
 from tests.conftest import EngineServer
 
@@ -94,6 +95,7 @@ async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -
     assert info["adapter_staging"] is True  # the worker extension is live in vLLM's workers
     assert info["adapter_slot_prefill"] is True  # and writes engine slots off the loop too
     assert info["adapter_stage_channel"] is True  # asked beside the step loop, not through it
+    assert info["adapter_gpu_staging"] is torch.cuda.is_available()  # built on the GPU there
     name = "staged-load"
     await post(
         http,

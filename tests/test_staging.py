@@ -183,3 +183,9 @@ def test_staging_shortens_the_switch_interval_only_while_it_runs() -> None:
     assert _wait(staging, 8) == READY
     assert manager._adapter_manager.switch_interval_seen == [STAGING_SWITCH_INTERVAL_S]
     assert sys.getswitchinterval() == before
+
+
+def test_gpu_staging_follows_the_worker_device_and_can_be_turned_off() -> None:
+    assert not _WorkerStaging(_Manager()).gpu_staging  # no device: a CPU worker
+    assert _WorkerStaging(_Manager(), device="cuda:0").gpu_staging  # nothing is allocated yet
+    assert not _WorkerStaging(_Manager(), device="cuda:0", gpu_staging=False).gpu_staging

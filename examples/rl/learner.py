@@ -331,9 +331,7 @@ class LearnerProcess:
         """Load the learner's weights as ``lora_name``'s ``version`` on the server
         at ``url`` (same host) by hand-over, no file or bytes; returns the version."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, _hand_over, url, lora_name, version, policy
-        )
+        return await loop.run_in_executor(self._pool, _hand_over, url, lora_name, version, policy)
 
     async def reset(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, _reset)

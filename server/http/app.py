@@ -124,6 +124,14 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "instead of on the staging thread beforehand",
     )
     group.add_argument(
+        "--no-gpu-staging",
+        dest="gpu_staging",
+        action="store_false",
+        help="build hand-overs and files of a known layout in pinned host memory and copy "
+        "them into their slot from there, instead of in GPU memory (which holds twice the "
+        "adapter while a staging is in flight)",
+    )
+    group.add_argument(
         "--no-staging-yield",
         dest="staging_yield",
         action="store_false",
@@ -240,6 +248,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         engine_client,
         staging.StagingConfig(
             slot_prefill=getattr(args, "slot_prefill", True),
+            gpu_staging=getattr(args, "gpu_staging", True),
             reader_process=getattr(args, "adapter_reader", False),
             staging_yield=staging_yield(args),
         ),
@@ -288,6 +297,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_reader_process=lora_engine.reader_process,
         adapter_staging_yield=lora_engine.staging_yield,
         adapter_stage_channel=lora_engine.stage_channel,
+        adapter_gpu_staging=lora_engine.gpu_staging,
         adapter_handover=handovers.enabled,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,

@@ -69,6 +69,11 @@ class BufferSource:
         self._device_buffers = device_buffers(device)
         self._templates = templates
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether known layouts are taken into GPU memory (a GPU worker, not turned off)."""
+        return self._device_buffers is not None
+
     def take_handover(self, lora_request: Any) -> TakenBuffer | None:
         """A hand-over's buffer, copied out of the trainer's memory twice (the
         model's copy and the snapshot's); None for an adapter of files.

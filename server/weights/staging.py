@@ -170,6 +170,7 @@ class _WorkerStaging:
         reader_process: bool = False,
         staging_yield: StagingYield | None = None,
         model_runner: Any = None,
+        gpu_staging: bool = True,
     ) -> None:
         self._manager = lora_manager
         self._device = device
@@ -190,7 +191,9 @@ class _WorkerStaging:
         self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
         #: Hand-overs' and files' models by layout, and where their bytes come from.
         self._templates = HandoverTemplates()
-        self._buffers = BufferSource(self._host_buffers, device, self._templates)
+        self._buffers = BufferSource(
+            self._host_buffers, device if gpu_staging else None, self._templates
+        )
         #: Hand-overs' snapshot files, written after the swap.
         self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
         #: Files' models built on the GPU move to the host here, after their swap.
@@ -280,6 +283,10 @@ class _WorkerStaging:
     @property
     def reader_process(self) -> bool:
         return self._routed_reads is not None
+
+    @property
+    def gpu_staging(self) -> bool:
+        return self._buffers.on_gpu
 
     @property
     def staging_yield(self) -> bool:
@@ -616,6 +623,7 @@ class LoRAStagingExtension:
         slot_prefill: bool = True,
         reader_process: bool = False,
         staging_yield: dict[str, float] | None = None,
+        gpu_staging: bool = True,
     ) -> _WorkerStaging:
         if self._skyrl_staging is None:
             model_runner = getattr(self, "model_runner", None)
@@ -629,6 +637,7 @@ class LoRAStagingExtension:
                 reader_process=reader_process,
                 staging_yield=None if staging_yield is None else StagingYield(**staging_yield),
                 model_runner=model_runner,
+                gpu_staging=gpu_staging,
             )
         return self._skyrl_staging
 
@@ -638,6 +647,7 @@ class LoRAStagingExtension:
         reader_process: bool = False,
         staging_yield: dict[str, float] | None = None,
         status_dir: str | None = None,
+        gpu_staging: bool = True,
     ) -> dict[str, Any]:
         """Set staging up (once, at the server's start); says which parts are on
         and which GPU the worker drives (``device_uuid``, None on a CPU).
@@ -649,9 +659,10 @@ class LoRAStagingExtension:
         publish stagings' statuses (:meth:`_WorkerStaging.publish_statuses_to`).
         """
         watch_engine_collections()
-        stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield)
+        stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
         return {
             "slot_prefill": stager.slot_prefill,
+            "gpu_staging": stager.gpu_staging,
             "reader_process": stager.reader_process,
             "staging_yield": stager.staging_yield,
             "device_uuid": handover.cuda_device_uuid(getattr(self, "device", None)),
@@ -695,6 +706,10 @@ class StagingConfig:
     #: Copy staged adapters into a free engine slot on the staging thread
     #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
+    #: On a GPU worker, build hand-overs and files of a known layout in GPU
+    #: memory (:mod:`skyrl_lora.server.weights.staged_buffer`); off, in
+    #: pinned host memory, copied into the slot from there.
+    gpu_staging: bool = True
     #: Read adapter files in a process of their own
     #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
     #: thread reads them in the engine process. Off by
@@ -724,6 +739,7 @@ class StagedLoRAEngine:
         self._config = config
         self.available = False
         self.slot_prefill = False
+        self.gpu_staging = False
         self.reader_process = False
         self.staging_yield = False
         #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
@@ -756,9 +772,11 @@ class StagedLoRAEngine:
                 self._config.reader_process,
                 None if self._config.staging_yield is None else asdict(self._config.staging_yield),
                 str(status_dir),
+                self._config.gpu_staging,
             )
             self.available = True
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
+            self.gpu_staging = all(p.get("gpu_staging") for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
             self.staging_yield = all(p["staging_yield"] for p in parts)
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
