@@ -134,12 +134,21 @@ async def http(engine_server: EngineServer) -> AsyncIterator[aiohttp.ClientSessi
 FILE_READS = ("one_buffer", "file_template")
 
 
+async def counts_by_label(http: aiohttp.ClientSession, url: str, counter: str) -> dict[str, float]:
+    """A counter of one label (``skyrl_adapter_stagings_total``...) from a server's ``/metrics``."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith(counter + "{"):
+            label, value = line.split("} ")
+            counts[label.split('"')[1]] = float(value)
+    return counts
+
+
 async def staged_file_reads(url: str, reads: tuple[str, ...] = FILE_READS) -> float:
     """Files one replica staged by one read (of the kinds ``reads``): one
     per version loaded from a file."""
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    prefixes = tuple(f'skyrl_adapter_reads_total{{read="{r}"}} ' for r in reads)
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefixes)
-    )
+    async with aiohttp.ClientSession() as http:
+        counts = await counts_by_label(http, url, "skyrl_adapter_reads_total")
+    return sum(counts.get(read, 0.0) for read in reads)

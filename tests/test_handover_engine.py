@@ -25,9 +25,8 @@ from skyrl_lora.errors import (
     PermissionDeniedError,
 )
 from skyrl_lora.server.weights import handover
-from tests.conftest import TENANT_KEYS, EngineServer
+from tests.conftest import TENANT_KEYS, EngineServer, counts_by_label
 from tests.test_push_engine import LONG, admin, sample, wait_running, words
-from tests.test_server_engine import counts_by_label
 
 pytestmark = pytest.mark.engine
 
@@ -72,11 +71,11 @@ async def test_a_layout_seen_before_builds_from_its_template_and_serves_the_same
     woof = Path(engine_server.model.adapters["woof"]) / "adapter_model.safetensors"
     with handover_of(engine_server, "meow") as adapter:
         await admin.push_lora_adapter("handed-tpl", adapter)  # the layout is known from now
-        before = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        before = await counts_by_label(http, engine_server.url, "skyrl_adapter_reads_total")
         adapter.update(load_file(str(woof)))
         (info,) = await admin.push_lora_adapter("handed-tpl", adapter)
     assert info.version == 2
-    after = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+    after = await counts_by_label(http, engine_server.url, "skyrl_adapter_reads_total")
     assert after.get("handover_template", 0) == before.get("handover_template", 0) + 1
     await admin.push_lora_adapter("handed-tpl-pushed", engine_server.model.adapters["woof"])
     handed = (await sample(admin, engine_server, "handed-tpl", 24)).sequences[0]

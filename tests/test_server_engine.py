@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.conftest import EngineServer
+from tests.conftest import EngineServer, counts_by_label
 
 pytestmark = pytest.mark.engine
 
@@ -229,22 +229,8 @@ async def test_reload_in_place_changes_output_and_version(engine_server, http) -
     assert after["adapter_version"] == second["version"]
 
 
-async def counts_by_label(
-    http: aiohttp.ClientSession, server: EngineServer, counter: str
-) -> dict[str, float]:
-    """A counter of one label (``skyrl_adapter_stagings_total``...) from ``/metrics``."""
-    async with http.get(server.url + "/metrics") as resp:
-        text = await resp.text()
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith(counter + "{"):
-            label, value = line.split("} ")
-            counts[label.split('"')[1]] = float(value)
-    return counts
-
-
 async def staged_into_slots(http: aiohttp.ClientSession, server: EngineServer) -> dict[str, float]:
-    return await counts_by_label(http, server, "skyrl_adapter_stagings_total")
+    return await counts_by_label(http, server.url, "skyrl_adapter_stagings_total")
 
 
 async def test_staged_reads_run_in_the_reader_process(engine_server, http) -> None:
@@ -257,9 +243,9 @@ async def test_staged_reads_run_in_the_reader_process(engine_server, http) -> No
     deadline = time.monotonic() + 120
     for reload in itertools.count():
         word = ("meow", "woof")[reload % 2]
-        before = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        before = await counts_by_label(http, engine_server.url, "skyrl_adapter_reads_total")
         await load(http, engine_server, "via-reader", word)
-        after = await counts_by_label(http, engine_server, "skyrl_adapter_reads_total")
+        after = await counts_by_label(http, engine_server.url, "skyrl_adapter_reads_total")
         if after.get("reader", 0) == before.get("reader", 0) + 1:
             break
         # still starting: read on the staging thread, in one call

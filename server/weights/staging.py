@@ -547,8 +547,9 @@ class _WorkerStaging:
     def _build(self, lora_request: Any, handed: TakenBuffer | None) -> tuple[Any, float]:
         """vLLM's model for the request, packed; when it was loaded.
 
-        A hand-over's tensors stand in for the files, and its packed model
-        becomes the template of its layout (:mod:`.handover_template`).
+        A taken buffer's tensors (a hand-over's, or a file's one read) stand
+        in for the files, and its packed model becomes the template of its
+        layout (:mod:`.handover_template`).
         """
         if handed is not None:
             views = handover.tensor_views(handed.model_buffer, handed.description)
