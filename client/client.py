@@ -434,10 +434,8 @@ class RemoteInferenceClient:
         keep = self.config.commit_timeout_s if len(self.urls) > 1 else None
 
         async def send(url: str) -> bytes:
-            with payload.form(lora_name, swap_policy, version, keep) as form:
-                return await self._call(
-                    url, "POST", path, form, timeout=self.config.control_timeout
-                )
+            form = payload.form(lora_name, swap_policy, version, keep)
+            return await self._call(url, "POST", path, form, timeout=self.config.control_timeout)
 
         return LoadResult(await self._all_or_none(path, send, lora_name, version))
 

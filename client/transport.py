@@ -13,13 +13,14 @@ import asyncio
 import json
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
 from pydantic import BaseModel
 
 from skyrl_lora.client.config import ClientConfig
+from skyrl_lora.client.push import StreamedForm
 from skyrl_lora.errors import (
     RequestTimeoutError,
     ServerError,
@@ -94,7 +95,7 @@ class Transport:
         self,
         method: str,
         url: str,
-        body: BaseModel | Mapping[str, Any] | aiohttp.FormData | None = None,
+        body: BaseModel | Mapping[str, Any] | StreamedForm | None = None,
         *,
         timeout: float | None,
     ) -> bytes:
@@ -105,14 +106,14 @@ class Transport:
         what separates this client from a bare aiohttp loop.
         """
         headers = _JSON
-        data: bytes | aiohttp.payload.Payload | None
+        data: bytes | AsyncIterator[bytes | memoryview] | None
         if isinstance(body, BaseModel):
             data = body.model_dump_json().encode()
-        elif isinstance(body, aiohttp.FormData):
+        elif isinstance(body, StreamedForm):
             # The session's default JSON type would win over the form's own:
             # name the multipart type (with its boundary) on the request.
-            data = body()
-            headers = {"Content-Type": data.content_type}
+            data = body.chunks()
+            headers = {"Content-Type": body.content_type, "Content-Length": str(body.length)}
         else:
             data = None if body is None else json.dumps(body).encode()
         client_timeout = aiohttp.ClientTimeout(

@@ -26,7 +26,8 @@ def _listen(tmp_path: Path) -> tuple[StageListener, list[dict[str, Any]], thread
     got: list[dict[str, Any]] = []
     arrived = threading.Event()
 
-    def handle(message: dict[str, Any]) -> None:
+    def handle(message: dict[str, Any], fds: list[int]) -> None:
+        assert not fds
         if message.get("bad"):
             raise ValueError("not a request")
         got.append(message)

@@ -44,7 +44,9 @@ class _Engine:
         assert self.gate is not None
         return self.gate.is_paused("a")
 
-    async def stage(self, request: _Request, replaces: int | None = None) -> None:
+    async def stage(
+        self, request: _Request, replaces: int | None = None, weights_fd: int | None = None
+    ) -> None:
         self.paused_while["stage"] = self._paused()
         self.replaced.append(replaces)
         self.staging_started.set()

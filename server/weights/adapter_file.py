@@ -109,6 +109,8 @@ class OneBufferFile:
                 header, data_bytes = read_header(file, os.fstat(file.fileno()).st_size)
             except ValueError as exc:
                 raise UnsupportedFile(f"{path}: {exc}") from exc
+            #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
+            self.head = os.pread(file.fileno(), file.tell(), 0)
             self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
             self._entries = {
                 name: _entry(name, info, data_bytes, torch) for name, info in header.items()

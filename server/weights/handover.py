@@ -33,12 +33,15 @@ from typing import Any
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
 from skyrl_lora.types import HandoverRequest, HandoverTensor
 
+from .snapshot_writer import PENDING_FILE
 from .tensor_pickle import read_exactly
 
 #: In a push folder instead of the weights file: where the weights are.
 HANDOVER_FILE = "handover.json"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+#: Either in a snapshot folder says its weights file is not written yet.
+SNAPSHOT_MARKERS = (HANDOVER_FILE, PENDING_FILE)
 #: Where POSIX shared memory lives on Linux (``shm_open`` names).
 SHM_DIR = Path("/dev/shm")
 
@@ -201,10 +204,11 @@ def tensor_views(host: Any, description: dict[str, Any]) -> dict[str, Any]:
 
 
 def wait_for_weights(folder: Path, timeout_s: float = 120.0) -> None:
-    """Wait while ``folder``'s weights file is still being written from a
-    hand-over (:mod:`.snapshot_writer`); at once for a folder of files."""
+    """Wait while ``folder``'s weights file is still to be written by the
+    engine, after a hand-over's or a path load's swap (:mod:`.snapshot_writer`);
+    at once for a folder whose files are all there."""
     deadline = time.monotonic() + timeout_s
-    while (folder / HANDOVER_FILE).exists():
+    while any((folder / marker).exists() for marker in SNAPSHOT_MARKERS):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the snapshot of {folder.name} was not written in {timeout_s} s")
         time.sleep(0.01)

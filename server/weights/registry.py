@@ -15,6 +15,10 @@ snapshot is what the engine loads, for three reasons:
 * The snapshot is taken first, without following links out of the folder,
   and only the snapshot is validated and loaded: a tenant who can write to
   its adapter folder cannot swap a file between our check and vLLM's read.
+  Where the engine takes the weights file open (its workers share this
+  host), that file is opened here by the same rules and handed over; the
+  engine reads it once and writes the snapshot's copy from the bytes it
+  staged, after the swap, so what serves is still what the snapshot holds.
 
 Every version is registered in the engine under its own name
 (``<name>@v<version>``): vLLM deduplicates the adapters of one batch by name,
@@ -26,7 +30,6 @@ vLLM's OpenAI routes keep resolving the public name (``published``).
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import itertools
 import logging
@@ -40,7 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from skyrl_lora.errors import (
     AdapterNotFoundError,
@@ -50,6 +53,8 @@ from skyrl_lora.errors import (
 )
 
 from ..observability import log_event
+from .handover import wait_for_weights
+from .snapshot_writer import PENDING_FILE, copy_contents
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +64,21 @@ WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 class LoRAEngine(Protocol):
-    """The part of vLLM's engine client the registry uses."""
+    """The part of vLLM's engine client the registry uses.
 
-    async def stage(self, lora_request: Any, replaces: int | None = None) -> None:
+    An engine with a true ``takes_files`` attribute is also given, in
+    ``stage``'s ``weights_fd``, the weights file the registry opened instead
+    of copying, and writes the snapshot's copy itself (:mod:`.snapshot_writer`).
+    """
+
+    async def stage(
+        self, lora_request: Any, replaces: int | None = None, weights_fd: int | None = None
+    ) -> None:
         """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing).
 
         ``replaces``: the engine id of a version none of whose requests can run
         before this one is installed; the engine may drop it at once.
+        ``weights_fd``: given only to an engine that ``takes_files``.
         """
 
     async def discard(self, lora_id: int) -> None:
@@ -256,14 +269,23 @@ class AdapterRegistry:
         version = self._next_version(lora_name, version)
         target = self._snapshot_dir(lora_name, version)
         started = time.perf_counter()
-        await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots)
+        # Where the engine can take the weights file open, it reads it once
+        # and writes the snapshot's copy from what it read, after the swap.
+        held: dict[str, int] | None = {} if getattr(self._engine, "takes_files", False) else None
+        await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots, held)
+        weights_fd = None if held is None else held.get(WEIGHTS_FILES[0])
         log_event(
             "adapter_snapshot",
             lora_name=lora_name,
             version=version,
             ms=round((time.perf_counter() - started) * 1000, 2),
+            weights_held=weights_fd is not None,
         )
-        return await self._stage(lora_name, version, target, source_path, replaces)
+        try:
+            return await self._stage(lora_name, version, target, source_path, replaces, weights_fd)
+        finally:
+            for fd in (held or {}).values():
+                os.close(fd)
 
     async def prepare_owned(
         self,
@@ -299,7 +321,13 @@ class AdapterRegistry:
         return Path(tempfile.mkdtemp(dir=uploads))
 
     async def _stage(
-        self, lora_name: str, version: int, snapshot: Path, source: str, replaces: int | None
+        self,
+        lora_name: str,
+        version: int,
+        snapshot: Path,
+        source: str,
+        replaces: int | None,
+        weights_fd: int | None = None,
     ) -> PreparedVersion:
         request = self._make_request(
             lora_name=f"{lora_name}@v{version}",
@@ -308,7 +336,7 @@ class AdapterRegistry:
         )
         prepared = PreparedVersion(lora_name, version, source, request)
         async with self._abandoned_on_failure(prepared):
-            await self._engine.stage(request, replaces)
+            await self._engine.stage(request, replaces, weights_fd)
         return prepared
 
     def _is_repeat(self, lora_name: str, version: int | None) -> bool:
@@ -334,6 +362,7 @@ class AdapterRegistry:
         key = record.lora_request.lora_int_id
         if key not in self._digests:
             snapshot = Path(record.lora_request.lora_path)
+            await asyncio.to_thread(wait_for_weights, snapshot)  # written after its swap
             self._digests[key] = await asyncio.to_thread(weights_sha256, snapshot)
         return self._digests[key]
 
@@ -506,7 +535,12 @@ def weights_sha256(folder: Path) -> str | None:
     return None
 
 
-def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None = None) -> Path:
+def snapshot_adapter_dir(
+    path: str,
+    target: Path,
+    roots: Sequence[Path] | None = None,
+    held: dict[str, int] | None = None,
+) -> Path:
     """Copy an adapter folder to ``target`` without following links out of it.
 
     The folder is resolved once and checked against ``roots``; its entries
@@ -516,6 +550,11 @@ def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None =
     links to its blobs) is followed only after its resolved target passed the
     same check. The copy, not the source, is what gets validated and loaded.
     On failure nothing is left at ``target``.
+
+    With ``held``, the weights file (``adapter_model.safetensors``) is opened
+    the same way but not copied: its descriptor goes into ``held`` (the
+    caller closes it) and :data:`.snapshot_writer.PENDING_FILE` stands in
+    its place until the engine writes the bytes it loaded.
     """
     source = Path(path)
     try:
@@ -528,16 +567,25 @@ def snapshot_adapter_dir(path: str, target: Path, roots: Sequence[Path] | None =
     if target.exists():
         shutil.rmtree(target)
     try:
-        _copy_tree(resolved, target, path, roots)
+        _copy_tree(resolved, target, path, roots, held)
         if not (target / ADAPTER_CONFIG).is_file():
             raise BadRequestError(f"adapter path {path!r} has no {ADAPTER_CONFIG}")
     except OSError as exc:  # an entry changed under us (a link where a file was, ...)
-        shutil.rmtree(target, ignore_errors=True)
+        _give_up(target, held)
         raise BadRequestError(f"adapter path {path!r} could not be copied: {exc}") from exc
     except BaseException:
-        shutil.rmtree(target, ignore_errors=True)
+        _give_up(target, held)
         raise
     return target
+
+
+def _give_up(target: Path, held: dict[str, int] | None) -> None:
+    """Leave nothing of a failed snapshot: its folder, the files it held open."""
+    shutil.rmtree(target, ignore_errors=True)
+    for fd in (held or {}).values():
+        os.close(fd)
+    if held:
+        held.clear()
 
 
 def _move_into_place(folder: Path, target: Path) -> None:
@@ -560,11 +608,17 @@ def _checked(path: Path, shown: str, roots: Sequence[Path] | None) -> Path:
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.ENOTSUP, errno.EOPNOTSUPP}
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
-def _copy_tree(source: Path, target: Path, shown: str, roots: Sequence[Path] | None) -> None:
+def _copy_tree(
+    source: Path,
+    target: Path,
+    shown: str,
+    roots: Sequence[Path] | None,
+    held: dict[str, int] | None = None,
+) -> None:
+    """Copy ``source`` into ``target``; ``held``: keep the weights file open instead."""
     target.mkdir(parents=True)
     dir_fd = os.open(source, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
     try:
@@ -574,12 +628,16 @@ def _copy_tree(source: Path, target: Path, shown: str, roots: Sequence[Path] | N
                 real = _checked(source / name, shown, roots)
                 if real.is_dir():
                     _copy_tree(real, target / name, shown, roots)
-                else:
-                    _copy_file(os.open(real, os.O_RDONLY | _NOFOLLOW), target / name, shown)
+                    continue
+                fd = os.open(real, os.O_RDONLY | _NOFOLLOW)
             elif stat.S_ISDIR(info.st_mode):
                 _copy_tree(source / name, target / name, shown, roots)
+                continue
             else:
                 fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+            if held is not None and name == WEIGHTS_FILES[0]:
+                _hold_file(fd, target / name, shown, held)
+            else:
                 _copy_file(fd, target / name, shown)
     finally:
         os.close(dir_fd)
@@ -587,32 +645,26 @@ def _copy_tree(source: Path, target: Path, shown: str, roots: Sequence[Path] | N
 
 def _copy_file(fd: int, target: Path, shown: str) -> None:
     with os.fdopen(fd, "rb") as src:
-        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
-            raise BadRequestError(f"adapter path {shown!r} holds {target.name!r}, not a file")
+        _check_regular(src.fileno(), target, shown)
         with open(target, "wb") as dst:
-            _copy_contents(src, dst)
+            copy_contents(src, dst)
 
 
-def _copy_contents(src: BinaryIO, dst: BinaryIO) -> None:
-    """Copy to EOF in the kernel (``sendfile``), falling back to a buffered copy.
-
-    The copy runs on a worker thread of the API server, whose event loop
-    holds the GIL most of the time under load: a buffered copy gives the GIL
-    back on every 1 MiB read and write and waits up to the switch interval
-    (5 ms) to get it back each time. A 37 MB rank-16 adapter took 420 ms that
-    way against a busy thread, and 45 ms with ``sendfile`` (one call per GiB).
-    """
-    offset = 0
-    if not hasattr(os, "sendfile"):
-        shutil.copyfileobj(src, dst, 1 << 20)
-        return
+def _hold_file(fd: int, target: Path, shown: str, held: dict[str, int]) -> None:
+    """Keep the weights file open for the engine, which reads it and writes
+    ``target`` from what it read (:mod:`.snapshot_writer`)."""
     try:
-        while sent := os.sendfile(dst.fileno(), src.fileno(), offset, 1 << 30):
-            offset += sent
-    except OSError as exc:  # a file system or platform without sendfile
-        if offset or exc.errno not in _NO_SENDFILE:
-            raise
-        shutil.copyfileobj(src, dst, 1 << 20)
+        _check_regular(fd, target, shown)
+        (target.parent / PENDING_FILE).touch()
+    except BaseException:
+        os.close(fd)
+        raise
+    held[target.name] = fd
+
+
+def _check_regular(fd: int, target: Path, shown: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise BadRequestError(f"adapter path {shown!r} holds {target.name!r}, not a file")
 
 
 def _inside(path: Path, roots: Sequence[Path]) -> bool:

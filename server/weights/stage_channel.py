@@ -14,6 +14,13 @@ to the staging thread at once. Nothing is answered on the socket: the
 statuses come back as files, as before. A worker without the socket (on
 another host), or a socket that fails, is reached by ``collective_rpc``.
 
+A request may carry open file descriptors (``SCM_RIGHTS``): a path load
+sends the adapter's weights file, opened and checked by the API server, so
+the worker reads the file itself and writes the version's snapshot from
+what it read, after the swap (:mod:`.registry`, :mod:`.staged_buffer`). The
+line says how many it carries (``"fds"``); the kernel delivers them with
+the line's first bytes, so the reader queues them and hands each line its own.
+
 The folder is the API server's private ``mkdtemp`` folder (mode 0700), so
 only the server's own user can connect.
 """
@@ -34,6 +41,8 @@ logger = logging.getLogger("vllm.skyrl_lora.stage_channel")
 
 #: The longest request line a listener takes (a request is a few hundred bytes).
 MAX_LINE_BYTES = 1 << 16
+#: The most descriptors one read takes with it (a request sends one or none).
+MAX_FDS_PER_READ = 16
 
 
 def socket_path(folder: Path, worker: str) -> Path:
@@ -42,9 +51,10 @@ def socket_path(folder: Path, worker: str) -> Path:
 
 
 class StageListener:
-    """A worker's end: one thread that passes each request line to ``handle``."""
+    """A worker's end: one thread that passes each request line to ``handle``,
+    with the descriptors that came with it (``handle`` owns them, unless it raises)."""
 
-    def __init__(self, path: Path, handle: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, path: Path, handle: Callable[[dict[str, Any], list[int]], None]) -> None:
         self.path = path
         self._handle = handle
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,17 +79,48 @@ class StageListener:
             ).start()
 
     def _read(self, connection: socket.socket) -> None:
+        pending = b""
+        fds: list[int] = []  # arrived, not yet claimed by a line
         try:
-            with connection, connection.makefile("rb") as lines:
-                while line := lines.readline(MAX_LINE_BYTES):
-                    try:
-                        self._handle(json.loads(line))
-                    except Exception:  # one bad request must not end the channel
-                        logger.exception("skyrl-lora could not take a stage request")
+            with connection:
+                while True:
+                    data, received, _, _ = socket.recv_fds(
+                        connection, MAX_LINE_BYTES, MAX_FDS_PER_READ
+                    )
+                    if not data:
+                        return
+                    fds.extend(received)
+                    pending += data
+                    *lines, pending = pending.split(b"\n")
+                    if len(pending) > MAX_LINE_BYTES:
+                        logger.error("skyrl-lora stage channel: a request line is too long")
+                        return
+                    for line in lines:
+                        self._take(line, fds)
         except OSError:  # closed under it
             pass
         finally:
+            for fd in fds:  # sent with a line that never came whole
+                os.close(fd)
             self._connections.discard(connection)
+
+    def _take(self, line: bytes, fds: list[int]) -> None:
+        """Hand one request to ``handle`` with the descriptors it says it carries."""
+        try:
+            message = json.loads(line)
+            count = int(message.get("fds", 0))
+        except Exception:  # one bad request must not end the channel
+            logger.exception("skyrl-lora could not read a stage request")
+            return
+        mine = fds[:count]
+        del fds[:count]
+        try:
+            self._handle(message, mine)
+        except Exception:
+            logger.exception("skyrl-lora could not take a stage request")
+            for fd in mine:  # the handler did not keep them
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def close(self) -> None:
         """Stop listening and end every connection (their writers then fail)."""
@@ -107,18 +148,24 @@ class StageChannel:
     def open(self) -> bool:
         return bool(self._connections)
 
-    def send(self, request: dict[str, Any]) -> bool:
-        """Write ``request`` to every worker; False (and the channel closed)
-        if any write failed: the caller then asks by RPC.
+    def send(self, request: dict[str, Any], fds: tuple[int, ...] = ()) -> bool:
+        """Write ``request`` to every worker, with a copy of each of ``fds``
+        (the caller keeps its own); False (and the channel closed) if any
+        write failed: the caller then asks by RPC.
 
         A line of a few hundred bytes into a local socket's buffer does not
         block; a worker may then get the same request twice (once here, once
         by RPC), which stages the same version again, harmlessly.
         """
-        line = json.dumps(request).encode() + b"\n"
+        line = json.dumps({**request, "fds": len(fds)} if fds else request).encode() + b"\n"
         try:
             for connection in self._connections:
-                connection.sendall(line)
+                if fds:
+                    sent = socket.send_fds(connection, [line], list(fds))
+                    if sent < len(line):
+                        connection.sendall(line[sent:])
+                else:
+                    connection.sendall(line)
         except OSError as exc:
             logger.warning("skyrl-lora stage channel failed, staging by RPC: %s", exc)
             self.close()

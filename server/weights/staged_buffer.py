@@ -32,30 +32,48 @@ from . import handover
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .cuda_streams import AFTER_SWAP, side_stream
 from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
+from .snapshot_writer import (
+    SnapshotLayout,
+    file_layout,
+    safetensors_layout,
+    write_weights_from,
+)
 
 
 @dataclass(frozen=True)
 class TakenBuffer:
-    """A staging's bytes: the model's copy, a hand-over's snapshot copy
-    (written after the swap), and what its build depends on."""
+    """A staging's bytes: the model's copy, the copy its snapshot's weights
+    file is written from after the swap, and what its build depends on."""
 
     folder: Path
     description: dict[str, Any]
     model_buffer: Any
-    #: None for an adapter read from its file.
+    #: None where the snapshot's weights file is there already (a file the
+    #: registry copied): nothing to write.
     snapshot_buffer: Any
     layout: str
-    #: A file's data as read, in host memory: a model built on the GPU is
-    #: copied back into it after the swap (None: a hand-over's are allocated).
+    #: A file's data as read, in host memory, that nothing else needs: a
+    #: model built on the GPU is copied back into it after the swap (None:
+    #: host memory is allocated for it).
     host_buffer: Any = None
+    is_handover: bool = False
+    #: A file's first bytes (its header), written before its data as read.
+    file_head: bytes = b""
 
     @property
     def on_device(self) -> bool:
         return bool(self.model_buffer.is_cuda)
 
     @property
-    def is_handover(self) -> bool:
+    def writes_snapshot(self) -> bool:
         return self.snapshot_buffer is not None
+
+    def snapshot_layout(self) -> SnapshotLayout:
+        """What the snapshot's weights file holds of :attr:`snapshot_buffer`:
+        a hand-over's tensors as safetensors, or a file as it was."""
+        if self.is_handover:
+            return safetensors_layout(self.description["tensors"])
+        return file_layout(self.file_head, int(self.snapshot_buffer.numel()))
 
 
 class BufferSource:
@@ -97,40 +115,62 @@ class BufferSource:
         model_buffer, snapshot_buffer = handover.copy_out(
             description, allocate, handover.cuda_device_index, copies=2
         )
-        return TakenBuffer(folder, description, model_buffer, snapshot_buffer, layout)
+        return TakenBuffer(
+            folder, description, model_buffer, snapshot_buffer, layout, is_handover=True
+        )
 
-    def take_file(self, lora_request: Any) -> TakenBuffer | None:
+    def take_file(self, lora_request: Any, weights_fd: int | None = None) -> TakenBuffer | None:
         """An adapter file read into one buffer, to be built like a hand-over;
         None for a file that reader leaves to safetensors (vLLM's loader then
         reads it). On a GPU worker a templated layout is copied to the GPU.
+
+        ``weights_fd``: the weights file, opened by the API server in place
+        of the snapshot's copy (:func:`.registry.snapshot_adapter_dir`). It is
+        opened again through ``/proc/self/fd`` (an offset of this reader's
+        own: each worker of the engine reads it), and the snapshot's copy is
+        written from the data as read, after the swap; the model is built
+        from a copy of it, since the build folds scalings in place.
 
         Through vLLM's loader the rank-64 adapter of the 8B model took 241 ms
         to load by path on an idle H100 (08cfe58).
         """
         folder = Path(lora_request.lora_path)
+        weights = folder / handover.WEIGHTS_FILE
+        if weights_fd is not None:
+            weights = Path(f"/proc/self/fd/{weights_fd}")
         try:
             config = (folder / handover.CONFIG_FILE).read_text()
-            opened = OneBufferFile(str(folder / handover.WEIGHTS_FILE), self._host_buffers)
+            opened: OneBufferFile | None = OneBufferFile(str(weights), self._host_buffers)
         except (OSError, UnsupportedFile):
-            return None
-        description = opened.layout()
-        if description is None:
+            opened = None
+        description = None if opened is None else opened.layout()
+        if opened is None or description is None:
+            if weights_fd is not None:  # vLLM's loader reads the snapshot: write it first
+                write_weights_from(weights_fd, folder, handover.WEIGHTS_FILE)
             return None
         layout = layout_key(description, config, request_extra(lora_request))
-        model_buffer = opened.buffer
+        as_read = opened.buffer
+        model_buffer = as_read
         if self._device_buffers is not None and self._templates.get(layout) is not None:
-            model_buffer = self._device_buffers(model_buffer.numel())
+            model_buffer = self._device_buffers(as_read.numel())
             stream = side_stream(model_buffer.device)
             with torch.cuda.stream(stream):
-                model_buffer.copy_(opened.buffer, non_blocking=opened.buffer.is_pinned())
+                model_buffer.copy_(as_read, non_blocking=as_read.is_pinned())
             stream.synchronize()
-        return TakenBuffer(folder, description, model_buffer, None, layout, opened.buffer)
+        elif weights_fd is not None:
+            model_buffer = self._host_buffers(as_read.numel())
+            model_buffer.copy_(as_read)
+        if weights_fd is None:
+            return TakenBuffer(folder, description, model_buffer, None, layout, as_read)
+        return TakenBuffer(
+            folder, description, model_buffer, as_read, layout, file_head=opened.head
+        )
 
     def settle_on_host(self, model: Any, template: HandoverTemplate, taken: TakenBuffer) -> Any:
         """After the swap of an adapter staged on the GPU: copy its model
         (and a hand-over's snapshot) to the host, point the model at its
         host copy, and let the GPU copies go; returns the snapshot's host
-        copy (None for a file).
+        copy (a file's data as read; None where the snapshot is written).
 
         The copies run on a stream of their own (:data:`.cuda_streams.AFTER_SWAP`):
         the next swap's copies do not queue behind them. The step loop may
@@ -143,12 +183,12 @@ class BufferSource:
         host_model = taken.host_buffer
         if host_model is None:
             host_model = self._host_buffers(nbytes)
-        host_snapshot = None
+        host_snapshot = taken.snapshot_buffer
         device = taken.model_buffer.device
         stream = side_stream(device, AFTER_SWAP)
         with torch.cuda.stream(stream):
             host_model.copy_(taken.model_buffer, non_blocking=host_model.is_pinned())
-            if taken.is_handover:
+            if host_snapshot is not None and host_snapshot.is_cuda:
                 host_snapshot = self._host_buffers(nbytes)
                 host_snapshot.copy_(taken.snapshot_buffer, non_blocking=host_snapshot.is_pinned())
         stream.synchronize()

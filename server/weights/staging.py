@@ -93,7 +93,7 @@ from .handover import HandedOverFile
 from .handover_template import HandoverTemplates
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
-from .snapshot_writer import SnapshotWriter
+from .snapshot_writer import SnapshotWriter, write_weights_from
 from .stage_channel import StageChannel, StageListener, socket_path
 from .staged_buffer import BufferSource, TakenBuffer
 from .staging_yield import (
@@ -195,7 +195,7 @@ class _WorkerStaging:
             self._host_buffers, device if gpu_staging else None, self._templates
         )
         #: Hand-overs' snapshot files, written after the swap.
-        self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.HANDOVER_FILE)
+        self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
         #: Files' models built on the GPU move to the host here, after their swap.
         self._settling = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="skyrl-lora-settle"
@@ -211,6 +211,8 @@ class _WorkerStaging:
         #: and where stage requests come in beside it (:mod:`.stage_channel`).
         self._status_dir: Path | None = None
         self._listener: StageListener | None = None
+        #: Path loads' weights files, open, sent over the channel (by adapter id).
+        self._held_files: dict[int, int] = {}
         #: Stagings from the channel that may wait for a replaced version's
         #: slot, by adapter id; versions the step loop dropped since.
         self._dropped = threading.Condition()
@@ -379,9 +381,26 @@ class _WorkerStaging:
                 return None
         return str(self._listener.path)
 
-    def _take_request(self, message: dict[str, Any]) -> None:
+    def _take_request(self, message: dict[str, Any], fds: list[int]) -> None:
+        """A request from the channel, with the weights file it holds open, if any."""
         request = compat.lora_request_class()(**message["request"])
+        if fds:
+            self._hold_file(request.lora_int_id, fds[0])
+            for extra in fds[1:]:
+                os.close(extra)
         self.stage_beside_loop(request, message.get("replaces"))
+
+    def _hold_file(self, lora_int_id: int, fd: int | None) -> int | None:
+        """Keep ``fd`` for ``lora_int_id``'s staging (None: take it); closes
+        one it replaces (the same request sent twice)."""
+        with self._lock:
+            if fd is None:
+                return self._held_files.pop(lora_int_id, None)
+            replaced = self._held_files.pop(lora_int_id, None)
+            self._held_files[lora_int_id] = fd
+        if replaced is not None:
+            os.close(replaced)
+        return None
 
     def _publish(self, lora_int_id: int, done: concurrent.futures.Future[_Staged]) -> None:
         """The status of a finished staging, as a file (written whole, then renamed)."""
@@ -450,6 +469,9 @@ class _WorkerStaging:
         return {"state": READY, "in_slot": in_slot, "read": staged.read, "naps": staged.naps}
 
     def discard(self, lora_int_id: int) -> None:
+        held = self._hold_file(lora_int_id, None)
+        if held is not None:
+            os.close(held)
         with self._lock:
             self._staged.pop(lora_int_id, None)
         if self._slots is not None:
@@ -498,9 +520,9 @@ class _WorkerStaging:
             if handed.on_device:
                 assert template is not None
                 settle = functools.partial(self._buffers.settle_on_host, model, template, handed)
-            if handed.is_handover:
+            if handed.writes_snapshot:
                 snapshot = handed.snapshot_buffer if settle is None else settle
-                self._snapshots.submit(handed.folder, snapshot, handed.description["tensors"])
+                self._snapshots.submit(handed.folder, snapshot, handed.snapshot_layout)
             elif settle is not None:
                 self._settling.submit(settle)
         done = time.perf_counter()
@@ -538,11 +560,20 @@ class _WorkerStaging:
     def _take(self, lora_request: Any) -> TakenBuffer | None:
         """The request's bytes as one buffer (:mod:`.staged_buffer`): a
         hand-over, or a file unless a reader process reads files; None
-        leaves the read to vLLM's loader."""
-        taken = self._buffers.take_handover(lora_request)
-        if taken is None and self._routed_reads is None:
-            taken = self._buffers.take_file(lora_request)
-        return taken
+        leaves the read to vLLM's loader (which reads the snapshot: a
+        weights file held open is copied into it first)."""
+        held = self._hold_file(lora_request.lora_int_id, None)
+        try:
+            taken = self._buffers.take_handover(lora_request)
+            if taken is None and self._routed_reads is None:
+                taken = self._buffers.take_file(lora_request, held)
+            elif taken is None and held is not None:
+                folder = Path(lora_request.lora_path)
+                write_weights_from(held, folder, handover.WEIGHTS_FILE)
+            return taken
+        finally:
+            if held is not None:
+                os.close(held)
 
     def _build(self, lora_request: Any, handed: TakenBuffer | None) -> tuple[Any, float]:
         """vLLM's model for the request, packed; when it was loaded.
@@ -554,11 +585,11 @@ class _WorkerStaging:
         if handed is not None:
             views = handover.tensor_views(handed.model_buffer, handed.description)
             self._staging_thread.handed_over = HandedOverFile(views)
-            if handed.is_handover:
+            if handed.writes_snapshot:
                 # vLLM's loader looks for the file before it opens it (the
                 # opening is ours); the real one replaces this after the swap,
-                # and until then the folder's hand-over description says it
-                # is not written.
+                # and until then the folder's marker (a hand-over's
+                # description, or PENDING_FILE) says it is not written.
                 (handed.folder / handover.WEIGHTS_FILE).touch()
         model = self._load_from_files(lora_request)
         loaded = time.perf_counter()
@@ -762,6 +793,12 @@ class StagedLoRAEngine:
         """Whether stage requests reach the workers beside the step loop."""
         return self._channel is not None and self._channel.open
 
+    @property
+    def takes_files(self) -> bool:
+        """Whether a path load may hand its weights file over open (``stage``'s
+        ``weights_fd``): only the stage channel carries descriptors."""
+        return self.available and self.stage_channel
+
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         status_dir = self._make_status_dir()
@@ -807,7 +844,9 @@ class StagedLoRAEngine:
         weakref.finalize(self, shutil.rmtree, folder, True)
         return folder
 
-    async def stage(self, lora_request: Any, replaces: int | None = None) -> None:
+    async def stage(
+        self, lora_request: Any, replaces: int | None = None, weights_fd: int | None = None
+    ) -> None:
         """Build the adapter on every worker, off the step loop, and wait until it is ready.
 
         Nothing serves differently afterwards: the model waits in the workers
@@ -816,12 +855,17 @@ class StagedLoRAEngine:
         ``replaces`` names a version that cannot run before this one is
         installed (its adapter is paused and drained): the workers drop it
         first, so its engine slot and CPU cache entry go to the new version.
+        ``weights_fd``: the snapshot's weights file, opened by the registry
+        and not copied (:attr:`takes_files`); the workers read it, and write
+        the snapshot's copy of what they read.
         """
         if not self.available:
+            if weights_fd is not None:  # vLLM's own loader reads the snapshot
+                await self._write_weights(weights_fd, lora_request.lora_path)
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
-        polls, ready = await self._stage(lora_request, replaces)
+        polls, ready = await self._stage(lora_request, replaces, weights_fd)
         in_slot = all(r["in_slot"] for r in ready)
         reads = {r["read"] for r in ready}
         read = reads.pop() if len(reads) == 1 else "mixed"
@@ -872,7 +916,7 @@ class StagedLoRAEngine:
         return added
 
     async def _stage(
-        self, lora_request: Any, replaces: int | None
+        self, lora_request: Any, replaces: int | None, weights_fd: int | None
     ) -> tuple[int, list[dict[str, Any]]]:
         """Stage on every worker and wait until all are ready.
 
@@ -884,7 +928,7 @@ class StagedLoRAEngine:
             "lora_int_id": lora_id,
             "lora_path": lora_request.lora_path,
         }
-        await self._request_staging(fields, replaces)
+        await self._request_staging(fields, replaces, weights_fd)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
@@ -910,9 +954,12 @@ class StagedLoRAEngine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._config.max_poll_s)
 
-    async def _request_staging(self, fields: dict[str, Any], replaces: int | None) -> None:
+    async def _request_staging(
+        self, fields: dict[str, Any], replaces: int | None, weights_fd: int | None
+    ) -> None:
         """Ask every worker to stage: over the stage channel where there is
-        one (no step boundary to wait for), else by RPC.
+        one (no step boundary to wait for), else by RPC, after writing the
+        snapshot's weights file from ``weights_fd`` (an RPC carries no file).
 
         Over the channel, the replaced version's drop still runs in the step
         loop, by an RPC that is sent here and not waited for: the engine
@@ -922,7 +969,9 @@ class StagedLoRAEngine:
         first poll below).
         """
         channel = self._channel
-        if channel is not None and channel.send({"request": fields, "replaces": replaces}):
+        fds = () if weights_fd is None else (weights_fd,)
+        message = {"request": fields, "replaces": replaces}
+        if channel is not None and channel.send(message, fds):
             if replaces is not None:
                 drop = asyncio.create_task(
                     compat.collective_rpc(self._engine, "skyrl_drop_replaced", replaces)
@@ -931,7 +980,16 @@ class StagedLoRAEngine:
                 drop.add_done_callback(self._dropped)
             return
         self._channel = None
+        if weights_fd is not None:
+            await self._write_weights(weights_fd, fields["lora_path"])
         await compat.collective_rpc(self._engine, "skyrl_stage_lora", fields, replaces)
+
+    @staticmethod
+    async def _write_weights(weights_fd: int, snapshot: str) -> None:
+        """The snapshot's weights file, copied here from the file the
+        registry holds open, for workers that will read the snapshot."""
+        folder = Path(snapshot)
+        await asyncio.to_thread(write_weights_from, weights_fd, folder, handover.WEIGHTS_FILE)
 
     def _dropped(self, drop: asyncio.Task[list[Any]]) -> None:
         self._drops.discard(drop)
