@@ -1,0 +1,129 @@
+"""Where a GPU hand-over's time goes, step by step, outside the server.
+
+A rank-64 hand-over of the 8B model (448 tensors, 336 MB) took 46 ms idle
+on an H100 (823f7b7), of which the engine's staging was 16 ms. This probe
+times the other steps alone, in two processes on one GPU, as the trainer
+and the engine run them:
+
+* trainer: ``AdapterHandover.update`` (448 ``copy_`` calls into the flat
+  buffer and a device synchronize), and ``request()`` (a CUDA IPC share of
+  the buffer);
+* engine: opening the share (``rebuild_cuda_tensor``), copying it device
+  to device, and closing it (dropping the tensor), as
+  :func:`skyrl_lora.server.weights.handover.copy_out` does, and the same
+  with the share kept open from one hand-over to the next.
+
+``python scripts/probes/handover_steps.py [--rounds N]`` prints one line per
+step: median, p90 and max in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from skyrl_lora.client import AdapterHandover
+from skyrl_lora.server.weights import handover
+
+#: The 8B model's rank-64 adapter: 32 layers of q/k/v/o/gate/up/down, A and B.
+SHAPES = {
+    "q_proj": (4096, 4096),
+    "k_proj": (4096, 1024),
+    "v_proj": (4096, 1024),
+    "o_proj": (4096, 4096),
+    "gate_proj": (4096, 14336),
+    "up_proj": (4096, 14336),
+    "down_proj": (14336, 4096),
+}
+
+
+def tensors(rank: int = 64, layers: int = 32) -> dict[str, torch.Tensor]:
+    out = {}
+    for layer in range(layers):
+        for module, (fan_in, fan_out) in SHAPES.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, device="cuda").bfloat16()
+            out[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, device="cuda").bfloat16()
+    return out
+
+
+def summary(name: str, ms: list[float]) -> str:
+    ordered = sorted(ms)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"{name:<34} median {statistics.median(ms):7.2f}  p90 {p90:7.2f}  max {ordered[-1]:7.2f}"
+
+
+def engine(requests: mp.Queue, results: mp.Queue) -> None:
+    torch.cuda.init()
+    target = torch.empty(0, dtype=torch.uint8, device="cuda")
+    kept = None
+    times: dict[str, list[float]] = {"open": [], "copy": [], "close": [], "open (kept)": []}
+    while (request := requests.get()) is not None:
+        buffer, keep = request
+        if target.numel() != buffer["nbytes"]:
+            target = torch.empty(buffer["nbytes"], dtype=torch.uint8, device="cuda")
+        cached = keep and kept is not None  # torch finds the open share by its handle
+        started = time.perf_counter()
+        shared = handover._open_cuda_ipc(buffer, 0)
+        opened = time.perf_counter()
+        target.copy_(shared)
+        torch.cuda.synchronize()
+        copied = time.perf_counter()
+        if keep:
+            kept = shared
+            del shared
+            closed = copied
+        else:
+            del shared
+            torch.cuda.synchronize()
+            closed = time.perf_counter()
+        times["open (kept)" if cached else "open"].append(
+            (opened - started) * 1000
+        )
+        times["copy"].append((copied - opened) * 1000)
+        if not keep:
+            times["close"].append((closed - copied) * 1000)
+        results.put("done")
+    del kept
+    results.put(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    mp.set_start_method("spawn")
+    requests: mp.Queue = mp.Queue()
+    results: mp.Queue = mp.Queue()
+    child = mp.Process(target=engine, args=(requests, results))
+    child.start()
+    weights = tensors()
+    print(f"{len(weights)} tensors, {sum(t.numel() * 2 for t in weights.values()) >> 20} MiB")
+    adapter = AdapterHandover({"r": 64, "lora_alpha": 128})
+    trainer: dict[str, list[float]] = {"update (copies + sync)": [], "request (IPC share)": []}
+    for keep in (False, True):
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            adapter.update(weights)
+            updated = time.perf_counter()
+            request = adapter.request()
+            shared = time.perf_counter()
+            trainer["update (copies + sync)"].append((updated - started) * 1000)
+            trainer["request (IPC share)"].append((shared - updated) * 1000)
+            requests.put((request["buffer"], keep))
+            results.get()
+    requests.put(None)
+    engine_times = results.get()
+    child.join()
+    for name, ms in {**trainer, **engine_times}.items():
+        if ms:
+            print(summary(name, ms))
+    adapter.close()
+
+
+if __name__ == "__main__":
+    main()
