@@ -1,12 +1,13 @@
-"""A path load's weights file, handed to the worker open, staged on the GPU.
+"""A path load's weights file, handed to a GPU worker open.
 
 The registry opens the file instead of copying it into the snapshot
 (:func:`skyrl_lora.server.weights.registry.snapshot_adapter_dir` with
-``held``). The worker reads it once into pinned memory; a layout with a
-template is copied to the GPU and built there, and after the swap the
-model moves to a host buffer of its own while the bytes as read become the
-snapshot's weights file. The model must equal vLLM's own build of the file,
-and the snapshot must equal the file, byte for byte. No server; seconds.
+``held``). The worker reads it once into pinned memory and builds the
+model from a pinned copy (its scalings folded on the GPU, as pinned
+tensors are), from the layout's template; the bytes as read become the
+snapshot's weights file after the swap. The model must equal vLLM's own
+build of the file, and the snapshot the file, byte for byte. No server;
+seconds. (``tests/test_held_weights.py`` is the same on a CPU worker.)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _take(source: BufferSource, folder: Path, snapshot: Path, lora_id: int):
         os.close(held[handover.WEIGHTS_FILE])
 
 
-def test_a_held_file_built_on_the_gpu_equals_vllms_and_its_snapshot_the_file(
+def test_a_held_file_built_on_a_gpu_worker_equals_vllms_and_its_snapshot_the_file(
     tmp_path: Path,
 ) -> None:
     templates = HandoverTemplates()
@@ -68,7 +69,8 @@ def test_a_held_file_built_on_the_gpu_equals_vllms_and_its_snapshot_the_file(
 
     second_bytes = _adapter(tmp_path / "b", seed=1)
     second = _take(source, tmp_path / "b", tmp_path / "snap-b", lora_id=7)
-    assert second is not None and second.on_device and second.writes_snapshot
+    assert second is not None and second.writes_snapshot and not second.on_device
+    assert second.model_buffer.is_pinned() and second.snapshot_buffer.is_pinned()
     template = templates.get(second.layout)
     assert template is not None
     expected, _ = vllm_build(second.description, second.snapshot_buffer.clone(), lora_id=7)
@@ -76,14 +78,10 @@ def test_a_held_file_built_on_the_gpu_equals_vllms_and_its_snapshot_the_file(
     torch.cuda.synchronize()
     for name, weights in expected.loras.items():
         for got, want in zip(flat(built.loras[name]), flat(weights), strict=True):
-            assert got.is_cuda and torch.equal(got.cpu(), want), name
-
-    as_read = source.settle_on_host(built, template, second)  # after the swap
-    assert as_read is second.snapshot_buffer  # the bytes as read, not the folded model
-    for name, weights in expected.loras.items():
-        for got, want in zip(flat(built.loras[name]), flat(weights), strict=True):
-            assert not got.is_cuda and torch.equal(got, want), name
-    snapshot_writer.write_snapshot_file(
-        tmp_path / "snap-b" / handover.WEIGHTS_FILE, as_read, second.snapshot_layout()
+            assert torch.equal(got.cpu(), want), name
+    snapshot_writer.write_snapshot_file(  # after the swap, from the bytes as read
+        tmp_path / "snap-b" / handover.WEIGHTS_FILE,
+        second.snapshot_buffer,
+        second.snapshot_layout(),
     )
     assert (tmp_path / "snap-b" / handover.WEIGHTS_FILE).read_bytes() == second_bytes

@@ -367,8 +367,8 @@ class ServerInfo(_Wire):
     #: the step loop, not by an RPC served between two steps (see
     #: ``skyrl_lora.server.weights.stage_channel``).
     adapter_stage_channel: bool = False
-    #: Whether hand-overs and files of a known layout are built and written
-    #: into their slot in GPU memory, their host copies made after the swap
+    #: Whether GPU hand-overs of a known layout are built and written into
+    #: their slot in GPU memory, their host copies made after the swap
     #: (see ``skyrl_lora.server.weights.staged_buffer``); off on a CPU engine
     #: or with ``serve --no-gpu-staging``.
     adapter_gpu_staging: bool = False

@@ -127,9 +127,9 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "--no-gpu-staging",
         dest="gpu_staging",
         action="store_false",
-        help="build hand-overs and files of a known layout in pinned host memory and copy "
-        "them into their slot from there, instead of in GPU memory (which holds twice the "
-        "adapter while a staging is in flight)",
+        help="build GPU hand-overs of a known layout in pinned host memory and copy them "
+        "into their slot from there, instead of in GPU memory (which holds twice the "
+        "adapter while a staging is in flight); files are always built in host memory",
     )
     group.add_argument(
         "--no-staging-yield",

@@ -8,13 +8,21 @@ staging (:mod:`.staging`) builds either the same way: the first buffer of a
 layout by vLLM's loader from views of it, every later one from the
 layout's template (:mod:`.handover_template`).
 
-On a GPU worker, a buffer whose layout has a template is taken into GPU
-memory (a hand-over device to device, a file copied up after its read), so
-its model is built, folded and written into its engine slot there. vLLM's
-CPU cache and the snapshot file need host copies; :meth:`BufferSource.settle_on_host`
-makes them after the swap. Copied to the host first, the rank-128 adapter
-of the 8B model spent 44 of its 100 ms of staging in two device-to-host
-copies and 17 ms copying back into the slot (H100, 08cfe58).
+On a GPU worker, a hand-over from GPU memory whose layout has a template is
+copied device to device, so its model is built, folded and written into
+its engine slot there. vLLM's CPU cache and the snapshot file need host
+copies; :meth:`BufferSource.settle_on_host` makes them after the swap.
+Copied to the host first, the rank-128 adapter of the 8B model spent 44 of
+its 100 ms of staging in two device-to-host copies and 17 ms copying back
+into the slot (H100, 08cfe58).
+
+A file is built in host memory, as vLLM builds it: it is read into host
+memory whatever happens next. Built on the GPU (copied up after its read,
+moved back after the swap), path reloads at 8 tenants of the 8B model
+stretched the other tenants' longest gap between two tokens during swaps
+to 186 ms p99, against 98 ms built on the host and 54-58 ms without swaps
+(H100, cc51ce4, one run of each); the swapping tenant's reload gained
+little, since the bytes cross to the GPU either way.
 """
 
 from __future__ import annotations
@@ -52,10 +60,6 @@ class TakenBuffer:
     #: registry copied): nothing to write.
     snapshot_buffer: Any
     layout: str
-    #: A file's data as read, in host memory, that nothing else needs: a
-    #: model built on the GPU is copied back into it after the swap (None:
-    #: host memory is allocated for it).
-    host_buffer: Any = None
     is_handover: bool = False
     #: A file's first bytes (its header), written before its data as read.
     file_head: bytes = b""
@@ -120,9 +124,9 @@ class BufferSource:
         )
 
     def take_file(self, lora_request: Any, weights_fd: int | None = None) -> TakenBuffer | None:
-        """An adapter file read into one buffer, to be built like a hand-over;
-        None for a file that reader leaves to safetensors (vLLM's loader then
-        reads it). On a GPU worker a templated layout is copied to the GPU.
+        """An adapter file read into one host buffer, to be built like a
+        hand-over; None for a file that reader leaves to safetensors (vLLM's
+        loader then reads it).
 
         ``weights_fd``: the weights file, opened by the API server in place
         of the snapshot's copy (:func:`.registry.snapshot_adapter_dir`). It is
@@ -150,27 +154,18 @@ class BufferSource:
             return None
         layout = layout_key(description, config, request_extra(lora_request))
         as_read = opened.buffer
-        model_buffer = as_read
-        if self._device_buffers is not None and self._templates.get(layout) is not None:
-            model_buffer = self._device_buffers(as_read.numel())
-            stream = side_stream(model_buffer.device)
-            with torch.cuda.stream(stream):
-                model_buffer.copy_(as_read, non_blocking=as_read.is_pinned())
-            stream.synchronize()
-        elif weights_fd is not None:
-            model_buffer = self._host_buffers(as_read.numel())
-            model_buffer.copy_(as_read)
         if weights_fd is None:
-            return TakenBuffer(folder, description, model_buffer, None, layout, as_read)
+            return TakenBuffer(folder, description, as_read, None, layout)
+        model_buffer = self._host_buffers(as_read.numel())
+        model_buffer.copy_(as_read)
         return TakenBuffer(
             folder, description, model_buffer, as_read, layout, file_head=opened.head
         )
 
     def settle_on_host(self, model: Any, template: HandoverTemplate, taken: TakenBuffer) -> Any:
-        """After the swap of an adapter staged on the GPU: copy its model
-        (and a hand-over's snapshot) to the host, point the model at its
-        host copy, and let the GPU copies go; returns the snapshot's host
-        copy (a file's data as read; None where the snapshot is written).
+        """After the swap of a hand-over staged on the GPU: copy its model
+        and its snapshot's buffer to the host, point the model at its host
+        copy, and let the GPU copies go; returns the snapshot's host copy.
 
         The copies run on a stream of their own (:data:`.cuda_streams.AFTER_SWAP`):
         the next swap's copies do not queue behind them. The step loop may
@@ -180,17 +175,13 @@ class BufferSource:
         """
         started = time.perf_counter()
         nbytes = taken.model_buffer.numel()
-        host_model = taken.host_buffer
-        if host_model is None:
-            host_model = self._host_buffers(nbytes)
-        host_snapshot = taken.snapshot_buffer
+        host_model = self._host_buffers(nbytes)
+        host_snapshot = self._host_buffers(nbytes)
         device = taken.model_buffer.device
         stream = side_stream(device, AFTER_SWAP)
         with torch.cuda.stream(stream):
             host_model.copy_(taken.model_buffer, non_blocking=host_model.is_pinned())
-            if host_snapshot is not None and host_snapshot.is_cuda:
-                host_snapshot = self._host_buffers(nbytes)
-                host_snapshot.copy_(taken.snapshot_buffer, non_blocking=host_snapshot.is_pinned())
+            host_snapshot.copy_(taken.snapshot_buffer, non_blocking=host_snapshot.is_pinned())
         stream.synchronize()
         template.repoint(model, host_model)
         torch.cuda.synchronize(device)

@@ -38,11 +38,13 @@ Here the expensive part moves to a background thread of each worker:
 A hand-over (:mod:`.handover`) or a file read in one call is one buffer of
 known layout (:mod:`.staged_buffer`), and a layout seen before is built
 from its template (:mod:`.handover_template`) instead of by vLLM's loader.
-On a GPU worker such a buffer stays on the GPU until it is in its slot:
-copied there, folded and written there; its host copies (and a
-hand-over's snapshot file, :mod:`.snapshot_writer`) are made after the
-swap. Scalings are folded on the GPU where the tensors are pinned or
-already there (:mod:`.scale_fold`). Stage requests come over a socket
+On a GPU worker a hand-over from GPU memory stays on the GPU until it is
+in its slot: copied there, folded and written there; its host copies are
+made after the swap. A snapshot's weights file that the API server did
+not write (a hand-over's, or a path load's whose file it handed over open)
+is written after the swap too (:mod:`.snapshot_writer`). Scalings are
+folded on the GPU where the tensors are pinned or already there
+(:mod:`.scale_fold`). Stage requests come over a socket
 beside the step loop where the worker shares the API server's host
 (:mod:`.stage_channel`).
 
@@ -196,10 +198,6 @@ class _WorkerStaging:
         )
         #: Hand-overs' snapshot files, written after the swap.
         self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
-        #: Files' models built on the GPU move to the host here, after their swap.
-        self._settling = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="skyrl-lora-settle"
-        )
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
         self._remove = lora_manager.remove_adapter
@@ -515,16 +513,12 @@ class _WorkerStaging:
             self._staging_thread.loading = False
             self._staging_thread.handed_over = None
             sys.setswitchinterval(switch_interval)
-        if handed is not None:  # the swap goes on; the host copies and the file follow
-            settle = None
-            if handed.on_device:
+        if handed is not None and handed.writes_snapshot:  # after the swap: the file
+            snapshot: Any = handed.snapshot_buffer
+            if handed.on_device:  # a hand-over staged on the GPU: its host copies first
                 assert template is not None
-                settle = functools.partial(self._buffers.settle_on_host, model, template, handed)
-            if handed.writes_snapshot:
-                snapshot = handed.snapshot_buffer if settle is None else settle
-                self._snapshots.submit(handed.folder, snapshot, handed.snapshot_layout)
-            elif settle is not None:
-                self._settling.submit(settle)
+                snapshot = functools.partial(self._buffers.settle_on_host, model, template, handed)
+            self._snapshots.submit(handed.folder, snapshot, handed.snapshot_layout)
         done = time.perf_counter()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
         read = SAFETENSORS
@@ -552,7 +546,7 @@ class _WorkerStaging:
             naps=naps.count,
             nap_ms=naps.slept_ms,
             # a hand-over's copies out of the trainer's memory (or a file's
-            # read, and its copy to the GPU), within read_ms
+            # read, and a held file's copy for the build), within read_ms
             handover_copy_ms=copy_ms,
         )
         return _Staged(model, read, naps.count)
@@ -738,9 +732,9 @@ class StagingConfig:
     #: Copy staged adapters into a free engine slot on the staging thread
     #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
-    #: On a GPU worker, build hand-overs and files of a known layout in GPU
-    #: memory (:mod:`skyrl_lora.server.weights.staged_buffer`); off, in
-    #: pinned host memory, copied into the slot from there.
+    #: On a GPU worker, build GPU hand-overs of a known layout in GPU memory
+    #: (:mod:`skyrl_lora.server.weights.staged_buffer`); off, in pinned host
+    #: memory, copied into the slot from there. Files are built on the host.
     gpu_staging: bool = True
     #: Read adapter files in a process of their own
     #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
