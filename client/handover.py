@@ -53,6 +53,8 @@ class AdapterHandover:
         )
         self._buffer: Any = None
         self._layout: list[HandoverTensor] = []
+        #: Each layout entry's view of the buffer, in layout order.
+        self._views: list[Any] = []
         self._shm: Path | None = None
 
     @property
@@ -73,8 +75,10 @@ class AdapterHandover:
         if layout != self._layout or self._buffer is None or self._buffer.device != device:
             self._allocate(layout, device)
         with torch.no_grad():
-            for entry in self._layout:
-                self._slice(entry).copy_(tensors[entry.name])
+            # One call for every tensor: 448 ``copy_`` calls (the rank-64
+            # adapter of an 8B model) took 13.5 ms on an H100 (cc51ce4),
+            # launch overhead for what is a 0.4 ms copy.
+            torch._foreach_copy_(self._views, [tensors[entry.name] for entry in self._layout])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -97,6 +101,7 @@ class AdapterHandover:
     def close(self) -> None:
         self._buffer = None
         self._layout = []
+        self._views = []
         if self._shm is not None:
             self._shm.unlink(missing_ok=True)
             self._shm = None
@@ -141,6 +146,7 @@ class AdapterHandover:
             self._shm = path
             self._buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         self._layout = layout
+        self._views = [self._slice(entry) for entry in layout]
 
     def _slice(self, entry: HandoverTensor, buffer: Any = None) -> Any:
         import torch
