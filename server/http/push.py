@@ -36,6 +36,7 @@ from skyrl_lora.types import SwapPolicy
 
 from ..engine.gated import GatedEngine
 from ..weights.adapter_file import read_header
+from ..weights.snapshot_writer import write_all
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -358,15 +359,17 @@ class _FileSink:
             self.flush()
 
     def flush(self) -> None:
-        """Hand what was added so far to the threads."""
+        """Hand what was added so far to the threads, as the pieces it came
+        in (joined into one chunk on the loop, they cost it a copy of every
+        byte: 0.14 s of a 336 MB push on a 2-core machine)."""
         if not self._pending:
             return
-        chunk = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        pieces = self._pending
         self._pending = []
         self._pending_bytes = 0
-        self._in_flight.append(self._writer.submit(_write_all, self._fd, chunk))
+        self._in_flight.append(self._writer.submit(write_all, self._fd, list(pieces)))
         if self._hasher is not None:
-            self._in_flight.append(self._hasher.submit(self._digest.update, chunk))
+            self._in_flight.append(self._hasher.submit(_hash_all, self._digest, pieces))
 
     async def drain(self, keep: int) -> None:
         """Wait until at most ``keep`` chunks are in flight (raising a thread's error)."""
@@ -386,7 +389,6 @@ class _FileSink:
         os.close(self._fd)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _hash_all(digest: Any, pieces: list[bytes | memoryview]) -> None:
+    for piece in pieces:
+        digest.update(piece)

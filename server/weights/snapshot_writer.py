@@ -102,7 +102,7 @@ def write_snapshot_file(path: Path, buffer: Any, layout: SnapshotLayout) -> None
     view = memoryview(buffer.numpy()).cast("B")
     chunks: list[Any] = [head, *(view[start:end] for start, end in spans)]
     with _partial(path) as fd:
-        _write_all(fd, chunks)
+        write_all(fd, chunks)
 
 
 def write_weights_from(fd: int, folder: Path, name: str) -> None:
@@ -163,13 +163,13 @@ def copy_to_end(src: int, dst: int) -> None:
             raise
     while chunk := os.pread(src, 1 << 20, offset):
         offset += len(chunk)
-        _write_all(dst, [chunk])
+        write_all(dst, [chunk])
 
 
 _NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
-def _write_all(fd: int, chunks: list[Any]) -> None:
+def write_all(fd: int, chunks: list[Any]) -> None:
     """``os.writev`` until every chunk is written (a call may write less, or
     take at most ``IOV_MAX`` chunks)."""
     most = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
