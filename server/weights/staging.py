@@ -196,7 +196,7 @@ class _WorkerStaging:
         self._buffers = BufferSource(
             self._host_buffers, device if gpu_staging else None, self._templates
         )
-        #: Hand-overs' snapshot files, written after the swap.
+        #: Snapshots' weights files written after the swap (hand-overs', held files').
         self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
@@ -388,17 +388,19 @@ class _WorkerStaging:
                 os.close(extra)
         self.stage_beside_loop(request, message.get("replaces"))
 
-    def _hold_file(self, lora_int_id: int, fd: int | None) -> int | None:
-        """Keep ``fd`` for ``lora_int_id``'s staging (None: take it); closes
-        one it replaces (the same request sent twice)."""
+    def _hold_file(self, lora_int_id: int, fd: int) -> None:
+        """Keep ``fd`` for ``lora_int_id``'s staging; closes one it replaces
+        (the same request sent twice)."""
         with self._lock:
-            if fd is None:
-                return self._held_files.pop(lora_int_id, None)
             replaced = self._held_files.pop(lora_int_id, None)
             self._held_files[lora_int_id] = fd
         if replaced is not None:
             os.close(replaced)
-        return None
+
+    def _take_held_file(self, lora_int_id: int) -> int | None:
+        """The weights file held for ``lora_int_id``'s staging, now the caller's to close."""
+        with self._lock:
+            return self._held_files.pop(lora_int_id, None)
 
     def _publish(self, lora_int_id: int, done: concurrent.futures.Future[_Staged]) -> None:
         """The status of a finished staging, as a file (written whole, then renamed)."""
@@ -467,7 +469,7 @@ class _WorkerStaging:
         return {"state": READY, "in_slot": in_slot, "read": staged.read, "naps": staged.naps}
 
     def discard(self, lora_int_id: int) -> None:
-        held = self._hold_file(lora_int_id, None)
+        held = self._take_held_file(lora_int_id)
         if held is not None:
             os.close(held)
         with self._lock:
@@ -556,7 +558,7 @@ class _WorkerStaging:
         hand-over, or a file unless a reader process reads files; None
         leaves the read to vLLM's loader (which reads the snapshot: a
         weights file held open is copied into it first)."""
-        held = self._hold_file(lora_request.lora_int_id, None)
+        held = self._take_held_file(lora_request.lora_int_id)
         try:
             taken = self._buffers.take_handover(lora_request)
             if taken is None and self._routed_reads is None:
