@@ -247,3 +247,13 @@ def test_a_held_file_built_from_its_template_equals_vllms_build_and_the_snapshot
         path = tmp_path / f"snap-{name}" / WEIGHTS
         snapshot_writer.write_snapshot_file(path, got.snapshot_buffer, got.snapshot_layout())
         assert path.read_bytes() == (tmp_path / name / WEIGHTS).read_bytes()
+
+
+def test_a_request_the_worker_cannot_take_still_closes_its_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"weights")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    staging = _WorkerStaging(_Manager())
+    with pytest.raises(TypeError):
+        staging._take_request({"request": {"not_a_field": 1}}, [fd])
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed, not leaked

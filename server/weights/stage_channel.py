@@ -52,7 +52,7 @@ def socket_path(folder: Path, worker: str) -> Path:
 
 class StageListener:
     """A worker's end: one thread that passes each request line to ``handle``,
-    with the descriptors that came with it (``handle`` owns them, unless it raises)."""
+    with the descriptors that came with it (``handle`` owns them, even when it raises)."""
 
     def __init__(self, path: Path, handle: Callable[[dict[str, Any], list[int]], None]) -> None:
         self.path = path
@@ -108,19 +108,19 @@ class StageListener:
         """Hand one request to ``handle`` with the descriptors it says it carries."""
         try:
             message = json.loads(line)
-            count = int(message.get("fds", 0))
+            count = max(0, int(message.get("fds", 0)))
         except Exception:  # one bad request must not end the channel
             logger.exception("skyrl-lora could not read a stage request")
+            for fd in fds:  # whose they are is no longer known
+                os.close(fd)
+            fds.clear()
             return
         mine = fds[:count]
         del fds[:count]
         try:
             self._handle(message, mine)
-        except Exception:
+        except Exception:  # the handler closed what it was given
             logger.exception("skyrl-lora could not take a stage request")
-            for fd in mine:  # the handler did not keep them
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
     def close(self) -> None:
         """Stop listening and end every connection (their writers then fail)."""

@@ -380,13 +380,26 @@ class _WorkerStaging:
         return str(self._listener.path)
 
     def _take_request(self, message: dict[str, Any], fds: list[int]) -> None:
-        """A request from the channel, with the weights file it holds open, if any."""
-        request = compat.lora_request_class()(**message["request"])
-        if fds:
-            self._hold_file(request.lora_int_id, fds[0])
-            for extra in fds[1:]:
-                os.close(extra)
-        self.stage_beside_loop(request, message.get("replaces"))
+        """A request from the channel, with the weights file it holds open, if
+        any (this owns ``fds``, whatever happens)."""
+        for extra in fds[1:]:
+            os.close(extra)
+        weights = fds[0] if fds else None
+        try:
+            request = compat.lora_request_class()(**message["request"])
+        except BaseException:
+            if weights is not None:
+                os.close(weights)
+            raise
+        if weights is not None:
+            self._hold_file(request.lora_int_id, weights)
+        try:
+            self.stage_beside_loop(request, message.get("replaces"))
+        except BaseException:
+            held = self._take_held_file(request.lora_int_id)
+            if held is not None:
+                os.close(held)
+            raise
 
     def _hold_file(self, lora_int_id: int, fd: int) -> None:
         """Keep ``fd`` for ``lora_int_id``'s staging; closes one it replaces
