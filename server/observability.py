@@ -47,6 +47,16 @@ READS = Counter(
     labelnames=["read"],
 )
 
+#: How each path load's weights file reached its snapshot: ``weights="held"``
+#: handed to the engine's workers open, who read it and write the snapshot's
+#: copy (``server/weights/registry.py``), ``"copied"`` copied by the API
+#: server first (no stage channel to carry the file).
+SNAPSHOTS = Counter(
+    "skyrl_adapter_snapshots",
+    "Path loads snapshotted, by how their weights file reached the snapshot.",
+    labelnames=["weights"],
+)
+
 #: Naps a staging took to give the GIL back to a busy step loop
 #: (``server/weights/staging_yield.py``): none while the engine is idle.
 STAGING_NAPS = Counter(

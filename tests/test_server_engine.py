@@ -108,6 +108,40 @@ async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -
     await post(http, engine_server, "/skyrl/v1/adapters/unload", {"lora_name": name})
 
 
+async def test_a_path_load_snapshots_the_file_it_was_handed_byte_for_byte(
+    engine_server, http, tmp_path
+) -> None:
+    """The registry hands the weights file to the workers open (over the
+    stage channel) instead of copying it: the snapshot's weights file is the
+    worker's copy of what it read, and must equal the file that was loaded,
+    even after the tenant replaces that file."""
+    assert engine_server.adapter_root is not None and engine_server.snapshot_dir is not None
+    source = engine_server.adapter_root / "handed-open"
+    shutil.copytree(engine_server.model.adapters["woof"], source)
+    weights = (source / "adapter_model.safetensors").read_bytes()
+    before = await counts_by_label(http, engine_server.url, "skyrl_adapter_snapshots_total")
+    loaded = await post(
+        http,
+        engine_server,
+        "/skyrl/v1/adapters/load",
+        {"lora_name": "handed-open", "lora_path": str(source)},
+    )
+    after = await counts_by_label(http, engine_server.url, "skyrl_adapter_snapshots_total")
+    assert after.get("held", 0) == before.get("held", 0) + 1  # not copied by the API server
+    out = await sample(http, engine_server, "handed-open", max_tokens=8)
+    assert out["sequences"][0]["tokens"] == [engine_server.word_id("woof")] * 8
+    replaced = tmp_path / "meow.safetensors"  # the tenant writes its next checkpoint
+    shutil.copy(engine_server.model.adapters["meow"] / "adapter_model.safetensors", replaced)
+    os.replace(replaced, source / "adapter_model.safetensors")
+    snapshot = engine_server.snapshot_dir / "handed-open" / f"v{loaded['version']}"
+    deadline = time.monotonic() + 30
+    while (snapshot / "weights.pending").exists():  # written after the swap
+        assert time.monotonic() < deadline, "the snapshot's weights were never written"
+        await asyncio.sleep(0.05)
+    assert (snapshot / "adapter_model.safetensors").read_bytes() == weights
+    await post(http, engine_server, "/skyrl/v1/adapters/unload", {"lora_name": "handed-open"})
+
+
 async def test_adapters_produce_their_word_and_base_does_not(engine_server, http) -> None:
     for word in ("meow", "woof", "moo"):
         out = await sample(http, engine_server, word, max_tokens=20)

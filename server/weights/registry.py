@@ -52,7 +52,7 @@ from skyrl_lora.errors import (
     VersionGoneError,
 )
 
-from ..observability import log_event
+from ..observability import SNAPSHOTS, log_event
 from .handover import wait_for_weights
 from .snapshot_writer import PENDING_FILE, copy_contents
 
@@ -274,6 +274,7 @@ class AdapterRegistry:
         held: dict[str, int] | None = {} if getattr(self._engine, "takes_files", False) else None
         await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots, held)
         weights_fd = None if held is None else held.get(WEIGHTS_FILES[0])
+        SNAPSHOTS.labels(weights="copied" if weights_fd is None else "held").inc()
         log_event(
             "adapter_snapshot",
             lora_name=lora_name,
