@@ -211,7 +211,9 @@ def test_a_snapshot_write_survives_short_writes(tmp_path: Path, monkeypatch) -> 
         (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
     real_writev = os.writev
     monkeypatch.setattr(os, "writev", lambda fd, chunks: real_writev(fd, [bytes(chunks[0])[:7]]))
-    snapshot_writer.write_safetensors(tmp_path / "a.safetensors", host, description["tensors"])
+    snapshot_writer.write_snapshot_file(
+        tmp_path / "a.safetensors", host, snapshot_writer.safetensors_layout(description["tensors"])
+    )
     from safetensors.torch import load_file
 
     saved = load_file(str(tmp_path / "a.safetensors"))

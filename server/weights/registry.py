@@ -54,7 +54,7 @@ from skyrl_lora.errors import (
 
 from ..observability import SNAPSHOTS, log_event
 from .handover import wait_for_weights
-from .snapshot_writer import PENDING_FILE, copy_contents
+from .snapshot_writer import PENDING_FILE, copy_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -648,7 +648,7 @@ def _copy_file(fd: int, target: Path, shown: str) -> None:
     with os.fdopen(fd, "rb") as src:
         _check_regular(src.fileno(), target, shown)
         with open(target, "wb") as dst:
-            copy_contents(src, dst)
+            copy_to_end(src.fileno(), dst.fileno())
 
 
 def _hold_file(fd: int, target: Path, shown: str, held: dict[str, int]) -> None:

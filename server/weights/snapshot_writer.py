@@ -35,13 +35,12 @@ import json
 import logging
 import math
 import os
-import shutil
 import struct
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
@@ -79,12 +78,6 @@ def safetensors_layout(tensors: list[dict[str, Any]]) -> SnapshotLayout:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
     return struct.pack("<Q", len(text)) + text, spans
-
-
-def write_safetensors(path: Path, buffer: Any, tensors: list[dict[str, Any]]) -> None:
-    """Write the tensors described by ``tensors`` (hand-over entries) from
-    ``buffer`` (a uint8 host tensor) as a safetensors file, in place at once."""
-    write_snapshot_file(path, buffer, safetensors_layout(tensors))
 
 
 def file_layout(head: bytes, nbytes: int) -> SnapshotLayout:
@@ -133,26 +126,18 @@ class _partial:
             self._partial.unlink(missing_ok=True)
 
 
-def copy_contents(src: BinaryIO, dst: BinaryIO) -> None:
-    """Copy ``src`` from its start to its end into ``dst``, in the kernel
-    (``sendfile``) where it can, else buffered.
-
-    The copy runs on a worker thread of the API server, whose event loop
-    holds the GIL most of the time under load: a buffered copy gives the GIL
-    back on every 1 MiB read and write and waits up to the switch interval
-    (5 ms) to get it back each time. A 37 MB rank-16 adapter took 420 ms that
-    way against a busy thread, and 45 ms with ``sendfile`` (one call per GiB).
-    """
-    if not hasattr(os, "sendfile"):
-        shutil.copyfileobj(src, dst, 1 << 20)
-        return
-    copy_to_end(src.fileno(), dst.fileno())
-
-
 def copy_to_end(src: int, dst: int) -> None:
     """``sendfile`` from ``src``'s start to its end, reading at explicit
     offsets (``src`` may be shared with another reader); a buffered copy on a
-    file system or platform without it."""
+    file system or platform without it.
+
+    The copy runs on a worker thread of the API server (a snapshot) or beside
+    the engine's step loop (a held file), both busy with the GIL under load:
+    a buffered copy gives the GIL back on every 1 MiB read and write and
+    waits up to the switch interval (5 ms) to get it back each time. A 37 MB
+    rank-16 adapter took 420 ms that way against a busy thread, and 45 ms
+    with ``sendfile`` (one call per GiB).
+    """
     offset = 0
     try:
         while sent := os.sendfile(dst, src, offset, 1 << 30):
