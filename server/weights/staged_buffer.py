@@ -93,7 +93,8 @@ class BufferSource:
 
     @property
     def on_gpu(self) -> bool:
-        """Whether known layouts are taken into GPU memory (a GPU worker, not turned off)."""
+        """Whether GPU hand-overs of a known layout are taken into GPU memory
+        (a GPU worker, not turned off); files always stay on the host."""
         return self._device_buffers is not None
 
     def take_handover(self, lora_request: Any) -> TakenBuffer | None:
