@@ -142,3 +142,37 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
     for step in log.steps:
         for tokens in step.tokens:
             assert len(set(tokens.staleness)) == 1  # one version per sample
+
+
+async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any) -> None:
+    """The RL report's engine figures come from counters polled off
+    ``/metrics``: their names must be the ones this vLLM exports, or every
+    mode would read 0 tokens and the prefill figures would say nothing."""
+    import asyncio
+
+    from examples.rl.engine_rate import CACHED_COUNTER, PROMPT_COUNTER, EngineTokenCounter
+    from examples.rl.report import ModeRun, engine_prefill
+    from skyrl_lora.client import RemoteInferenceClient
+    from skyrl_lora.server.embedded.builder import _word_ids
+
+    prompt = list(_word_ids())[:7]
+    counter = EngineTokenCounter(engine_server.url, 0.02, engine_server.admin_key)
+    stop = asyncio.Event()
+    polling = asyncio.create_task(counter.run(stop))
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
+        await asyncio.sleep(0.3)  # readings before the request
+        start = time.monotonic()
+        await client.sample_with_retry(
+            prompt, num_samples=1, sampling_params={"max_tokens": 9, "ignore_eos": True}
+        )
+        await asyncio.sleep(0.3)  # readings after the answer
+        end = time.monotonic()
+    stop.set()
+    await polling
+
+    assert counter.tokens_between(start, end) == 9
+    assert counter.between(PROMPT_COUNTER, start, end) == len(prompt)
+    cached = counter.between(CACHED_COUNTER, start, end)
+    assert 0 <= cached <= len(prompt)
+    figures = engine_prefill(ModeRun("probe", {}, counter, start, end))
+    assert figures["computed_per_generated"] == pytest.approx((len(prompt) - cached) / 9)

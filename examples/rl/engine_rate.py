@@ -6,6 +6,12 @@ when inside a swap of a fraction of a second a token was made. vLLM's
 seconds, it gives the engine's token rate inside any time window. During a
 per-adapter swap the swapping tenant is paused, so what the engine makes
 then belongs to the other tenants; during a global pause nobody generates.
+
+The same poll reads the prompt tokens the engine took in and those it found
+in its prefix cache: a request aborted by a per-adapter pause comes back
+with its prompt and its partial tokens, prefilled again on the new version
+(whose cache entries are its own), so ``prefill - cached`` over ``generated``
+says what resuming costs the engine in a mode.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from collections.abc import Sequence
 import aiohttp
 
 COUNTER = "vllm:generation_tokens_total"
+PROMPT_COUNTER = "vllm:prompt_tokens_total"
+CACHED_COUNTER = "vllm:prefix_cache_hits_total"
+#: What :class:`EngineTokenCounter` reads on every poll.
+COUNTERS = (COUNTER, PROMPT_COUNTER, CACHED_COUNTER)
 
 
 def parse_counter(text: str, name: str = COUNTER) -> float:
@@ -31,24 +41,28 @@ def parse_counter(text: str, name: str = COUNTER) -> float:
 
 
 class EngineTokenCounter:
-    """Polls one server's counter; :meth:`tokens_between` interpolates it."""
+    """Polls one server's counters; :meth:`tokens_between` interpolates the
+    generated tokens, :meth:`between` any of :data:`COUNTERS`."""
 
-    def __init__(self, url: str, interval: float = 0.05) -> None:
+    def __init__(self, url: str, interval: float = 0.05, api_key: str | None = None) -> None:
         self.url = url.rstrip("/") + "/metrics"
         self.interval = interval
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.times: list[float] = []
-        self.counts: list[float] = []
+        self.readings: dict[str, list[float]] = {name: [] for name in COUNTERS}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set (one last reading after it)."""
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=self.headers) as session:
             while True:
                 asked = time.monotonic()
                 async with session.get(self.url) as response:
+                    response.raise_for_status()  # a refused poll is not zero tokens
                     text = await response.text()
                 # The reading was taken somewhere between question and answer.
                 self.times.append((asked + time.monotonic()) / 2)
-                self.counts.append(parse_counter(text))
+                for name, readings in self.readings.items():
+                    readings.append(parse_counter(text, name))
                 if stop.is_set():
                     return
                 try:
@@ -56,18 +70,23 @@ class EngineTokenCounter:
                 except asyncio.TimeoutError:
                     pass
 
-    def count_at(self, at: float) -> float:
-        """The counter at ``at``, linear between readings, clamped at the ends."""
+    def count_at(self, at: float, name: str = COUNTER) -> float:
+        """Counter ``name`` at ``at``, linear between readings, clamped at the ends."""
+        counts = self.readings[name]
         i = bisect.bisect_left(self.times, at)
         if i == 0:
-            return self.counts[0]
+            return counts[0]
         if i == len(self.times):
-            return self.counts[-1]
-        t0, t1, c0, c1 = self.times[i - 1], self.times[i], self.counts[i - 1], self.counts[i]
+            return counts[-1]
+        t0, t1, c0, c1 = self.times[i - 1], self.times[i], counts[i - 1], counts[i]
         return c0 + (c1 - c0) * (at - t0) / max(t1 - t0, 1e-9)
 
+    def between(self, name: str, start: float, end: float) -> float:
+        return self.count_at(end, name) - self.count_at(start, name)
+
     def tokens_between(self, start: float, end: float) -> float:
-        return self.count_at(end) - self.count_at(start)
+        """Tokens generated from ``start`` to ``end``."""
+        return self.between(COUNTER, start, end)
 
 
 def exclusive_windows(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from examples.rl.engine_rate import EngineTokenCounter, covered, exclusive_windows
+from examples.rl.engine_rate import (
+    CACHED_COUNTER,
+    PROMPT_COUNTER,
+    EngineTokenCounter,
+    covered,
+    exclusive_windows,
+)
 from examples.rl.tenant import TenantLog
 from skyrl_lora.rl_accounting import staleness_counts
 
@@ -86,6 +92,24 @@ def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
     outside_tokens = run.counter.tokens_between(run.start, run.end) - busy_tokens
     outside = outside_tokens / max(run.wall_s - busy_s, 1e-9)
     return lone_tokens / max(lone_s, 1e-9), outside, lone_s
+
+
+def engine_prefill(run: ModeRun) -> dict[str, float]:
+    """The engine's prefill in a mode, per second and per generated token.
+
+    ``computed``: prompt tokens not found in the prefix cache, the work a
+    resumed sample's second prefill adds (a per-adapter pause re-prefills
+    every aborted sample's prompt and partial tokens on the new version).
+    """
+    wall = max(run.wall_s, 1e-9)
+    prompt = run.counter.between(PROMPT_COUNTER, run.start, run.end)
+    cached = run.counter.between(CACHED_COUNTER, run.start, run.end)
+    generated = max(run.counter.tokens_between(run.start, run.end), 1.0)
+    return {
+        "prompt_tok_s": prompt / wall,
+        "cached_tok_s": cached / wall,
+        "computed_per_generated": (prompt - cached) / generated,
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -223,6 +247,7 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
             "lone_swap_s": lone_s,
             "engine_tok_s_outside_swaps": outside,
             "engine_tok_s": run.counter.tokens_between(run.start, run.end) / run.wall_s,
+            "engine_prefill": engine_prefill(run),
             "tenants_at_target": sum(t["time_to_target_s"] is not None for t in tenants.values()),
             "median_over_tenants": {
                 k: (median_time if k == "time_to_target_s" else median)(
@@ -304,11 +329,14 @@ def table(summary: Mapping[str, Any]) -> str:
         worst = max(t["fresh_max_abs_log_ratio"] for t in data["tenants"].values())
         lines.append(f"{mode}: largest |log ratio| of a staleness-0 token: {worst:.2g}")
     for mode, data in modes.items():
+        prefill = data["engine_prefill"]
         lines.append(
             f"{mode}: whole run {data['wall_s']:.1f} s ({data['seconds_per_step']:.2f} s/step); "
             f"other tenants' sampling {data['others_tok_s_during_lone_swaps']:.0f} tok/s while "
             f"one tenant swaps ({data['lone_swap_s']:.1f} s of such swaps), engine "
-            f"{data['engine_tok_s_outside_swaps']:.0f} tok/s outside swaps"
+            f"{data['engine_tok_s_outside_swaps']:.0f} tok/s outside swaps; prefill "
+            f"{prefill['prompt_tok_s']:.0f} tok/s ({prefill['cached_tok_s']:.0f} cached), "
+            f"{prefill['computed_per_generated']:.2f} computed per generated token"
         )
     if {"per_adapter", "global"} <= modes.keys():
         a, b = modes["per_adapter"]["seconds_per_step"], modes["global"]["seconds_per_step"]
