@@ -98,6 +98,7 @@ from .slots import SlotPrefill
 from .snapshot_writer import SnapshotWriter, write_weights_from
 from .stage_channel import StageChannel, StageListener, socket_path
 from .staged_buffer import BufferSource, TakenBuffer
+from .staging_profile import StagingProfiler
 from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
@@ -229,6 +230,8 @@ class _WorkerStaging:
             if slot_prefill and self._pack is not None and SlotPrefill.supports(model_manager)
             else None
         )
+        #: Off unless the environment asks for profiles of the first stagings.
+        self._profiler = StagingProfiler.from_env()
         #: Where the staging thread naps while the engine steps (None: it never does).
         self.yield_points = YieldPoints(staging_yield)
         if staging_yield is not None and not install_yield_points(
@@ -328,7 +331,7 @@ class _WorkerStaging:
             self._dropped.notify_all()
 
     def _submit(self, lora_request: Any) -> None:
-        future = self._pool.submit(self._timed_load, lora_request)
+        future = self._pool.submit(self._profiled_load, lora_request)
         lora_id = lora_request.lora_int_id
         with self._lock:
             self._staged[lora_id] = future
@@ -497,6 +500,10 @@ class _WorkerStaging:
         replaced before any request came for it."""
         self.discard(lora_int_id)
         return bool(self._remove(lora_int_id))
+
+    def _profiled_load(self, lora_request: Any) -> _Staged:
+        with self._profiler.capture(lora_request.lora_name):
+            return self._timed_load(lora_request)
 
     def _timed_load(self, lora_request: Any) -> _Staged:
         """Read, validate and pack one adapter (on the staging thread)."""
