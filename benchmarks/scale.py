@@ -6,7 +6,8 @@ curves on that one server:
 
 * **swap cost against adapter bytes**: for each rank (``--ranks``; adapters
   on every linear layer), a trainer's sync (pause, weights in, resume) by
-  each transport (``path``, HTTP ``push``, GPU ``handover``), idle and while
+  each transport (``path``, HTTP ``push``, GPU ``handover``, and the
+  hand-over as one call, ``handover_swap``), idle and while
   7 other tenants sample, in interleaved rounds
   (:func:`benchmarks.transport_swap.measure`);
 * **the other tenants' cost against tenant count**: for each count

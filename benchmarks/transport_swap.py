@@ -7,7 +7,12 @@ round), idle and while other tenants sample:
 * ``path``: the server loads the trainer's adapter folder (shared disk);
 * ``push``: the folder's bytes over HTTP (no shared disk);
 * ``handover``: the trainer's tensors by handle (:class:`AdapterHandover`):
-  CUDA IPC where CUDA is there, a shared-memory file on a CPU.
+  CUDA IPC where CUDA is there, a shared-memory file on a CPU;
+* ``handover_swap``: the same hand-over in one call, no pause or resume of
+  the trainer's own: the server stages the new version while the old one
+  still serves, then pauses the adapter around the install and resumes it
+  (``swap_policy="abort_resume"``). Two HTTP calls fewer, each of which
+  waits its turn on the API server's loop under load.
 
 Each figure is the median over rounds of each round's median (min-max
 beside it), with the pooled p99 and max; ratios are against ``path`` from
@@ -35,7 +40,7 @@ from benchmarks.stats import Spread, Tail
 from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 
 ROOT = Path(__file__).resolve().parent.parent
-TRANSPORTS = ("path", "push", "handover")
+TRANSPORTS = ("path", "push", "handover", "handover_swap")
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,12 @@ async def sync_once(
     tensors: dict[str, Any],
 ) -> float:
     """One trainer sync, in ms: pause, weights in (the hand-over's copy into
-    its buffer counted), resume."""
+    its buffer counted), resume; for ``handover_swap`` the server's own."""
     started = time.perf_counter()
+    if transport == "handover_swap":
+        handover.update(tensors)
+        await client.push_lora_adapter(name, handover, swap_policy="abort_resume")
+        return (time.perf_counter() - started) * 1000
     await client.pause_generation(lora_name=name)
     try:
         if transport == "path":
@@ -169,7 +178,8 @@ async def measure(
             if strict and not same:
                 raise RuntimeError(f"the transports' weights answer differently: {greedy}")
             for round_ in range(cfg.rounds):
-                order = TRANSPORTS[round_ % 3 :] + TRANSPORTS[: round_ % 3]
+                turn = round_ % len(TRANSPORTS)
+                order = TRANSPORTS[turn:] + TRANSPORTS[:turn]
                 for load in ("idle", "under_load"):
                     stop = asyncio.Event()
                     sampling = (
