@@ -315,3 +315,24 @@ def test_a_replaced_slot_table_makes_an_activation_wait_for_the_write() -> None:
     manager.activate_adapter(5)  # its reservation is void: copied the usual way
     assert manager.copies == copies + 2 and manager.lora_index_to_id == [6, 5]
     manager.assert_consistent()
+
+
+def test_a_checked_write_of_non_finite_weights_resets_and_frees_its_slot(
+    manager: _Manager,
+) -> None:
+    import torch
+
+    from skyrl_lora.server.weights.finite_check import NonFiniteWeights
+
+    prefill = SlotPrefill(manager)
+    fine = _Model(5, {"qkv": _Weights(torch.ones(2), torch.ones(2))})  # type: ignore[arg-type]
+    assert prefill.write(fine, check_finite=True)
+    broken = torch.ones(2)
+    broken[1] = float("nan")
+    bad = _Model(6, {"qkv": _Weights(torch.ones(2), broken)})  # type: ignore[arg-type]
+    with pytest.raises(NonFiniteWeights):
+        prefill.write(bad, check_finite=True)
+    index = 1  # the free slot the bad write took
+    assert manager.modules["qkv"].slots[index] is None, "a refused slot keeps no weights"
+    assert manager.lora_index_to_id[index] is None, "and is free again"
+    assert not prefill.reserved(6)

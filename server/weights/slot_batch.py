@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .finite_check import parts
+
 logger = logging.getLogger("vllm.skyrl_lora.slot_batch")
 
 #: ``layer.set_lora(index, a, b)`` or ``layer.reset_lora(index)``, bound.
@@ -187,6 +189,14 @@ class _Recorder(TorchFunctionMode):
         return dst
 
 
+def _sources(writes: Iterable[LayerWrite]) -> Iterator[Any]:
+    """The tensors ``set_lora`` writes take (a reset takes none)."""
+    for write in writes:
+        if isinstance(write, functools.partial):
+            for value in write.args[1:]:
+                yield from parts(value)
+
+
 def _inputs(lora_a: Any, lora_b: Any) -> dict[int, _InputPath]:
     """The place of every tensor a write was given, by ``id`` (the write's
     inputs are alive while it runs, so an ``id`` names one of them)."""
@@ -233,6 +243,10 @@ class WriteCounts:
     recorded: int = 0
     replayed: int = 0
     eager: int = 0
+    #: The slot's views the batched copies wrote, and the source tensors of
+    #: the layers written as vLLM writes them: what holds the new weights.
+    written: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    eager_sources: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass
@@ -283,7 +297,13 @@ class BatchedSlotWriter:
             torch._foreach_copy_(recorder.copy_dst, recorder.copy_src, non_blocking=True)
         for layer_write in batch.eager:
             layer_write()
-        counts = WriteCounts(batch.recorded, batch.replayed, len(batch.eager))
+        counts = WriteCounts(
+            batch.recorded,
+            batch.replayed,
+            len(batch.eager),
+            tuple(recorder.copy_dst),
+            tuple(_sources(batch.eager)),
+        )
         if not self._reported:  # once: whether a vLLM version's layers batch at all
             self._reported = True
             logger.info("first slot write: %s of %d layers", counts, len(self._layers))

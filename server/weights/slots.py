@@ -46,7 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .slot_batch import BatchedSlotWriter
+from .finite_check import NonFiniteWeights, ensure_finite, parts
+from .slot_batch import BatchedSlotWriter, WriteCounts
 
 logger = logging.getLogger("vllm.skyrl_lora.slots")
 
@@ -105,8 +106,13 @@ class SlotPrefill:
         )
 
     # -- staging thread ------------------------------------------------------
-    def write(self, model: Any) -> bool:
+    def write(self, model: Any, check_finite: bool = False) -> bool:
         """Reserve a free slot and copy ``model`` into it; False when none is spare.
+
+        ``check_finite``: check what the slot now holds for NaNs and
+        infinities (:mod:`.finite_check`), on the slot's device, where a
+        host model's check would cost a CPU pass over every byte; a slot
+        that fails is zeroed, released, and :class:`NonFiniteWeights` raised.
 
         A slot is spare only if vLLM could activate the model without evicting
         an active adapter. The lock is held to reserve and to finish, not while
@@ -126,7 +132,9 @@ class SlotPrefill:
         copied = False
         try:
             with self._copy_stream() as stream:
-                self._writer.write(index, self._layer_weights(model))
+                counts = self._writer.write(index, self._layer_weights(model))
+                if check_finite:
+                    self._check_finite(index, counts, model)
             if stream is not None:
                 stream.synchronize()
             copied = True
@@ -138,6 +146,20 @@ class SlotPrefill:
                     self._drop_locked(model.id)
                 reservation.done.set()
         return reservation.written
+
+    def _check_finite(self, index: int, counts: WriteCounts, model: Any) -> None:
+        """The slot's copies where they cover every weight of ``model`` (as
+        many elements), its own tensors otherwise."""
+        checked = [*counts.written, *counts.eager_sources]
+        sources = [t for _, a, b in self._layer_weights(model) for t in parts(a) + parts(b)]
+        if sum(t.numel() for t in checked) < sum(t.numel() for t in sources):
+            checked = sources
+        try:
+            ensure_finite(checked, f"adapter {model.id}")
+        except NonFiniteWeights:
+            # reset every layer's slot: a free slot keeps nothing a batch could multiply
+            self._writer.write(index, ((name, None, None) for name in self._modules))
+            raise
 
     def _layer_weights(self, model: Any) -> Iterator[tuple[str, Any, Any]]:
         """Every layer's A and B in ``model``, as vLLM's activation writes

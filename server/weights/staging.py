@@ -91,6 +91,7 @@ from ..observability import (
 from . import handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
+from .finite_check import ensure_finite, model_tensors, on_host
 from .handover import HandedOverFile
 from .handover_template import HandoverTemplates
 from .scale_fold import multiply_in_place
@@ -338,13 +339,14 @@ class _WorkerStaging:
         if self._status_dir is not None:
             future.add_done_callback(lambda done: self._publish(lora_id, done))
 
-    def _write_slot(self, model: Any) -> bool:
+    def _write_slot(self, model: Any, check_finite: bool = False) -> bool:
         """Write ``model`` into a free slot; where none is and its staging
         came over the channel replacing a version, once more after that
-        version's drop (:meth:`stage_beside_loop`)."""
+        version's drop (:meth:`stage_beside_loop`). ``check_finite``: check
+        the slot's new weights (:meth:`SlotPrefill.write`)."""
         if self._slots is None:
             return False
-        written = self._slots.write(model)
+        written = self._slots.write(model, check_finite)
         with self._dropped:
             replaced = self._slot_awaits.pop(model.id, None)
             if written or replaced is None:
@@ -353,7 +355,7 @@ class _WorkerStaging:
                 lambda: replaced in self._dropped_ids, timeout=DROP_WAIT_S
             )
             self._dropped_ids.pop(replaced, None)
-        return dropped and self._slots.write(model)
+        return dropped and self._slots.write(model, check_finite)
 
     def publish_statuses_to(self, folder: str | None) -> bool:
         """Write each staging's final status into ``folder`` (a directory the
@@ -530,7 +532,7 @@ class _WorkerStaging:
                 else:
                     model, loaded = self._build(lora_request, handed)
                     packed = time.perf_counter()
-            in_slot = self._write_slot(model)
+            in_slot = self._checked_into_slot(model, lora_request.lora_name)
         finally:
             self._staging_thread.loading = False
             self._staging_thread.handed_over = None
@@ -572,6 +574,24 @@ class _WorkerStaging:
             handover_copy_ms=copy_ms,
         )
         return _Staged(model, read, naps.count)
+
+    @property
+    def _on_gpu(self) -> bool:
+        return str(self._device).startswith("cuda")
+
+    def _checked_into_slot(self, model: Any, name: str) -> bool:
+        """Write ``model`` into a slot, its weights checked finite first
+        (:mod:`.finite_check`): where they are computed with, so a host
+        model on a GPU worker is checked in its GPU slot; one that found
+        no slot on the host after all."""
+        tensors = list(model_tensors(model))
+        in_gpu_slot = on_host(tensors) and self._on_gpu
+        if not in_gpu_slot:
+            ensure_finite(tensors, f"adapter {name}")
+        in_slot = self._write_slot(model, check_finite=in_gpu_slot)
+        if in_gpu_slot and not in_slot:
+            ensure_finite(tensors, f"adapter {name}")
+        return in_slot
 
     def _take(self, lora_request: Any) -> TakenBuffer | None:
         """The request's bytes as one buffer (:mod:`.staged_buffer`): a
