@@ -80,7 +80,7 @@ class _Slots:
         self.free = False
         self.written: list[int] = []
 
-    def write(self, model: Any) -> bool:
+    def write(self, model: Any, check_finite: bool = False) -> bool:
         if not self.free:
             return False
         self.written.append(model.id)
@@ -100,6 +100,7 @@ class _Slots:
 class _Model:
     def __init__(self, lora_id: int) -> None:
         self.id = lora_id
+        self.loras: dict[str, Any] = {}  # no weights to check
 
 
 class _SlotManager(_Manager):

@@ -33,6 +33,13 @@ class _Request:
     lora_name: str = "adapter"
 
 
+class _Loaded(tuple):
+    """A fake loaded model: compares as ``("model", id)``, holds no weights
+    (the staging checks a model's weights finite before its slot)."""
+
+    loras: dict[str, Any] = {}
+
+
 class _Manager:
     """Counts loads; ``gate`` lets a test hold a load in progress."""
 
@@ -57,7 +64,7 @@ class _Manager:
         if request.lora_path == "corrupt":
             raise ValueError("bad safetensors header")
         self.loads.append(request.lora_int_id)
-        return ("model", request.lora_int_id)
+        return _Loaded(("model", request.lora_int_id))
 
 
 def _state(staging: _WorkerStaging, lora_id: int) -> str:
