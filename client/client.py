@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.gates import AdapterGates
@@ -25,6 +25,7 @@ from skyrl_lora.client.transport import Transport
 from skyrl_lora.errors import (
     FanOutError,
     HandoverUnavailableError,
+    ResponseFormatError,
     RetryLimitError,
     ServerError,
     ServerUnavailableError,
@@ -141,7 +142,7 @@ class RemoteInferenceClient:
             elif isinstance(answer, BaseException):
                 raise answer  # cancellation is not a replica failure
             else:
-                results[url] = model.model_validate_json(answer)
+                results[url] = _parsed(model, answer, url)
         if failures and len(self.urls) == 1:
             raise next(iter(failures.values()))
         if failures:
@@ -166,7 +167,7 @@ class RemoteInferenceClient:
             raw = await self._call(
                 url, "GET", f"{API}/server_info", timeout=self.config.control_timeout
             )
-            self._info[url] = ServerInfo.model_validate_json(raw)
+            self._info[url] = _parsed(ServerInfo, raw, url)
         return self._info[url]
 
     # -- sampling ----------------------------------------------------------
@@ -199,7 +200,7 @@ class RemoteInferenceClient:
         self, request: SampleRequest, prefer: str | None = None
     ) -> tuple[str, SampleResponse]:
         url, raw = await self._post_routed(f"{API}/sample", request, request.lora_name, prefer)
-        return url, SampleResponse.model_validate_json(raw)
+        return url, _parsed(SampleResponse, raw, url)
 
     async def sample(
         self,
@@ -564,10 +565,9 @@ class RemoteInferenceClient:
         await self._control(f"{API}/adapters/unload", {"lora_name": lora_name}, _Ack)
 
     async def list_adapters(self, url: str | None = None) -> AdapterList:
-        raw = await self._call(
-            url or self.urls[0], "GET", f"{API}/adapters", timeout=self.config.control_timeout
-        )
-        return AdapterList.model_validate_json(raw)
+        url = url or self.urls[0]
+        raw = await self._call(url, "GET", f"{API}/adapters", timeout=self.config.control_timeout)
+        return _parsed(AdapterList, raw, url)
 
     # -- vLLM passthroughs -------------------------------------------------
     async def completion(self, body: Mapping[str, Any]) -> Any:
@@ -590,6 +590,20 @@ class RemoteInferenceClient:
 
 class _Ack(BaseModel):
     lora_name: str
+
+
+def _parsed(model: type[ModelT], raw: bytes, url: str) -> ModelT:
+    """``raw`` read as ``model``; a typed error, not pydantic's, when it is not one."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ResponseFormatError(
+            f"the answer of {url} is not a {model.__name__}: {exc.error_count()} field(s) "
+            f"do not fit, the first {where!r}: {first['msg']}",
+            url=url,
+        ) from exc
 
 
 def _sample_request(

@@ -41,6 +41,16 @@ class FanOutError(SkyRLLoraError):
         self.failures = failures
 
 
+class ResponseFormatError(SkyRLLoraError):
+    """The server's answer does not match the wire format this client reads:
+    a server of another version, or a value JSON cannot carry (a NaN
+    logprob is sent as ``null``). ``url`` is the server that sent it."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 class ServerError(SkyRLLoraError):
     """The server answered with an error status.
 

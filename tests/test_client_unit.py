@@ -253,6 +253,23 @@ async def test_typed_errors_carry_the_server_message() -> None:
             await client.sample(PROMPT)
 
 
+async def test_an_answer_off_the_wire_format_is_a_typed_error() -> None:
+    """A NaN logprob reaches the client as JSON's null: a typed error that
+    names the server and the field, not pydantic's own."""
+    from skyrl_lora.errors import ResponseFormatError
+
+    def null_logprob(_req: object) -> web.Response:
+        body = answer(seq([5, 6], "length"))
+        body["sequences"][0]["logprobs"] = [-0.5, None]
+        return web.json_response(body)
+
+    async with FakeServer() as server, RemoteInferenceClient(server.url) as client:
+        server.script = [null_logprob]
+        with pytest.raises(ResponseFormatError, match=r"sequences\.0\.logprobs\.1") as info:
+            await client.sample(PROMPT)
+        assert info.value.url == server.url
+
+
 async def test_server_gone_and_timeout_are_typed() -> None:
     async with RemoteInferenceClient("http://127.0.0.1:9") as client:
         with pytest.raises(ServerUnavailableError):
