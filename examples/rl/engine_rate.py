@@ -8,7 +8,8 @@ per-adapter swap the swapping tenant is paused, so what the engine makes
 then belongs to the other tenants; during a global pause nobody generates.
 
 The same poll reads the prompt tokens the engine took in and those it found
-in its prefix cache: a request aborted by a per-adapter pause comes back
+in its prefix cache: a request aborted by a sync (the syncing tenant's,
+under the per-adapter pause and under the global one alike) comes back
 with its prompt and its partial tokens, prefilled again on the new version
 (whose cache entries are its own), so ``prefill - cached`` over ``generated``
 says what resuming costs the engine in a mode.

@@ -98,8 +98,9 @@ def engine_prefill(run: ModeRun) -> dict[str, float]:
     """The engine's prefill in a mode, per second and per generated token.
 
     ``computed``: prompt tokens not found in the prefix cache, the work a
-    resumed sample's second prefill adds (a per-adapter pause re-prefills
-    every aborted sample's prompt and partial tokens on the new version).
+    resumed sample's second prefill adds (a sync, per-adapter or global,
+    aborts the tenant's samples, whose prompt and partial tokens are
+    prefilled again on the new version).
     """
     wall = max(run.wall_s, 1e-9)
     prompt = run.counter.between(PROMPT_COUNTER, run.start, run.end)
