@@ -113,8 +113,18 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
     from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
 
     targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
+    # Samples of 32 tokens, not the default 12: a sync's abort must find
+    # samples mid-generation for a resume to show (``log.resumed`` counts
+    # samples of two segments or more). With 12, one CI run (9a76dc3) aborted
+    # 24 samples and resumed none, most likely because every abort landed
+    # before a sample's first token.
     loop = LoopConfig(
-        steps=4, groups_per_step=4, group_size=16, transfer=TRANSFER, pin_rollouts=True
+        steps=4,
+        groups_per_step=4,
+        group_size=16,
+        max_tokens=32,
+        transfer=TRANSFER,
+        pin_rollouts=True,
     )
     folder = engine_server.adapter_root / "rl-pinned"
     with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
