@@ -445,3 +445,41 @@ def client_error_types() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(types)
+
+
+class _GuardedSampler:
+    """vLLM's sampler with a :class:`..logits_guard.LogitsGuard` around each
+    call; every other attribute is the sampler's own."""
+
+    def __init__(self, sampler: Any, guard: Any) -> None:
+        self.sampler = sampler
+        self.guard = guard
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        logits = kwargs["logits"] if "logits" in kwargs else args[0]
+        flagged = self.guard.before(logits)
+        output = self.sampler(*args, **kwargs)
+        tensors = getattr(output, "logprobs_tensors", None)
+        self.guard.after(flagged, getattr(tensors, "logprobs", None))
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+
+def wrap_sampler(model_runner: Any, guard: Any) -> bool:
+    """Run ``guard`` (a :class:`..logits_guard.LogitsGuard`) around the
+    worker's sampler; False where the model runner has none.
+
+    0.26's model runner V2 calls ``model_runner.sampler(logits, input_batch)``,
+    0.32's CPU runner ``model_runner.sampler(logits=..., sampling_metadata=...)``;
+    both return ``logprobs_tensors.logprobs`` with a row per logits row
+    (None when no request asked for logprobs). Placed again, the guard is replaced.
+    """
+    sampler = getattr(model_runner, "sampler", None)
+    if sampler is None:
+        return False
+    if isinstance(sampler, _GuardedSampler):
+        sampler = sampler.sampler
+    model_runner.sampler = _GuardedSampler(sampler, guard)
+    return True

@@ -145,6 +145,20 @@ class HandoverUnavailableError(ServerError):
     error_type = "handover_unavailable"
 
 
+class NonFiniteLogitsError(ServerError):
+    """The adapter's weights made the model's logits NaN or infinite, so its
+    sample has no meaning: its weights are finite but overflow the
+    activations (a diverged update, or corrupted weights).
+
+    The engine samples such a row inside the vocabulary and flags it; the
+    server refuses the sample instead of returning tokens drawn at random.
+    Other tenants' samples are not affected. Load a good version.
+    """
+
+    status = 422
+    error_type = "nonfinite_logits"
+
+
 class EngineUnavailableError(ServerError, ServerUnavailableError):
     """The server answers but its engine is dead (crash, OOM, killed process).
 
@@ -175,6 +189,7 @@ _BY_TYPE: dict[str, type[ServerError]] = {
         LeaseNotFoundError,
         PayloadTooLargeError,
         HandoverUnavailableError,
+        NonFiniteLogitsError,
         EngineUnavailableError,
         InternalServerError,
     )

@@ -7,10 +7,11 @@ exactly the tokens it will train on.
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any
 
-from skyrl_lora.errors import BadRequestError, InternalServerError
+from skyrl_lora.errors import BadRequestError, InternalServerError, NonFiniteLogitsError
 from skyrl_lora.types import (
     SampledSequence,
     SampleRequest,
@@ -57,6 +58,7 @@ class Sampler:
         sequences = [
             self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
         ]
+        _refuse_meaningless(sequences, request.lora_name, version)
         if request.generated_prefix_len and params.stop:
             tokenizer = await compat.get_tokenizer(self._engine.engine_client)
             prefix = request.prompt_token_ids[-request.generated_prefix_len :]
@@ -110,6 +112,23 @@ class Sampler:
             stop_reason=reason,
             versions=[VersionRange(start=0, end=len(tokens), version=version)],
         )
+
+
+def _refuse_meaningless(
+    sequences: list[SampledSequence], lora_name: str | None, version: int | None
+) -> None:
+    """Raise :class:`NonFiniteLogitsError` where a token was drawn from
+    non-finite logits: the engine flags such a row with a NaN logprob
+    (:mod:`skyrl_lora.server.logits_guard`)."""
+    for seq in sequences:
+        bad = next((i for i, lp in enumerate(seq.logprobs) if not math.isfinite(lp)), None)
+        if bad is not None:
+            who = "the base model" if lora_name is None else f"adapter {lora_name!r} v{version}"
+            raise NonFiniteLogitsError(
+                f"{who} produced NaN or infinite logits (first at generated token {bad}): "
+                "its weights overflow the model's activations, so the sample is refused; "
+                "load a good version"
+            )
 
 
 def _prompt_logprobs(final: Any, request: SampleRequest) -> list[float | None]:

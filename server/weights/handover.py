@@ -179,22 +179,46 @@ def copy_out(
 
     buffer = description["buffer"]
     nbytes = int(buffer["nbytes"])
-    hosts = [allocate(nbytes) for _ in range(copies)]
     if buffer["kind"] == "shm":
+        hosts = [allocate(nbytes) for _ in range(copies)]
         with (SHM_DIR / buffer["name"]).open("rb", buffering=0) as shared:
             read_exactly(shared, hosts[0], nbytes, buffer["name"])
         for host in hosts[1:]:
             host.copy_(hosts[0])
-    else:
-        index = device_index(buffer["device_uuid"])
-        stream = side_stream(torch.device("cuda", index))
-        with torch.cuda.device(index), torch.cuda.stream(stream):
-            shared = _open_cuda_ipc(buffer, index)  # waits for the trainer's event, if any
-            for copy in hosts:
-                copy.copy_(shared, non_blocking=copy.is_cuda or copy.is_pinned())
-            stream.synchronize()
-            del shared  # closes the handle: the trainer's memory is its own again
+        return hosts
+    index = device_index(buffer["device_uuid"])
+    stream = side_stream(torch.device("cuda", index))
+    with torch.cuda.device(index), torch.cuda.stream(stream):
+        shared = _open_cuda_ipc(buffer, index)  # waits for the trainer's event, if any
+        hosts = copies_on_stream(shared, allocate, copies, stream)
+        del shared  # closes the handle: the trainer's memory is its own again
     return hosts
+
+
+def copies_on_stream(
+    source: Any, allocate: Callable[[int], Any], copies: int, stream: Any
+) -> list[Any]:
+    """``copies`` copies of the CUDA tensor ``source``, allocated and written
+    on ``stream`` (a side stream), which is synchronized before they return.
+
+    Allocated on the stream that writes them, not on the caller's: torch's
+    caching allocator hands out a block freed on the current stream as soon
+    as its tensor is freed, while kernels queued earlier on that stream may
+    still write it. Taken on the engine's stream, a staging's buffer could be
+    overwritten by the step in flight after the copy into it: on the H100 one
+    adapter's slot held activation-like values (largest 70,144, every one
+    finite, so the finite check passed), its logits were NaN, and vLLM
+    0.26's sampler then picked a token outside the vocabulary, which killed
+    the engine (main ca0af75 and 5786b60, 2026-11-25).
+    """
+    import torch
+
+    with torch.cuda.stream(stream):
+        made = [allocate(int(source.numel())) for _ in range(copies)]
+        for copy in made:
+            copy.copy_(source, non_blocking=copy.is_cuda or copy.is_pinned())
+    stream.synchronize()
+    return made
 
 
 def tensor_views(host: Any, description: dict[str, Any]) -> dict[str, Any]:

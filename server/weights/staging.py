@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import compat
+from ..logits_guard import LogitsGuard
 from ..loop_monitor import watch_engine_collections
 from ..observability import (
     READS,
@@ -723,12 +724,15 @@ class LoRAStagingExtension:
         ``staging_yield`` holds :class:`StagingYield`'s fields (None: stagings
         never nap). Also reports the engine process's long garbage collections
         (``engine_gc_pause`` events): one holds the step loop, and so every
-        tenant's next token, as long as it runs. ``status_dir``: where to
+        tenant's next token, as long as it runs. And guards the sampler
+        against rows of non-finite logits (:mod:`..logits_guard`), which
+        can otherwise kill the engine on vLLM 0.26. ``status_dir``: where to
         publish stagings' statuses (:meth:`_WorkerStaging.publish_statuses_to`).
         """
         watch_engine_collections()
         stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
         return {
+            "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "slot_prefill": stager.slot_prefill,
             "gpu_staging": stager.gpu_staging,
             "reader_process": stager.reader_process,
@@ -854,6 +858,8 @@ class StagedLoRAEngine:
             self.reader_process = all(p["reader_process"] for p in parts)
             self.staging_yield = all(p["staging_yield"] for p in parts)
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
+            if not all(p.get("logits_guard") for p in parts):
+                logger.warning("a worker has no sampler to guard: NaN logits may kill the engine")
             if all(p.get("status_files") for p in parts):
                 self._status_dir, self._workers = status_dir, [p["worker"] for p in parts]
                 sockets = [p.get("stage_socket") for p in parts]
