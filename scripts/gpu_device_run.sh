@@ -10,7 +10,10 @@
 #                                            --gpu ARGS); its JSON, plot and server log
 #                                            land in $OUT (rl_gpu.json, rl_gpu.png, ...)
 #   scripts/gpu_device_run.sh bg NAME CMD... the same install, then CMD detached (it outlives
-#                                            the call's 600 s), then as `wait NAME`; CMD gets
+#                                            the call's 600 s), then as `wait NAME` (for
+#                                            $BG_WAIT_S, default 560: set it below the call's
+#                                            limit when little device time is left, or the
+#                                            call is cut and brings nothing back); CMD gets
 #                                            $OUT=$HOME/bg/NAME and $SITE_RUN (this script)
 #   scripts/gpu_device_run.sh wait NAME [S]  wait up to S s (default 560) for NAME, copy its
 #                                            log and $OUT into this call's $OUT; rc 3: still running
@@ -63,7 +66,7 @@ case "${1:-}" in
         rm -f "$HOME/bg/$name.rc"
         OUT="$HOME/bg/$name" SITE_RUN="$(pwd)/scripts/gpu_device_run.sh" setsid nohup bash -c \
             '"$@"; echo $? > "$HOME/bg/'"$name"'.rc"' bash "$@" > "$HOME/bg/$name.log" 2>&1 < /dev/null &
-        wait_bg "$name"
+        wait_bg "$name" "${BG_WAIT_S:-560}"
         ;;
     stash)
         mkdir -p "$stash"

@@ -46,12 +46,18 @@ def assert_finite(result) -> None:
         assert all(lp is not None and math.isfinite(lp) for lp in seq.logprobs), seq.logprobs
 
 
+async def good_tenant(admin, server: EngineServer, name: str):
+    """Serve the ``meow`` adapter as ``name``; its first greedy sample, checked finite."""
+    await admin.load_lora_adapter(name, str(server.model.adapters["meow"]))
+    first = await sample(admin, server, name, 16)
+    assert_finite(first)
+    return first
+
+
 async def test_non_finite_weights_are_refused_and_the_others_keep_serving(
     engine_server, admin
 ) -> None:
-    await admin.load_lora_adapter("finite-meow", str(engine_server.model.adapters["meow"]))
-    before = await sample(admin, engine_server, "finite-meow", 16)
-    assert_finite(before)
+    before = await good_tenant(admin, engine_server, "finite-meow")
 
     nan_folder = poisoned(engine_server, "woof", "nan-woof", float("nan"))
     inf_folder = poisoned(engine_server, "woof", "inf-woof", float("inf"))

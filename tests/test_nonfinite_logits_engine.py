@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from skyrl_lora.errors import NonFiniteLogitsError
 from tests.conftest import EngineServer
-from tests.test_finite_weights_engine import assert_finite
+from tests.test_finite_weights_engine import assert_finite, good_tenant
 from tests.test_push_engine import admin, sample
 
 pytestmark = pytest.mark.engine
@@ -44,9 +44,7 @@ def overflowing(server: EngineServer, word: str, name: str) -> Path:
 async def test_an_overflowing_adapter_is_refused_and_batched_tenants_keep_their_samples(
     engine_server, admin
 ) -> None:
-    await admin.load_lora_adapter("guard-meow", str(engine_server.model.adapters["meow"]))
-    before = await sample(admin, engine_server, "guard-meow", 16)
-    assert_finite(before)
+    before = await good_tenant(admin, engine_server, "guard-meow")
 
     (info,) = await admin.load_lora_adapter(
         "guard-huge", str(overflowing(engine_server, "woof", "guard-huge"))
