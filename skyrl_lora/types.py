@@ -375,6 +375,12 @@ class ServerInfo(_Wire):
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False
+    #: Whether every worker's sampler is guarded against rows of non-finite
+    #: logits (see ``skyrl_lora.server.logits_guard``): such a row is sampled
+    #: inside the vocabulary and its sample refused (``NonFiniteLogitsError``);
+    #: unguarded, vLLM 0.26's GPU sampler may draw past the vocabulary and
+    #: take the engine down.
+    logits_guard: bool = False
     #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
     #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled

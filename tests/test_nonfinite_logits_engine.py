@@ -44,6 +44,7 @@ def overflowing(server: EngineServer, word: str, name: str) -> Path:
 async def test_an_overflowing_adapter_is_refused_and_batched_tenants_keep_their_samples(
     engine_server, admin
 ) -> None:
+    assert (await admin.server_info()).logits_guard  # placed in the engine's worker
     before = await good_tenant(admin, engine_server, "guard-meow")
 
     (info,) = await admin.load_lora_adapter(

@@ -154,13 +154,28 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
             assert len(set(tokens.staleness)) == 1  # one version per sample
 
 
+async def _until(ready: Any, timeout_s: float = 30.0) -> None:
+    """Return once ``ready()`` holds, or after ``timeout_s`` (the caller's asserts then fail)."""
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.02)):
+        if ready():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any) -> None:
     """The RL report's engine figures come from counters polled off
     ``/metrics``: their names must be the ones this vLLM exports, or every
     mode would read 0 tokens and the prefill figures would say nothing."""
     import asyncio
 
-    from examples.rl.engine_rate import CACHED_COUNTER, PROMPT_COUNTER, EngineTokenCounter
+    from examples.rl.engine_rate import (
+        CACHED_COUNTER,
+        COUNTER,
+        PROMPT_COUNTER,
+        EngineTokenCounter,
+    )
     from examples.rl.report import ModeRun, engine_prefill
     from skyrl_lora.client import RemoteInferenceClient
     from skyrl_lora.server.embedded.builder import _word_ids
@@ -170,21 +185,21 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     stop = asyncio.Event()
     polling = asyncio.create_task(counter.run(stop))
     async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
-        await asyncio.sleep(0.3)  # readings before the request
+        await _until(lambda: bool(counter.times))  # a reading before the request
         asked = time.monotonic()
         await client.sample_with_retry(
             prompt, num_samples=1, sampling_params={"max_tokens": 9, "ignore_eos": True}
         )
-        await asyncio.sleep(0.3)  # readings after the answer
-        answered = time.monotonic()
+        # Poll on until a reading has the request's tokens (a poll of the busy
+        # CI machine can take longer than the request itself).
+        generated = counter.readings[COUNTER]
+        await _until(lambda: generated[-1] >= generated[0] + 9)
     stop.set()
     await polling
-    # Between two readings the counter is interpolated, so the window runs
-    # from the last reading before the request to the first after the answer:
-    # on a busy machine one poll can take longer than the request (one CI run
-    # read 8.9996 tokens over a window cut between two readings).
+    # The counter is interpolated between readings; at readings it is exact.
+    # The window runs from the last reading before the request to the last.
     start = max(t for t in counter.times if t < asked)
-    end = min(t for t in counter.times if t > answered)
+    end = counter.times[-1]
 
     assert counter.tokens_between(start, end) == 9
     assert counter.between(PROMPT_COUNTER, start, end) == len(prompt)

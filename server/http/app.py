@@ -299,6 +299,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_stage_channel=lora_engine.stage_channel,
         adapter_gpu_staging=lora_engine.gpu_staging,
         adapter_handover=handovers.enabled,
+        logits_guard=lora_engine.logits_guard,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
     )

@@ -814,6 +814,7 @@ class StagedLoRAEngine:
         self.gpu_staging = False
         self.reader_process = False
         self.staging_yield = False
+        self.logits_guard = False
         #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
         self.device_uuids: frozenset[str] = frozenset()
         #: Where the workers publish stagings' statuses, and their names
@@ -858,7 +859,8 @@ class StagedLoRAEngine:
             self.reader_process = all(p["reader_process"] for p in parts)
             self.staging_yield = all(p["staging_yield"] for p in parts)
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
-            if not all(p.get("logits_guard") for p in parts):
+            self.logits_guard = all(p.get("logits_guard") for p in parts)
+            if not self.logits_guard:
                 logger.warning("a worker has no sampler to guard: NaN logits may kill the engine")
             if all(p.get("status_files") for p in parts):
                 self._status_dir, self._workers = status_dir, [p["worker"] for p in parts]
