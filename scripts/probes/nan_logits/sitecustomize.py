@@ -8,9 +8,9 @@ sampler module is imported, its ``Sampler.__call__`` is wrapped:
   NaN or inf and the sampled ids outside the vocabulary; the counts are
   copied to the host without blocking and read at the next step;
 * a step that had any is logged (``nan_logits_probe`` lines on stderr) with
-  its request ids, their adapters (vLLM's LoRA ids) and, for each adapter
-  slot in use, the non-finite count and largest magnitude of its weights,
-  and the largest finite logit magnitude of the step;
+  its request ids, their adapters (vLLM's LoRA ids), the largest finite
+  logit magnitude of the step and, at most every 10 s, for each adapter
+  slot, the non-finite count and largest magnitude of its weights;
 * with ``SKYRL_NAN_PROBE_FIX=1``, non-finite logits are replaced by 0 before
   sampling (every such row samples uniformly, inside the vocabulary), so a
   run goes on and counts every occurrence. Its samples are then not all
@@ -95,8 +95,22 @@ def _read_pending() -> None:
         lora_ids=lora_ids,
         req_ids=pending["req_ids"],
         max_finite_logit=float(pending["max_finite"]),
-        slots=_slot_report(runner) if runner is not None else None,
+        slots=_slots_now_and_then(runner),
     )
+
+
+#: Reading every slot back syncs the engine: at most once this often, or a
+#: run with many flagged steps slows to a crawl (at 5786b60 one flagged step
+#: a second held the engine to a quarter of its tokens).
+SLOT_REPORT_EVERY_S = 10.0
+
+
+def _slots_now_and_then(runner) -> list | None:
+    now = time.monotonic()
+    if runner is None or now - _state.get("slots_at", -SLOT_REPORT_EVERY_S) < SLOT_REPORT_EVERY_S:
+        return None
+    _state["slots_at"] = now
+    return _slot_report(runner)
 
 
 def _wrap_sampler(module) -> None:
