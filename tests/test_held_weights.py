@@ -154,6 +154,32 @@ def test_a_held_file_is_built_from_a_copy_and_written_as_read(tmp_path: Path) ->
     assert (target / WEIGHTS).read_bytes() == data
 
 
+def test_the_next_held_file_is_read_into_the_last_ones_snapshot_copy(tmp_path: Path) -> None:
+    """The snapshot's copy of a file comes from the pool (:mod:`.host_pool`):
+    once its snapshot is written and dropped, the next reload reads into the
+    same block instead of allocating (pinned, on a GPU worker) again; the
+    model's copy is a fresh allocation each time, as vLLM keeps it."""
+    data = _adapter(tmp_path / "src")
+    source = BufferSource(host_buffers(False), None, HandoverTemplates())
+    pointers = []
+    for number in range(2):
+        target = tmp_path / f"snap{number}"
+        fd = _held_snapshot(tmp_path / "src", target)
+        try:
+            taken = source.take_file(_Request(7 + number, str(target)), fd)
+        finally:
+            os.close(fd)
+        assert taken is not None and taken.alloc_ms >= 0
+        pointers.append(taken.snapshot_buffer.data_ptr())
+        snapshot_writer.write_snapshot_file(
+            target / WEIGHTS, taken.snapshot_buffer, taken.snapshot_layout()
+        )
+        assert (target / WEIGHTS).read_bytes() == data
+        del taken
+    assert pointers[0] == pointers[1]
+    assert (source.snapshot_buffers.allocated, source.snapshot_buffers.reused) == (1, 1)
+
+
 def test_a_file_a_hand_over_cannot_carry_is_copied_before_vllm_reads_it(tmp_path: Path) -> None:
     data = _adapter(tmp_path / "src", dtype=torch.float64)  # no hand-over dtype
     target = tmp_path / "snap"

@@ -17,7 +17,15 @@ from collections import defaultdict
 
 EVENT = re.compile(r"skyrl_event (\{.*\})")
 FIELDS = {
-    "adapter_staging": ("ms", "read_ms", "handover_copy_ms", "pack_ms", "slot_ms", "naps"),
+    "adapter_staging": (
+        "ms",
+        "read_ms",
+        "handover_copy_ms",
+        "host_alloc_ms",
+        "pack_ms",
+        "slot_ms",
+        "naps",
+    ),
     "adapter_staged": ("stage_ms", "polls"),
 }
 

@@ -40,6 +40,7 @@ from . import handover
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .cuda_streams import AFTER_SWAP, side_stream
 from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
+from .host_pool import HostBufferPool
 from .snapshot_writer import (
     SnapshotLayout,
     file_layout,
@@ -63,6 +64,8 @@ class TakenBuffer:
     is_handover: bool = False
     #: A file's first bytes (its header), written before its data as read.
     file_head: bytes = b""
+    #: Time spent allocating its host buffers (pinned ones cost a driver call).
+    alloc_ms: float = 0.0
 
     @property
     def on_device(self) -> bool:
@@ -87,9 +90,29 @@ class BufferSource:
     def __init__(
         self, host_buffers: Callable[[int], Any], device: Any, templates: HandoverTemplates
     ) -> None:
-        self._host_buffers = host_buffers
+        self._host_buffers = self._timed(host_buffers)
         self._device_buffers = device_buffers(device)
         self._templates = templates
+        #: Snapshots' copies, which no GPU copy reads: kept and reused (:mod:`.host_pool`).
+        self.snapshot_buffers = HostBufferPool(host_buffers)
+        self._snapshot_buffers = self._timed(self.snapshot_buffers.take)
+        #: Seconds the staging thread spent allocating host buffers since the last take.
+        self._alloc_s = 0.0
+
+    def _timed(self, allocate: Callable[[int], Any]) -> Callable[[int], Any]:
+        def timed(nbytes: int) -> Any:
+            started = time.perf_counter()
+            try:
+                return allocate(nbytes)
+            finally:
+                self._alloc_s += time.perf_counter() - started
+
+        return timed
+
+    def _alloc_ms(self) -> float:
+        """The allocation time since the last call (one staging thread takes)."""
+        spent, self._alloc_s = self._alloc_s, 0.0
+        return round(spent * 1000, 2)
 
     @property
     def on_gpu(self) -> bool:
@@ -117,11 +140,18 @@ class BufferSource:
         )
         allocate = self._device_buffers if on_device else self._host_buffers
         assert allocate is not None
+        self._alloc_ms()
         model_buffer, snapshot_buffer = handover.copy_out(
             description, allocate, handover.cuda_device_index, copies=2
         )
         return TakenBuffer(
-            folder, description, model_buffer, snapshot_buffer, layout, is_handover=True
+            folder,
+            description,
+            model_buffer,
+            snapshot_buffer,
+            layout,
+            is_handover=True,
+            alloc_ms=self._alloc_ms(),
         )
 
     def take_file(self, lora_request: Any, weights_fd: int | None = None) -> TakenBuffer | None:
@@ -143,9 +173,13 @@ class BufferSource:
         weights = folder / handover.WEIGHTS_FILE
         if weights_fd is not None:
             weights = Path(f"/proc/self/fd/{weights_fd}")
+        # Held open, the file is read into the snapshot's copy, which no GPU
+        # copy reads: a pooled buffer; the model is built from a copy of it.
+        read_into = self._host_buffers if weights_fd is None else self._snapshot_buffers
+        self._alloc_ms()
         try:
             config = (folder / handover.CONFIG_FILE).read_text()
-            opened: OneBufferFile | None = OneBufferFile(str(weights), self._host_buffers)
+            opened: OneBufferFile | None = OneBufferFile(str(weights), read_into)
         except (OSError, UnsupportedFile):
             opened = None
         description = None if opened is None else opened.layout()
@@ -156,11 +190,19 @@ class BufferSource:
         layout = layout_key(description, config, request_extra(lora_request))
         as_read = opened.buffer
         if weights_fd is None:
-            return TakenBuffer(folder, description, as_read, None, layout)
+            return TakenBuffer(
+                folder, description, as_read, None, layout, alloc_ms=self._alloc_ms()
+            )
         model_buffer = self._host_buffers(as_read.numel())
         model_buffer.copy_(as_read)
         return TakenBuffer(
-            folder, description, model_buffer, as_read, layout, file_head=opened.head
+            folder,
+            description,
+            model_buffer,
+            as_read,
+            layout,
+            file_head=opened.head,
+            alloc_ms=self._alloc_ms(),
         )
 
     def settle_on_host(self, model: Any, template: HandoverTemplate, taken: TakenBuffer) -> Any:
@@ -177,7 +219,7 @@ class BufferSource:
         started = time.perf_counter()
         nbytes = taken.model_buffer.numel()
         host_model = self._host_buffers(nbytes)
-        host_snapshot = self._host_buffers(nbytes)
+        host_snapshot = self.snapshot_buffers.take(nbytes)
         device = taken.model_buffer.device
         stream = side_stream(device, AFTER_SWAP)
         with torch.cuda.stream(stream):

@@ -573,6 +573,8 @@ class _WorkerStaging:
             # a hand-over's copies out of the trainer's memory (or a file's
             # read, and a held file's copy for the build), within read_ms
             handover_copy_ms=copy_ms,
+            # of which allocating host buffers (pinned ones cost a driver call)
+            host_alloc_ms=None if handed is None else handed.alloc_ms,
         )
         return _Staged(model, read, naps.count)
 
