@@ -79,3 +79,26 @@ def test_a_torch_that_cannot_count_holders_allocates_every_time(monkeypatch) -> 
     pool.take(100)  # dropped at once
     assert pool.take(100).numel() == 100
     assert (pool.allocated, pool.reused) == (2, 0)
+
+
+def test_threads_taking_at_once_never_share_a_block() -> None:
+    """The staging thread and the snapshot writer's thread both take buffers."""
+    import threading
+
+    pool = _pool(max_idle_bytes=1 << 16)
+    errors: list[str] = []
+
+    def work(number: int) -> None:
+        for _ in range(200):
+            buffer = pool.take(512)
+            buffer.fill_(number)
+            if int(buffer.min()) != number or int(buffer.max()) != number:
+                errors.append(f"thread {number} saw another thread's bytes")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert pool.reused > 0 and pool.allocated <= 4 * 200

@@ -79,11 +79,11 @@ class HostBufferPool:
                     return block[:nbytes]
         started = time.perf_counter()
         block = self._allocate(nbytes)
-        self.allocate_s += time.perf_counter() - started
-        self.allocated += 1
-        if not self.enabled:
-            return block
         with self._lock:
+            self.allocate_s += time.perf_counter() - started
+            self.allocated += 1
+            if not self.enabled:
+                return block
             self._blocks.append((block, storage_use_count(block)))
             self._trim()
         return block[:nbytes]

@@ -27,6 +27,7 @@ little, since the bytes cross to the GPU either way.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,8 +97,9 @@ class BufferSource:
         #: Snapshots' copies, which no GPU copy reads: kept and reused (:mod:`.host_pool`).
         self.snapshot_buffers = HostBufferPool(host_buffers)
         self._snapshot_buffers = self._timed(self.snapshot_buffers.take)
-        #: Seconds the staging thread spent allocating host buffers since the last take.
-        self._alloc_s = 0.0
+        #: Per thread, seconds spent allocating host buffers since the last
+        #: take (the snapshot writer's thread allocates too, after a swap).
+        self._alloc_clock = threading.local()
 
     def _timed(self, allocate: Callable[[int], Any]) -> Callable[[int], Any]:
         def timed(nbytes: int) -> Any:
@@ -105,13 +107,15 @@ class BufferSource:
             try:
                 return allocate(nbytes)
             finally:
-                self._alloc_s += time.perf_counter() - started
+                clock = self._alloc_clock
+                clock.spent_s = getattr(clock, "spent_s", 0.0) + time.perf_counter() - started
 
         return timed
 
     def _alloc_ms(self) -> float:
-        """The allocation time since the last call (one staging thread takes)."""
-        spent, self._alloc_s = self._alloc_s, 0.0
+        """This thread's allocation time since its last call, in ms."""
+        spent = getattr(self._alloc_clock, "spent_s", 0.0)
+        self._alloc_clock.spent_s = 0.0
         return round(spent * 1000, 2)
 
     @property
