@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from benchmarks.common import current_commit
 from benchmarks.stats import Spread, Tail
@@ -96,6 +96,37 @@ def device_tensors(folder: Path) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class SyncTimes:
+    """One trainer sync as the trainer saw it, in ms: the whole, and its
+    parts (the pause, the trainer's copy into its hand-over buffer, the
+    weights' call, the resume); ``handover_swap`` has no pause or resume
+    of its own (the server's are inside its one call)."""
+
+    total: float
+    pause: float = 0.0
+    update: float = 0.0
+    weights: float = 0.0
+    resume: float = 0.0
+
+    PARTS: ClassVar[tuple[str, ...]] = ("pause", "update", "weights", "resume")
+
+
+class _Clock:
+    """Milliseconds since the last reading."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        lap, self._last = (now - self._last) * 1000, now
+        return lap
+
+    def total(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
+
+
 async def sync_once(
     client: RemoteInferenceClient,
     name: str,
@@ -103,15 +134,17 @@ async def sync_once(
     folder: Path,
     handover: AdapterHandover,
     tensors: dict[str, Any],
-) -> float:
-    """One trainer sync, in ms: pause, weights in (the hand-over's copy into
-    its buffer counted), resume; for ``handover_swap`` the server's own."""
-    started = time.perf_counter()
+) -> SyncTimes:
+    """One trainer sync: pause, weights in (the hand-over's copy into its
+    buffer counted), resume; for ``handover_swap`` the server's own."""
+    clock = _Clock()
     if transport == "handover_swap":
         handover.update(tensors)
+        update = clock.lap()
         await client.push_lora_adapter(name, handover, swap_policy="abort_resume")
-        return (time.perf_counter() - started) * 1000
+        return SyncTimes(clock.total(), update=update, weights=clock.lap())
     await client.pause_generation(lora_name=name)
+    pause, update, weights = clock.lap(), 0.0, 0.0
     try:
         if transport == "path":
             await client.load_lora_adapter(name, str(folder))
@@ -119,10 +152,12 @@ async def sync_once(
             await client.push_lora_adapter(name, folder)
         else:
             handover.update(tensors)
+            update = clock.lap()
             await client.push_lora_adapter(name, handover)
+        weights = clock.lap()
     finally:
         await client.resume_generation(lora_name=name)
-    return (time.perf_counter() - started) * 1000
+    return SyncTimes(clock.total(), pause, update, weights, clock.lap())
 
 
 async def others_sampling(
@@ -160,8 +195,8 @@ async def measure(
     others = [f"other{i}" for i in range(cfg.others)]
     tensors = [device_tensors(f) for f in folders]
     config = json.loads((folders[0] / "adapter_config.json").read_text())
-    # {load: {transport: [per-round sync times, ms]}}
-    times: dict[str, dict[str, list[list[float]]]] = {
+    # {load: {transport: [per-round syncs]}}
+    times: dict[str, dict[str, list[list[SyncTimes]]]] = {
         load: {t: [] for t in TRANSPORTS} for load in ("idle", "under_load")
     }
     async with RemoteInferenceClient(url) as client:
@@ -190,7 +225,7 @@ async def measure(
                     if sampling is not None:
                         await asyncio.sleep(1.0)  # the others' streams reach the engine
                     for transport in order:
-                        done = []
+                        done: list[SyncTimes] = []
                         for k in range(cfg.swaps):
                             done.append(
                                 await sync_once(
@@ -216,29 +251,47 @@ async def measure(
     }
 
 
-def summarise(by_transport: dict[str, list[list[float]]]) -> dict[str, Any]:
-    medians = {t: [sorted(r)[len(r) // 2] for r in rounds] for t, rounds in by_transport.items()}
+def summarise(by_transport: dict[str, list[list[SyncTimes]]]) -> dict[str, Any]:
+    """Per transport: the sync's median per round (spread over rounds), its
+    pooled tail, its ratio to the path's, and each part's pooled median."""
+    medians = {
+        t: [median([sync.total for sync in r]) for r in rounds]
+        for t, rounds in by_transport.items()
+    }
     out: dict[str, Any] = {}
     for transport, rounds in by_transport.items():
-        pooled = [ms for r in rounds for ms in r]
+        pooled = [sync for r in rounds for sync in r]
         ratio = [m / p for m, p in zip(medians[transport], medians["path"])]
         out[transport] = {
             "sync_ms": Spread.of(medians[transport]).to_json(),
-            "pooled": Tail.of(pooled).to_json(),
+            "pooled": Tail.of([sync.total for sync in pooled]).to_json(),
             "over_path": Spread.of(ratio).to_json(),
+            "parts_ms_p50": {
+                part: round(median([getattr(sync, part) for sync in pooled]), 2)
+                for part in SyncTimes.PARTS
+            },
         }
     return out
 
 
+def median(values: list[float]) -> float:
+    """The upper median, as the rounds' medians have always been taken here."""
+    return sorted(values)[len(values) // 2]
+
+
 def table(result: dict[str, Any]) -> str:
-    lines = ["| load | transport | sync ms, median (min-max over rounds) | p99 / max | over path |"]
-    lines.append("| --- | --- | --- | --- | --- |")
+    lines = [
+        "| load | transport | sync ms, median (min-max over rounds) | p99 / max | over path "
+        "| pause / copy in / weights / resume p50 |"
+    ]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     for load in ("idle", "under_load"):
         for transport, fig in result[load].items():
             s, p, r = fig["sync_ms"], fig["pooled"], fig["over_path"]
+            parts = " / ".join(f"{fig['parts_ms_p50'][part]:.1f}" for part in SyncTimes.PARTS)
             lines.append(
                 f"| {load} | {transport} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | "
-                f"{p['p99']:.1f} / {p['max']:.1f} | {r['median']:.2f}x |"
+                f"{p['p99']:.1f} / {p['max']:.1f} | {r['median']:.2f}x | {parts} |"
             )
     return "\n".join(lines)
 

@@ -1,0 +1,55 @@
+"""The transport benchmark's sync, split into its parts, on the real CPU engine.
+
+``benchmarks.transport_swap.sync_once`` times a trainer's sync by each
+transport and splits it (pause, the trainer's copy into its hand-over
+buffer, the weights' call, resume), so a GPU run can say where a sync's
+time goes outside the engine's staging. Here each transport syncs once
+against the session's server, and the parts must add up to the whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.transport_swap import TRANSPORTS, SyncTimes, device_tensors, summarise, sync_once
+from skyrl_lora.client import AdapterHandover
+from tests.conftest import EngineServer
+from tests.test_push_engine import admin
+
+pytestmark = pytest.mark.engine
+
+__all__ = ["admin"]
+
+
+async def test_every_transports_sync_splits_into_parts_that_add_up(
+    engine_server: EngineServer, admin
+) -> None:
+    folder = Path(engine_server.model.adapters["meow"])
+    await admin.load_lora_adapter("transport-swap", str(folder))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    syncs: dict[str, list[list[SyncTimes]]] = {}
+    with AdapterHandover(config) as handover:
+        for transport in TRANSPORTS:
+            sync = await sync_once(
+                admin, "transport-swap", transport, folder, handover, device_tensors(folder)
+            )
+            parts = [getattr(sync, part) for part in SyncTimes.PARTS]
+            assert min(parts) >= 0 and sync.weights > 0
+            assert sum(parts) == pytest.approx(sync.total, abs=1.0)
+            if transport in ("handover", "handover_swap"):
+                assert sync.update > 0  # the trainer's copy is timed apart
+            if transport == "handover_swap":
+                assert sync.pause == sync.resume == 0  # inside the server's one call
+            else:
+                assert sync.pause > 0 and sync.resume > 0
+            syncs[transport] = [[sync]]
+    summary = summarise(syncs)
+    assert set(summary) == set(TRANSPORTS)
+    assert summary["path"]["over_path"]["median"] == 1.0
+    assert summary["push"]["parts_ms_p50"]["weights"] == round(syncs["push"][0][0].weights, 2)
+    listing = {a.lora_name: a for a in (await admin.list_adapters()).adapters}
+    assert listing["transport-swap"].version == 1 + len(TRANSPORTS)
+    await admin.unload_lora_adapter("transport-swap")
