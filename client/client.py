@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -19,12 +20,14 @@ from skyrl_lora.client.gates import AdapterGates
 from skyrl_lora.client.handover import AdapterHandover
 from skyrl_lora.client.metrics import ClientMetrics, ClientMetricsSnapshot, export_in_process
 from skyrl_lora.client.push import InMemoryAdapter, adapter_payload
+from skyrl_lora.client.push_stream import stream_weights
 from skyrl_lora.client.results import AbortResult, FanOutResult, LoadResult, PauseResult
 from skyrl_lora.client.routing import POLICIES, ReplicaSet, RoutingPolicy
 from skyrl_lora.client.transport import Transport
 from skyrl_lora.errors import (
     FanOutError,
     HandoverUnavailableError,
+    PushStreamUnavailableError,
     ResponseFormatError,
     RetryLimitError,
     ServerError,
@@ -37,6 +40,8 @@ from skyrl_lora.types import (
     AdapterList,
     LeaseResponse,
     PauseResponse,
+    PushStreamRequest,
+    PushStreamTicket,
     SampleRequest,
     SampleResponse,
     SamplingParams,
@@ -412,8 +417,10 @@ class RemoteInferenceClient:
         ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
         servers need no access to the trainer's disk; each gets its own
         streamed request, concurrently, checked against the weights' sha256.
-        Returns when every server answered (fan-out rules as for loads,
-        atomic too).
+        A server with a push stream (``ServerInfo.push_stream_port``) gets the
+        weights over it instead of in the HTTP body, unless
+        ``config.push_stream`` is off. Returns when every server answered
+        (fan-out rules as for loads, atomic too).
 
         An :class:`AdapterHandover` (a trainer on the servers' host) is handed
         over by handle instead: no bytes on the wire. Where a server cannot
@@ -435,10 +442,45 @@ class RemoteInferenceClient:
         keep = self.config.commit_timeout_s if len(self.urls) > 1 else None
 
         async def send(url: str) -> bytes:
+            if self.config.push_stream and (await self.server_info(url)).push_stream_port:
+                request = PushStreamRequest(
+                    lora_name=lora_name,
+                    config=json.loads(payload.config),
+                    weights_bytes=payload.weights_bytes,
+                    version=version,
+                    swap_policy=swap_policy,
+                    keep_previous_s=keep,
+                )
+                try:
+                    return await self._push_stream(url, request, payload.weights)
+                except PushStreamUnavailableError:  # restarted without it: HTTP from now on
+                    self._info.pop(url, None)
             form = payload.form(lora_name, swap_policy, version, keep)
             return await self._call(url, "POST", path, form, timeout=self.config.control_timeout)
 
         return LoadResult(await self._all_or_none(path, send, lora_name, version))
+
+    async def _push_stream(
+        self, url: str, request: PushStreamRequest, weights: bytes | Path
+    ) -> bytes:
+        """Open a push over HTTP, then send its weights over the server's push stream."""
+        raw = await self._call(
+            url,
+            "POST",
+            f"{API}/adapters/push/stream",
+            request,
+            timeout=self.config.control_timeout,
+        )
+        ticket = _parsed(PushStreamTicket, raw, url)
+        answer = await stream_weights(
+            url,
+            ticket,
+            weights,
+            timeout=self.config.control_timeout,
+            connect_timeout=self.config.connect_timeout,
+        )
+        self._metrics.pushes_streamed += 1
+        return answer
 
     async def _hand_over(
         self,

@@ -39,3 +39,8 @@ class ClientConfig:
     #: previous version until this client commits or rolls back, or for this
     #: many seconds if the client dies in between (then it commits by itself).
     commit_timeout_s: float = 600.0
+    #: Send a push's weights over a server's push stream where it has one
+    #: (``serve --push-stream-port``; ``ServerInfo.push_stream_port``), not in
+    #: the HTTP body: about 2.5x the bytes per second (see
+    #: ``skyrl_lora.server.http.push_stream``). False: always the HTTP body.
+    push_stream: bool = True

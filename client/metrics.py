@@ -34,6 +34,7 @@ class ClientMetricsSnapshot:
     errors: Mapping[str, int]
     handovers: int = 0
     handover_fallbacks: int = 0
+    pushes_streamed: int = 0
 
 
 @dataclass
@@ -54,6 +55,8 @@ class ClientMetrics:
     handovers: int = 0
     #: Hand-overs a server could not take, pushed as bytes instead.
     handover_fallbacks: int = 0
+    #: Pushes to one server whose weights went over its push stream, not HTTP.
+    pushes_streamed: int = 0
 
     def snapshot(self) -> ClientMetricsSnapshot:
         return ClientMetricsSnapshot(
@@ -65,6 +68,7 @@ class ClientMetrics:
             errors=MappingProxyType(dict(self.errors)),
             handovers=self.handovers,
             handover_fallbacks=self.handover_fallbacks,
+            pushes_streamed=self.pushes_streamed,
         )
 
 
@@ -105,6 +109,7 @@ class _ClientCollector:
         ("skyrl_client_held_seconds", "seconds sequences waited at closed gates", "held_seconds"),
         ("skyrl_client_handovers", "adapters handed over by handle", "handovers"),
         ("skyrl_client_handover_fallbacks", "hand-overs pushed as bytes", "handover_fallbacks"),
+        ("skyrl_client_pushes_streamed", "pushes sent over a push stream", "pushes_streamed"),
     )
 
     def collect(self) -> Iterator[Any]:

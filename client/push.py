@@ -48,6 +48,12 @@ class AdapterPayload:
     config: bytes
     weights: bytes | Path
 
+    @property
+    def weights_bytes(self) -> int:
+        """The size of the safetensors file."""
+        weights = self.weights
+        return weights.stat().st_size if isinstance(weights, Path) else len(weights)
+
     def form(
         self,
         lora_name: str,

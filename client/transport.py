@@ -31,7 +31,7 @@ from skyrl_lora.errors import (
 _JSON = {"Content-Type": "application/json"}
 
 
-def _error_from_body(status: int, text: str, url: str) -> ServerError:
+def error_from_body(status: int, text: str, url: str) -> ServerError:
     """Build the typed error from our, vLLM's or FastAPI's error body."""
     message, error_type = text.strip() or f"HTTP {status}", None
     try:
@@ -129,7 +129,7 @@ class Transport:
             ) as response:
                 raw = await response.read()
                 if response.status >= 400:
-                    raise _error_from_body(response.status, raw.decode(errors="replace"), url)
+                    raise error_from_body(response.status, raw.decode(errors="replace"), url)
                 return raw
         except asyncio.TimeoutError as exc:
             raise RequestTimeoutError(f"{method} {url} timed out after {timeout} s") from exc

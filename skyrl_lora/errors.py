@@ -145,6 +145,15 @@ class HandoverUnavailableError(ServerError):
     error_type = "handover_unavailable"
 
 
+class PushStreamUnavailableError(ServerError):
+    """The server takes no pushed weights over a stream of their own (it was
+    started without ``--push-stream-port``); the client's push then sends
+    them in the HTTP body, by itself."""
+
+    status = 422
+    error_type = "push_stream_unavailable"
+
+
 class NonFiniteLogitsError(ServerError):
     """The adapter's weights made the model's logits NaN or infinite, so its
     sample has no meaning: its weights are finite but overflow the
@@ -191,6 +200,7 @@ _BY_TYPE: dict[str, type[ServerError]] = {
         LeaseNotFoundError,
         PayloadTooLargeError,
         HandoverUnavailableError,
+        PushStreamUnavailableError,
         NonFiniteLogitsError,
         EngineUnavailableError,
         InternalServerError,

@@ -269,6 +269,34 @@ class HandoverRequest(_Wire):
     keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
+class PushStreamRequest(_Wire):
+    """Open a push whose weights follow over a TCP stream of their own
+    (``serve --push-stream-port``), outside the HTTP body.
+
+    The fields are a push's; ``weights_bytes`` is the size of the
+    safetensors file that the stream will carry. The answer is a one-time
+    :class:`PushStreamTicket`; see ``skyrl_lora.server.http.push_stream``.
+    """
+
+    lora_name: str = Field(min_length=1)
+    config: dict[str, object]
+    weights_bytes: int = Field(ge=1)
+    version: int | None = Field(default=None, ge=1)
+    swap_policy: SwapPolicy = "abort_resume"
+    keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+
+
+class PushStreamTicket(_Wire):
+    """Where and how to send an opened push's weights: connect to ``port`` on
+    the server's host within ``expires_in_s`` seconds and send the
+    ``ticket`` line, the weights, and their chunked digest
+    (:mod:`skyrl_lora.chunk_digest`). The ticket is good for one stream."""
+
+    ticket: str
+    port: int
+    expires_in_s: float
+
+
 class LeaseRequest(_Wire):
     """Keep one version of an adapter loaded for pinned samples (``lora_version``).
 
@@ -381,6 +409,10 @@ class ServerInfo(_Wire):
     #: unguarded, vLLM 0.26's GPU sampler may draw past the vocabulary and
     #: take the engine down.
     logits_guard: bool = False
+    #: The TCP port that takes a push's weights outside HTTP
+    #: (``serve --push-stream-port``; :class:`PushStreamRequest`), on the
+    #: server's own host; None where pushes go in the HTTP body only.
+    push_stream_port: int | None = None
     #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
     #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled

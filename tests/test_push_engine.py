@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
+from skyrl_lora.client import ClientConfig, InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import (
     BadRequestError,
     PayloadTooLargeError,
@@ -62,8 +62,10 @@ async def wait_running(client: RemoteInferenceClient, name: str, count: int = 1)
 
 
 async def test_push_a_folder_and_in_memory_weights(engine_server, admin) -> None:
+    """This server has a push stream: the client sends the weights over it."""
+    streamed = admin.metrics().pushes_streamed
     (info,) = await admin.push_lora_adapter("pushed", engine_server.model.adapters["woof"])
-    assert info.version == 1 and info.lora_path.startswith("push:sha256=")
+    assert info.version == 1 and info.lora_path.startswith("push-stream:sha256-chunked-8MiB=")
     out = await sample(admin, engine_server, "pushed")
     assert words(engine_server, out.sequences[0].tokens) == {"woof"}
     (info,) = await admin.push_lora_adapter("pushed", in_memory(files_of(engine_server, "moo")))
@@ -71,6 +73,22 @@ async def test_push_a_folder_and_in_memory_weights(engine_server, admin) -> None
     out = await sample(admin, engine_server, "pushed")
     assert words(engine_server, out.sequences[0].tokens) == {"moo"}
     assert out.adapter_version == 2
+    assert admin.metrics().pushes_streamed == streamed + 2
+    assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []
+
+
+async def test_push_in_the_http_body_where_the_client_says_so(engine_server) -> None:
+    config = ClientConfig(push_stream=False)
+    key = engine_server.admin_key
+    async with RemoteInferenceClient(engine_server.url, api_key=key, config=config) as client:
+        (info,) = await client.push_lora_adapter("pushed-body", engine_server.model.adapters["moo"])
+        assert info.lora_path.startswith("push:sha256=") and not client.metrics().pushes_streamed
+        (info,) = await client.push_lora_adapter(
+            "pushed-body", in_memory(files_of(engine_server, "woof"))
+        )
+        out = await sample(client, engine_server, "pushed-body")
+    assert out.adapter_version == info.version == 2
+    assert words(engine_server, out.sequences[0].tokens) == {"woof"}
 
 
 async def test_push_mid_sample_abort_resume_gives_two_ranges(engine_server, admin) -> None:
@@ -239,7 +257,7 @@ async def test_tenant_keys_push_only_their_own_existing_adapters(engine_server, 
     woof = engine_server.model.adapters["woof"]
     async with RemoteInferenceClient(engine_server.url, api_key=TENANT_KEYS["sec-a"]) as tenant:
         (info,) = await tenant.push_lora_adapter("sec-a", woof)
-        assert info.lora_name == "sec-a"
+        assert info.lora_name == "sec-a" and tenant.metrics().pushes_streamed == 1
         with pytest.raises(PermissionDeniedError):
             await tenant.push_lora_adapter("sec-b", woof)
         with pytest.raises(PermissionDeniedError):

@@ -181,6 +181,13 @@ async def test_a_tenant_pushes_only_its_own_existing_adapter(dev_server: DevServ
     async with RemoteInferenceClient(dev_server.url, api_key=TENANT) as tenant:
         (info,) = await tenant.push_lora_adapter("meow", folder)
         assert info.lora_name == "meow" and info.version == 2
+        # No --push-stream-port here: the open is refused, and the client sent the body.
+        assert info.lora_path.startswith("push:sha256=") and not tenant.metrics().pushes_streamed
+        open_body = {"lora_name": "meow", "config": {}, "weights_bytes": 1}
+        status, answer = await dev_server.call(
+            "POST", "/skyrl/v1/adapters/push/stream", TENANT, open_body
+        )
+        assert status == 422 and answer["error"]["type"] == "push_stream_unavailable", answer
         with pytest.raises(PermissionDeniedError, match="'woof'"):
             await tenant.push_lora_adapter("woof", folder)
         with pytest.raises(PermissionDeniedError):

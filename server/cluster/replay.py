@@ -25,6 +25,7 @@ from skyrl_lora.errors import ConflictError
 
 from ..engine.gated import GatedEngine
 from ..http.push import FILES, load_pushed, write_pushed_files
+from ..http.push_stream import STREAMED_PREFIX
 from ..weights.handover import wait_for_weights
 
 #: How a pushed version's ``source_path`` reads in the registry.
@@ -83,6 +84,8 @@ def source_of(source_path: str, origin: Any = None) -> AdapterSource:
     """The source a registry record's ``source_path`` stands for."""
     if source_path.startswith(PUSHED_PREFIX):
         return PushedSource(source_path.removeprefix(PUSHED_PREFIX), origin=origin)
+    if source_path.startswith(STREAMED_PREFIX):  # its digest is no plain sha256 to check by
+        return PushedSource("", origin=origin)
     return PathSource(source_path)
 
 

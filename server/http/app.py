@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -43,6 +44,7 @@ from ..weights.registry import AdapterRegistry
 from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
+from .push_stream import PushStreamListener, load_opened
 from .routes import build_router, error_response
 from .sample import Sampler
 
@@ -87,6 +89,15 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="take adapter weights from a trainer's memory on this host "
         "(POST /skyrl/v1/adapters/handover: CUDA IPC or shared memory) instead of bytes; "
         "only for trainers trusted as much as the server",
+    )
+    group.add_argument(
+        "--push-stream-port",
+        type=int,
+        default=None,
+        help="also take pushed adapter weights over a TCP stream of their own on this port "
+        "(0: any free port), outside the HTTP body, for trainers on other hosts: opened "
+        "with a one-time ticket from POST /skyrl/v1/adapters/push/stream, which the client "
+        "does by itself; without it pushes go in the HTTP body only",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -287,6 +298,16 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         staging=lora_engine.available,
         device_uuids=lora_engine.device_uuids,
     )
+    push_stream = None
+    if getattr(args, "push_stream_port", None) is not None:
+        push_stream = PushStreamListener(
+            args.host,
+            args.push_stream_port,
+            functools.partial(load_opened, gated),
+            asyncio.get_running_loop(),
+        )
+        logger.info("skyrl-lora takes pushed weights on stream port %d", push_stream.port)
+    app.state.skyrl_push_stream = push_stream
     info = ServerInfo(
         model=app.state.openai_serving_models.model_name(),
         max_model_len=max_model_len,
@@ -300,11 +321,14 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_gpu_staging=lora_engine.gpu_staging,
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
+        push_stream_port=None if push_stream is None else push_stream.port,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
     )
     sampler = Sampler(gated, max_model_len)
-    app.include_router(build_router(gated, sampler, info, args.max_adapter_bytes, handovers))
+    app.include_router(
+        build_router(gated, sampler, info, args.max_adapter_bytes, handovers, push_stream)
+    )
     # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
     tinker = tinker_surface(sampler.sample, gated, info, lambda r: request_key(r.scope))
     app.include_router(tinker.router)
@@ -383,8 +407,13 @@ async def _serve(
     listen_address, sock = compat.setup_server(args)
     port = sock.getsockname()[1]
     url = f"http://{_client_host(args.host)}:{port}"
-    async with compat.build_async_engine_client(args) as engine_client:
+    async with (
+        compat.build_async_engine_client(args) as engine_client,
+        contextlib.AsyncExitStack() as cleanup,
+    ):
         app, gated = await build_skyrl_app(engine_client, args)
+        if app.state.skyrl_push_stream is not None:
+            cleanup.callback(app.state.skyrl_push_stream.close)
         if before_serving is not None:
             await before_serving(gated)
         config = uvicorn.Config(

@@ -96,7 +96,7 @@ async def receive_push(
     try:
         writer = _FormWriter(folder, max_bytes)
         fields = await writer.write(headers, body)
-        return _checked_push(fields, folder, writer.weights_digest.hexdigest())
+        return checked_push(fields, folder, writer.weights_digest.hexdigest())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -120,10 +120,7 @@ def write_pushed_files(
             raise BadRequestError(f"unknown adapter files {sorted(unknown)}; expected {FILES}")
         size = sum(len(data) for data in files.values())
         if max_bytes is not None and size > max_bytes:
-            raise PayloadTooLargeError(
-                f"the pushed adapter ({size} bytes) is larger than the server's limit of "
-                f"{max_bytes} bytes (--max-adapter-bytes)"
-            )
+            raise payload_too_large(max_bytes, size)
         for name, data in files.items():
             (folder / name).write_bytes(data)
         fields = {"lora_name": lora_name, "swap_policy": swap_policy}
@@ -134,7 +131,7 @@ def write_pushed_files(
         if keep_previous_s is not None:
             fields["keep_previous_s"] = str(keep_previous_s)
         digest = hashlib.sha256(files.get(WEIGHTS_FILE, b"")).hexdigest()
-        return _checked_push(fields, folder, digest)
+        return checked_push(fields, folder, digest)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -157,8 +154,10 @@ async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy 
         shutil.rmtree(pushed.folder, ignore_errors=True)
 
 
-def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> PushedAdapter:
-    """Check a written push; ``digest`` is the weights' sha256, taken as they were written."""
+def checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> PushedAdapter:
+    """Check a written push; ``digest`` is the weights' sha256, taken as they
+    were written (a streamed push's digest is checked before, and it sends
+    no ``sha256`` field)."""
     name = fields.get("lora_name", "")
     if not name:
         raise BadRequestError("push needs the form field 'lora_name'")
@@ -190,6 +189,14 @@ def _checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> Pushe
         policy,
         None if version is None else int(version),  # type: ignore[arg-type]
         keep_previous_s,
+    )
+
+
+def payload_too_large(max_bytes: int, size: int | None = None) -> PayloadTooLargeError:
+    """The 413 of a push above ``--max-adapter-bytes`` (``size``: where it is known)."""
+    what = "the pushed adapter" if size is None else f"the pushed adapter ({size} bytes)"
+    return PayloadTooLargeError(
+        f"{what} is larger than the server's limit of {max_bytes} bytes (--max-adapter-bytes)"
     )
 
 
@@ -273,10 +280,7 @@ class _FormWriter:
         return self.fields
 
     def _too_large(self) -> PayloadTooLargeError:
-        return PayloadTooLargeError(
-            f"the pushed adapter is larger than the server's limit of {self._max_bytes} bytes "
-            "(--max-adapter-bytes)"
-        )
+        return payload_too_large(self._max_bytes)
 
     def _part_begin(self) -> None:
         self._part_headers = {}

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from skyrl_lora.errors import ConflictError, PermissionDeniedError, ServerError
+from skyrl_lora.errors import (
+    ConflictError,
+    PermissionDeniedError,
+    PushStreamUnavailableError,
+    ServerError,
+)
 from skyrl_lora.types import (
     AbortResponse,
     AdapterInfo,
@@ -21,6 +27,8 @@ from skyrl_lora.types import (
     LoadAdapterRequest,
     PauseRequest,
     PauseResponse,
+    PushStreamRequest,
+    PushStreamTicket,
     SampleRequest,
     SampleResponse,
     ServerInfo,
@@ -34,7 +42,15 @@ from ..engine.global_pause import GlobalPause
 from ..weights.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from ..weights.leases import Lease
 from .auth import ApiKey, request_key
-from .push import PUSH_FORM_SCHEMA, PushedAdapter, load_pushed, receive_push
+from .push import (
+    CONFIG_FILE,
+    PUSH_FORM_SCHEMA,
+    PushedAdapter,
+    load_pushed,
+    payload_too_large,
+    receive_push,
+)
+from .push_stream import OpenedPush, PushStreamListener
 from .sample import Sampler
 
 PREFIX = "/skyrl/v1"
@@ -80,6 +96,7 @@ def build_router(
     info: ServerInfo,
     max_adapter_bytes: int,
     handovers: HandoverAccess = NO_HANDOVERS,
+    push_stream: PushStreamListener | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
@@ -183,6 +200,38 @@ def build_router(
             raise
         applied = await load_pushed(engine, pushed)
         return adapter_info(pushed.lora_name, applied=applied)
+
+    @router.post(
+        "/adapters/push/stream",
+        responses={
+            409: {"model": ErrorBody, "description": "too many pushes open"},
+            413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"},
+            422: {"model": ErrorBody, "description": "this server has no push stream"},
+        },
+    )
+    async def open_push_stream(body: PushStreamRequest, request: Request) -> PushStreamTicket:
+        """Open a push whose weights follow over the push stream (``serve
+        --push-stream-port``) instead of in the body; answers a one-time ticket.
+
+        Same rules as a push, checked here: the stream trusts only the ticket.
+        """
+        if push_stream is None:
+            raise PushStreamUnavailableError(
+                "this server takes pushed weights in the HTTP body only "
+                "(start it with --push-stream-port to stream them)"
+            )
+        config = json.dumps(body.config).encode()
+        if body.weights_bytes + len(config) > max_adapter_bytes:
+            raise payload_too_large(max_adapter_bytes, body.weights_bytes + len(config))
+        _check_may_load(request_key(request.scope), body.lora_name, engine.registry.names())
+        fields: dict[str, str] = {"swap_policy": body.swap_policy}
+        if body.version is not None:
+            fields["version"] = str(body.version)
+        if body.keep_previous_s is not None:
+            fields["keep_previous_s"] = str(body.keep_previous_s)
+        folder = engine.registry.upload_dir()
+        (folder / CONFIG_FILE).write_bytes(config)
+        return push_stream.open(OpenedPush(body.lora_name, folder, body.weights_bytes, fields))
 
     @router.post(
         "/adapters/handover",

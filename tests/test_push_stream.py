@@ -1,0 +1,197 @@
+"""The push stream alone: the chunked digest, the listener's tickets and
+receive, and the client's sender against it (no engine: the load is a fake)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest, combine, digest_of
+from skyrl_lora.client.push_stream import HELLO, stream_weights
+from skyrl_lora.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    ServerUnavailableError,
+)
+from skyrl_lora.server.http.push_stream import (
+    OpenedPush,
+    PushStreamConfig,
+    PushStreamListener,
+)
+from skyrl_lora.types import AdapterInfo, PushStreamTicket
+
+URL = "http://127.0.0.1:1"  # only its host is used by the stream
+
+
+def test_chunked_digest_is_sha256_over_the_chunks_sha256s() -> None:
+    data = os.urandom(2 * CHUNK_BYTES + 12345)
+    pieces = [data[:CHUNK_BYTES], data[CHUNK_BYTES : 2 * CHUNK_BYTES], data[2 * CHUNK_BYTES :]]
+    expected = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    assert digest_of(data) == expected
+    with ChunkedDigest(threads=3) as digest:
+        for piece in pieces:
+            digest.add(memoryview(piece))
+        assert digest.hexdigest() == expected
+    assert digest_of(b"") == combine([]) == hashlib.sha256(b"").hexdigest()
+    assert digest_of(data[:-1]) != expected
+
+
+def test_chunked_digest_refuses_chunks_off_the_boundaries() -> None:
+    with ChunkedDigest(threads=1) as digest:
+        with pytest.raises(ValueError, match="1 to"):
+            digest.add(b"x" * (CHUNK_BYTES + 1))
+        with pytest.raises(ValueError, match="1 to"):
+            digest.add(b"")
+        digest.add(b"short")
+        with pytest.raises(ValueError, match="must be the last"):
+            digest.add(b"x" * CHUNK_BYTES)
+
+
+class FakeServer:
+    """A listener whose load records what it got and answers an AdapterInfo."""
+
+    def __init__(self, tmp: Path, config: PushStreamConfig | None = None) -> None:
+        self.tmp = tmp
+        self.loaded: list[tuple[str, bytes, bytes, str]] = []
+        self.listener = PushStreamListener(
+            "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
+        )
+
+    async def _finish(self, push: OpenedPush, digest: str) -> AdapterInfo:
+        weights = (push.folder / "adapter_model.safetensors").read_bytes()
+        config = (push.folder / "adapter_config.json").read_bytes()
+        self.loaded.append((push.lora_name, weights, config, digest))
+        if push.lora_name == "refused":
+            raise BadRequestError("the load refused it")
+        return AdapterInfo(
+            lora_name=push.lora_name,
+            version=int(push.fields.get("version", "1")),
+            lora_path=f"stream:{digest}",
+            paused=False,
+            in_flight=0,
+            held=0,
+            engine_requests=0,
+        )
+
+    def open(self, name: str, size: int) -> tuple[PushStreamTicket, Path]:
+        folder = Path(self.tmp / f"push-{len(os.listdir(self.tmp))}")
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8}')
+        return self.listener.open(OpenedPush(name, folder, size, {"version": "3"})), folder
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[FakeServer]:
+    fake = FakeServer(tmp_path)
+    yield fake
+    fake.listener.close()
+
+
+async def send(ticket: PushStreamTicket, weights: bytes | Path) -> AdapterInfo:
+    raw = await stream_weights(URL, ticket, weights, timeout=30, connect_timeout=5)
+    return AdapterInfo.model_validate_json(raw)
+
+
+async def test_weights_arrive_whole_and_are_loaded_with_their_digest(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    data = os.urandom(3 * CHUNK_BYTES + 777)
+    ticket, _ = server.open("tenant-a", len(data))
+    info = await send(ticket, data)
+    ((name, weights, config, digest),) = server.loaded
+    assert (name, weights, config) == ("tenant-a", data, b'{"r": 8}')
+    assert digest == digest_of(data) and info.lora_path == f"stream:{digest}"
+    assert info.version == 3
+    # A file is sent from disk the same way.
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(data[: CHUNK_BYTES - 1])
+    ticket, _ = server.open("tenant-a", CHUNK_BYTES - 1)
+    await send(ticket, path)
+    assert server.loaded[-1][1] == data[: CHUNK_BYTES - 1]
+
+
+async def test_a_ticket_is_good_for_one_stream(server: FakeServer) -> None:
+    ticket, _ = server.open("tenant-a", 10)
+    await send(ticket, b"0123456789")
+    with pytest.raises(AuthenticationError, match="unknown push stream ticket"):
+        await send(ticket, b"0123456789")
+    forged = PushStreamTicket(ticket="0" * 32, port=ticket.port, expires_in_s=60)
+    with pytest.raises(AuthenticationError):
+        await send(forged, b"0123456789")
+    assert len(server.loaded) == 1
+
+
+async def test_an_unused_ticket_expires_and_its_folder_goes(tmp_path: Path) -> None:
+    fake = FakeServer(tmp_path, PushStreamConfig(ticket_ttl_s=0.05))
+    try:
+        ticket, folder = fake.open("tenant-a", 10)
+        await asyncio.sleep(0.1)
+        with pytest.raises(AuthenticationError):
+            await send(ticket, b"0123456789")
+        assert not folder.exists() and not fake.loaded
+    finally:
+        fake.listener.close()
+
+
+async def test_too_many_open_pushes_are_refused(tmp_path: Path) -> None:
+    fake = FakeServer(tmp_path, PushStreamConfig(max_open=1))
+    try:
+        fake.open("tenant-a", 10)
+        with pytest.raises(ConflictError, match="1 pushes are open"):
+            fake.open("tenant-b", 10)
+    finally:
+        fake.listener.close()
+
+
+async def test_the_loads_error_reaches_the_sender(server: FakeServer) -> None:
+    ticket, folder = server.open("refused", 3)
+    with pytest.raises(BadRequestError, match="the load refused it"):
+        await send(ticket, b"abc")
+    assert not folder.exists()
+
+
+def raw_stream(port: int, *parts: bytes) -> dict[str, object]:
+    """Send bytes as they are (a damaged or cut stream) and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for part in parts:
+            sock.sendall(part)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return json.loads(answer)
+
+
+async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeServer) -> None:
+    data = os.urandom(1000)
+    port = server.listener.port
+    ticket, folder = server.open("tenant-a", len(data))
+    hello = HELLO + ticket.ticket.encode() + b"\n"
+    damaged = await asyncio.to_thread(raw_stream, port, hello, data, digest_of(data[1:]).encode())
+    assert damaged["status"] == 400 and "damaged" in str(damaged["error"])
+    assert not folder.exists()
+    ticket, folder = server.open("tenant-a", len(data))
+    hello = HELLO + ticket.ticket.encode() + b"\n"
+    cut = await asyncio.to_thread(raw_stream, port, hello, data[:500])
+    assert cut["status"] == 400 and "after 500 of 1000 bytes" in str(cut["error"])
+    assert not folder.exists()
+    wrong = await asyncio.to_thread(raw_stream, port, b"GET / HTTP/1.1\r\n" + b"x" * 60)
+    assert wrong["status"] == 400 and "starts with" in str(wrong["error"])
+    assert not server.loaded
+
+
+async def test_a_closed_listener_takes_nothing(tmp_path: Path) -> None:
+    fake = FakeServer(tmp_path)
+    ticket, folder = fake.open("tenant-a", 10)
+    fake.listener.close()
+    assert not folder.exists()
+    with pytest.raises(ServerUnavailableError):
+        await send(ticket, b"0123456789")
