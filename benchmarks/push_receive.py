@@ -8,8 +8,12 @@ and drops it. The client sends each the same streamed form
 (:class:`skyrl_lora.client.push.StreamedForm`, a safetensors file of
 ``--mb`` MB), in interleaved rounds. The ratio push / sink is what the
 route adds to moving the bytes through uvicorn; the sink's time is what any
-HTTP push on this stack pays. No engine and no staging: the swap's cost
-(``benchmarks.scale``) comes on top.
+HTTP push on this stack pays. The third, ``stream``, is the push stream
+(:mod:`skyrl_lora.server.http.push_stream`): ``/stream/open`` answers a
+ticket and the weights go over the listener's socket, received, written,
+hashed and checked as a push is (the client's
+:func:`~skyrl_lora.client.push_stream.stream_weights`). No engine and no
+staging: the swap's cost (``benchmarks.scale``) comes on top.
 
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
 """
@@ -35,10 +39,12 @@ from benchmarks.report import spread_row, table
 from benchmarks.stats import Spread, Tail
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.push import adapter_payload
+from skyrl_lora.client.push_stream import stream_weights
 from skyrl_lora.client.transport import Transport
+from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTES = ("sink", "push")
+ROUTES = ("sink", "push", "stream")
 
 
 def serve(port: int) -> None:
@@ -49,7 +55,29 @@ def serve(port: int) -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from skyrl_lora.server.http.push import receive_push
+    from skyrl_lora.server.http.push import checked_push, receive_push
+    from skyrl_lora.server.http.push_stream import OpenedPush, PushStreamListener
+    from skyrl_lora.types import AdapterInfo
+
+    listener: list[PushStreamListener] = []
+
+    async def checked(push: OpenedPush, digest: str) -> AdapterInfo:
+        try:
+            pushed = await asyncio.to_thread(checked_push, push.fields, push.folder, digest)
+        finally:
+            shutil.rmtree(push.folder, ignore_errors=True)
+        info = {"version": 1, "paused": False, "in_flight": 0, "held": 0, "engine_requests": 0}
+        return AdapterInfo(lora_name=pushed.lora_name, lora_path=digest, **info)
+
+    async def open_stream(request: Request) -> JSONResponse:
+        if not listener:
+            loop = asyncio.get_running_loop()
+            listener.append(PushStreamListener("127.0.0.1", 0, checked, loop))
+        folder = Path(tempfile.mkdtemp(prefix="skyrl-push-bench-"))
+        (folder / "adapter_config.json").write_text("{}")
+        size = int((await request.json())["weights_bytes"])
+        ticket = listener[0].open(OpenedPush("bench", folder, size, {"lora_name": "bench"}))
+        return JSONResponse(ticket.model_dump())
 
     async def push(request: Request) -> JSONResponse:
         folder = Path(tempfile.mkdtemp(prefix="skyrl-push-bench-"))
@@ -65,7 +93,11 @@ def serve(port: int) -> None:
             received += len(chunk)
         return JSONResponse({"bytes": received})
 
-    routes = [Route("/push", push, methods=["POST"]), Route("/sink", sink, methods=["POST"])]
+    routes = [
+        Route("/push", push, methods=["POST"]),
+        Route("/sink", sink, methods=["POST"]),
+        Route("/stream/open", open_stream, methods=["POST"]),
+    ]
     uvicorn.run(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -84,6 +116,19 @@ def adapter(folder: Path, mb: int) -> Path:
     return folder
 
 
+async def send_once(transport: Transport, url: str, route: str, folder: Path) -> None:
+    """One push of the adapter as a trainer's client sends it to ``route``."""
+    payload = await asyncio.to_thread(adapter_payload, str(folder))
+    if route != "stream":
+        form = payload.form("bench", "abort_resume")
+        await transport.call("POST", f"{url}/{route}", form, timeout=300)
+        return
+    opened = {"weights_bytes": payload.weights_bytes}
+    raw = await transport.call("POST", f"{url}/stream/open", opened, timeout=300)
+    ticket = PushStreamTicket.model_validate_json(raw)
+    await stream_weights(url, ticket, payload.weights, timeout=300, connect_timeout=10)
+
+
 async def measure(url: str, folder: Path, rounds: int, sends: int) -> dict[str, list[list[float]]]:
     """Per route, per round, each send's milliseconds (routes alternate within a round)."""
     transport = Transport(ClientConfig(), {})
@@ -92,12 +137,11 @@ async def measure(url: str, folder: Path, rounds: int, sends: int) -> dict[str, 
         for round_index in range(rounds + 1):  # the first round warms both routes up
             this_round: dict[str, list[float]] = {route: [] for route in ROUTES}
             for send in range(sends):
-                order = ROUTES if (round_index + send) % 2 == 0 else ROUTES[::-1]
+                shift = (round_index + send) % len(ROUTES)
+                order = ROUTES[shift:] + ROUTES[:shift]
                 for route in order:
                     started = time.perf_counter()
-                    payload = await asyncio.to_thread(adapter_payload, str(folder))
-                    form = payload.form("bench", "abort_resume")
-                    await transport.call("POST", f"{url}/{route}", form, timeout=300)
+                    await send_once(transport, url, route, folder)
                     this_round[route].append((time.perf_counter() - started) * 1000)
             if round_index:
                 for route in ROUTES:
@@ -108,12 +152,17 @@ async def measure(url: str, folder: Path, rounds: int, sends: int) -> dict[str, 
 
 
 def summarise(times: dict[str, list[list[float]]], mb: int) -> dict[str, Any]:
-    ratios = [
-        sorted(p)[len(p) // 2] / sorted(s)[len(s) // 2]
-        for p, s in zip(times["push"], times["sink"], strict=True)
-    ]
+    def ratios(top: str, bottom: str) -> dict[str, float]:
+        per_round = [
+            sorted(t)[len(t) // 2] / sorted(b)[len(b) // 2]
+            for t, b in zip(times[top], times[bottom], strict=True)
+        ]
+        return Spread.of(per_round).__dict__
+
     out: dict[str, Any] = {
-        "ratio_push_over_sink": Spread.of(ratios).__dict__,
+        "ratio_push_over_sink": ratios("push", "sink"),
+        "ratio_stream_over_sink": ratios("stream", "sink"),
+        "ratio_stream_over_push": ratios("stream", "push"),
     }
     for route in ROUTES:
         medians = [sorted(r)[len(r) // 2] for r in times[route]]
@@ -142,16 +191,13 @@ def report(result: dict[str, Any]) -> str:
                 f"{Spread(**result[route]['mb_per_s']).median:.0f} MB/s",
             )
         )
-    rows.append(
-        spread_row(
-            "push / sink",
-            Spread(**result["ratio_push_over_sink"]),
-            ".2f",
-            "x",
-            "",
-            "what parsing, writing and hashing add over uvicorn",
-        )
-    )
+    for top, bottom, says in (
+        ("push", "sink", "what parsing, writing and hashing add over uvicorn"),
+        ("stream", "sink", "the push stream against bytes dropped by uvicorn"),
+        ("stream", "push", "the push stream against the HTTP push"),
+    ):
+        ratio = Spread(**result[f"ratio_{top}_over_{bottom}"])
+        rows.append(spread_row(f"{top} / {bottom}", ratio, ".2f", "x", "", says))
     return table(rows)
 
 
