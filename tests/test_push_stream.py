@@ -183,6 +183,12 @@ async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeSe
     cut = await asyncio.to_thread(raw_stream, port, hello, data[:500])
     assert cut["status"] == 400 and "after 500 of 1000 bytes" in str(cut["error"])
     assert not folder.exists()
+    big = os.urandom(CHUNK_BYTES + 1000)  # cut in its second chunk: the count is the stream's
+    ticket, folder = server.open("tenant-a", len(big))
+    hello = HELLO + ticket.ticket.encode() + b"\n"
+    cut = await asyncio.to_thread(raw_stream, port, hello, big[: CHUNK_BYTES + 10])
+    assert f"after {CHUNK_BYTES + 10} of {CHUNK_BYTES + 1000} bytes" in str(cut["error"])
+    assert not folder.exists()
     wrong = await asyncio.to_thread(raw_stream, port, b"GET / HTTP/1.1\r\n" + b"x" * 60)
     assert wrong["status"] == 400 and "starts with" in str(wrong["error"])
     assert not server.loaded

@@ -61,6 +61,7 @@ from skyrl_lora.errors import (
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
 
 from ..engine.gated import GatedEngine
+from ..observability import log_event
 from ..weights.snapshot_writer import write_all
 from .push import WEIGHTS_FILE, checked_push, load_pushed
 
@@ -251,11 +252,11 @@ class PushStreamListener:
                 f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
                 f"{theirs.decode('ascii', errors='replace')}: the bytes were damaged"
             )
-        logger.info(
-            "push stream of %s: %d bytes in %.1f ms",
-            push.lora_name,
-            push.weights_bytes,
-            received_s * 1000,
+        log_event(
+            "push_stream_received",
+            lora_name=push.lora_name,
+            bytes=push.weights_bytes,
+            ms=round(received_s * 1000, 2),
         )
         return asyncio.run_coroutine_threadsafe(self._finish(push, digest), self._loop).result()
 
@@ -278,7 +279,7 @@ class PushStreamListener:
                         for future in done:
                             future.result()
                     view = memoryview(buffer)[: min(CHUNK_BYTES, remaining)]
-                    _recv_exactly(conn, view)
+                    _recv_exactly(conn, view, push.weights_bytes - remaining, push.weights_bytes)
                     remaining -= len(view)
                     in_flight.append(
                         (buffer, [writer.submit(write_all, fd, [view]), digest.add(view)])
@@ -300,12 +301,16 @@ class PushStreamListener:
         return bytearray(CHUNK_BYTES)
 
 
-def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+def _recv_exactly(
+    conn: socket.socket, view: memoryview, before: int = 0, total: int | None = None
+) -> None:
+    """Fill ``view`` from the stream (``before`` of its ``total`` bytes came earlier)."""
     got = 0
     while got < len(view):
         n = conn.recv_into(view[got:])
         if not n:
-            raise ConnectionError(f"the stream ended after {got} of {len(view)} bytes")
+            expected = len(view) + before if total is None else total
+            raise ConnectionError(f"the stream ended after {before + got} of {expected} bytes")
         got += n
 
 
