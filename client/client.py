@@ -442,17 +442,21 @@ class RemoteInferenceClient:
         version = await self._fan_out_version(lora_name, version)
         keep = self.config.commit_timeout_s if len(self.urls) > 1 else None
         stream = self.config.push_stream if push_stream is None else push_stream
+        request = (  # built once for every server that has a stream
+            PushStreamRequest(
+                lora_name=lora_name,
+                config=json.loads(payload.config),
+                weights_bytes=payload.weights_bytes,
+                version=version,
+                swap_policy=swap_policy,
+                keep_previous_s=keep,
+            )
+            if stream
+            else None
+        )
 
         async def send(url: str) -> bytes:
-            if stream and (await self.server_info(url)).push_stream_port:
-                request = PushStreamRequest(
-                    lora_name=lora_name,
-                    config=json.loads(payload.config),
-                    weights_bytes=payload.weights_bytes,
-                    version=version,
-                    swap_policy=swap_policy,
-                    keep_previous_s=keep,
-                )
+            if request is not None and (await self.server_info(url)).push_stream_port:
                 try:
                     return await self._push_stream(url, request, payload.weights)
                 except PushStreamUnavailableError:  # restarted without it: HTTP from now on

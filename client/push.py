@@ -51,8 +51,7 @@ class AdapterPayload:
     @property
     def weights_bytes(self) -> int:
         """The size of the safetensors file."""
-        weights = self.weights
-        return weights.stat().st_size if isinstance(weights, Path) else len(weights)
+        return _size_of(self.weights)
 
     def form(
         self,
@@ -92,7 +91,7 @@ class StreamedForm:
         head += self._part(CONFIG_FILE, config, "application/json", CONFIG_FILE)
         self._head = head + self._part_head(WEIGHTS_FILE, "application/octet-stream", WEIGHTS_FILE)
         self._weights = weights
-        self._weights_bytes = weights.stat().st_size if isinstance(weights, Path) else len(weights)
+        self._weights_bytes = _size_of(weights)
         self._tail_bytes = len(self._tail("0" * 64))
 
     @property
@@ -156,6 +155,10 @@ class StreamedForm:
     def _tail(self, sha256: str) -> bytes:
         closing = f"--{self._boundary}--\r\n".encode()
         return b"\r\n" + self._part("sha256", sha256.encode()) + closing
+
+
+def _size_of(weights: bytes | Path) -> int:
+    return weights.stat().st_size if isinstance(weights, Path) else len(weights)
 
 
 def adapter_payload(adapter: str | os.PathLike[str] | InMemoryAdapter) -> AdapterPayload:

@@ -21,10 +21,8 @@ from urllib.parse import urlsplit
 from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest
 from skyrl_lora.client.transport import error_from_body
 from skyrl_lora.errors import RequestTimeoutError, ResponseFormatError, ServerUnavailableError
-from skyrl_lora.types import PushStreamTicket
+from skyrl_lora.types import PUSH_STREAM_HELLO, PushStreamTicket
 
-#: What a stream starts with, before the ticket and a newline.
-HELLO = b"SKYRL-PUSH-STREAM/1 "
 #: The answer is one JSON line; anything longer is not one.
 MAX_ANSWER_BYTES = 1 << 20
 
@@ -57,7 +55,7 @@ def _stream(
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                sock.sendall(HELLO + ticket.ticket.encode("ascii") + b"\n")
+                sock.sendall(PUSH_STREAM_HELLO + ticket.ticket.encode("ascii") + b"\n")
                 digest = _send_weights(sock, weights)
                 sock.sendall(digest.encode("ascii"))
             except OSError:  # refused part-way: the server's answer says why

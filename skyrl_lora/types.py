@@ -286,6 +286,10 @@ class PushStreamRequest(_Wire):
     keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
+#: What a push stream starts with, before its ticket's 32 hex digits and a newline.
+PUSH_STREAM_HELLO = b"SKYRL-PUSH-STREAM/1 "
+
+
 class PushStreamTicket(_Wire):
     """Where and how to send an opened push's weights: connect to ``port`` on
     the server's host within ``expires_in_s`` seconds and send the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest, combine, digest_of
-from skyrl_lora.client.push_stream import HELLO, stream_weights
+from skyrl_lora.client.push_stream import stream_weights
 from skyrl_lora.errors import (
     AuthenticationError,
     BadRequestError,
@@ -26,6 +26,7 @@ from skyrl_lora.server.http.push_stream import (
     PushStreamConfig,
     PushStreamListener,
 )
+from skyrl_lora.types import PUSH_STREAM_HELLO as HELLO
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
 
 URL = "http://127.0.0.1:1"  # only its host is used by the stream

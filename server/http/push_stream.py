@@ -15,8 +15,9 @@ How, in three steps:
    and config are checked there, by the same middleware and rules as every
    other route; the answer is a one-time ticket. The stream itself trusts
    nothing but the ticket, so it adds no second place where access is decided.
-2. The trainer connects to the port and sends :data:`HELLO`, the 32 hex
-   digits of the ticket and a newline, then exactly ``weights_bytes`` bytes
+2. The trainer connects to the port and sends
+   :data:`~skyrl_lora.types.PUSH_STREAM_HELLO`, the 32 hex digits of the
+   ticket and a newline, then exactly ``weights_bytes`` bytes
    of the safetensors file, then the 64 hex digits of their chunked digest
    (:mod:`skyrl_lora.chunk_digest`).
 3. A thread of the listener reads the bytes into reused 8 MiB buffers; other
@@ -58,7 +59,7 @@ from skyrl_lora.errors import (
     InternalServerError,
     ServerError,
 )
-from skyrl_lora.types import AdapterInfo, PushStreamTicket
+from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
 from ..engine.gated import GatedEngine
 from ..observability import log_event
@@ -69,10 +70,8 @@ logger = logging.getLogger(__name__)
 
 #: How a streamed version's ``source_path`` reads in the registry (its digest follows).
 STREAMED_PREFIX = f"push-stream:{DIGEST_NAME}="
-#: What a stream starts with, before its ticket's 32 hex digits and a newline.
-HELLO = b"SKYRL-PUSH-STREAM/1 "
 _TICKET_HEX = 32
-_HEADER_BYTES = len(HELLO) + _TICKET_HEX + 1
+_HEADER_BYTES = len(PUSH_STREAM_HELLO) + _TICKET_HEX + 1
 _DIGEST_HEX = 64
 
 
@@ -228,10 +227,11 @@ class PushStreamListener:
         conn.settimeout(self.config.hello_timeout_s)
         header = bytearray(_HEADER_BYTES)
         _recv_exactly(conn, memoryview(header))
-        ticket = bytes(header[len(HELLO) : -1]).decode("ascii", errors="replace")
-        if not header.startswith(HELLO) or header[-1:] != b"\n":
+        ticket = bytes(header[len(PUSH_STREAM_HELLO) : -1]).decode("ascii", errors="replace")
+        if not header.startswith(PUSH_STREAM_HELLO) or header[-1:] != b"\n":
             raise BadRequestError(
-                f"a push stream starts with {HELLO.decode()!r}, its ticket and a newline"
+                f"a push stream starts with {PUSH_STREAM_HELLO.decode()!r}, "
+                "its ticket and a newline"
             )
         push = self._take(ticket)
         if push is None:
