@@ -12,7 +12,8 @@ HTTP push on this stack pays. The third, ``stream``, is the push stream
 (:mod:`skyrl_lora.server.http.push_stream`): ``/stream/open`` answers a
 ticket and the weights go over the listener's socket, received, written,
 hashed and checked as a push is (the client's
-:func:`~skyrl_lora.client.push_stream.stream_weights`). No engine and no
+:func:`~skyrl_lora.client.push_stream.stream_weights`), over one connection;
+``lanes`` is the same over ``--lanes`` connections at once. No engine and no
 staging: the swap's cost (``benchmarks.scale``) comes on top.
 
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
@@ -44,7 +45,15 @@ from skyrl_lora.client.transport import Transport
 from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTES = ("sink", "push", "stream")
+ROUTES = ("sink", "push", "stream", "lanes")
+#: (top, bottom, what the ratio says), each as ``ratio_{top}_over_{bottom}``.
+RATIOS = (
+    ("push", "sink", "what parsing, writing and hashing add over uvicorn"),
+    ("stream", "sink", "the push stream against bytes dropped by uvicorn"),
+    ("stream", "push", "the push stream against the HTTP push"),
+    ("lanes", "stream", "the push stream's lanes against one lane"),
+    ("lanes", "push", "the push stream's lanes against the HTTP push"),
+)
 
 
 def serve(port: int) -> None:
@@ -56,18 +65,26 @@ def serve(port: int) -> None:
     from starlette.routing import Route
 
     from skyrl_lora.server.http.push import checked_push, receive_push
-    from skyrl_lora.server.http.push_stream import OpenedPush, PushStreamListener
+    from skyrl_lora.server.http.push_stream import OpenedPush, PushStreamListener, Receipt
     from skyrl_lora.types import AdapterInfo
 
     listener: list[PushStreamListener] = []
 
-    async def checked(push: OpenedPush, digest: str) -> AdapterInfo:
+    async def checked(push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         try:
+            digest = await receipt.digest()
             pushed = await asyncio.to_thread(checked_push, push.fields, push.folder, digest)
         finally:
             shutil.rmtree(push.folder, ignore_errors=True)
-        info = {"version": 1, "paused": False, "in_flight": 0, "held": 0, "engine_requests": 0}
-        return AdapterInfo(lora_name=pushed.lora_name, lora_path=digest, **info)
+        return AdapterInfo(
+            lora_name=pushed.lora_name,
+            lora_path=digest,
+            version=1,
+            paused=False,
+            in_flight=0,
+            held=0,
+            engine_requests=0,
+        )
 
     async def open_stream(request: Request) -> JSONResponse:
         if not listener:
@@ -75,8 +92,10 @@ def serve(port: int) -> None:
             listener.append(PushStreamListener("127.0.0.1", 0, checked, loop))
         folder = Path(tempfile.mkdtemp(prefix="skyrl-push-bench-"))
         (folder / "adapter_config.json").write_text("{}")
-        size = int((await request.json())["weights_bytes"])
-        ticket = listener[0].open(OpenedPush("bench", folder, size, {"lora_name": "bench"}))
+        opened = await request.json()
+        size, lanes = int(opened["weights_bytes"]), int(opened["lanes"])
+        fields = {"lora_name": "bench"}
+        ticket = listener[0].open(OpenedPush("bench", folder, size, fields, lanes))
         return JSONResponse(ticket.model_dump())
 
     async def push(request: Request) -> JSONResponse:
@@ -116,20 +135,22 @@ def adapter(folder: Path, mb: int) -> Path:
     return folder
 
 
-async def send_once(transport: Transport, url: str, route: str, folder: Path) -> None:
+async def send_once(transport: Transport, url: str, route: str, folder: Path, lanes: int) -> None:
     """One push of the adapter as a trainer's client sends it to ``route``."""
     payload = await asyncio.to_thread(adapter_payload, str(folder))
-    if route != "stream":
+    if route not in ("stream", "lanes"):
         form = payload.form("bench", "abort_resume")
         await transport.call("POST", f"{url}/{route}", form, timeout=300)
         return
-    opened = {"weights_bytes": payload.weights_bytes}
+    opened = {"weights_bytes": payload.weights_bytes, "lanes": lanes if route == "lanes" else 1}
     raw = await transport.call("POST", f"{url}/stream/open", opened, timeout=300)
     ticket = PushStreamTicket.model_validate_json(raw)
     await stream_weights(url, ticket, payload.weights, timeout=300, connect_timeout=10)
 
 
-async def measure(url: str, folder: Path, rounds: int, sends: int) -> dict[str, list[list[float]]]:
+async def measure(
+    url: str, folder: Path, rounds: int, sends: int, lanes: int
+) -> dict[str, list[list[float]]]:
     """Per route, per round, each send's milliseconds (routes alternate within a round)."""
     transport = Transport(ClientConfig(), {})
     times: dict[str, list[list[float]]] = {route: [] for route in ROUTES}
@@ -141,7 +162,7 @@ async def measure(url: str, folder: Path, rounds: int, sends: int) -> dict[str, 
                 order = ROUTES[shift:] + ROUTES[:shift]
                 for route in order:
                     started = time.perf_counter()
-                    await send_once(transport, url, route, folder)
+                    await send_once(transport, url, route, folder, lanes)
                     this_round[route].append((time.perf_counter() - started) * 1000)
             if round_index:
                 for route in ROUTES:
@@ -160,9 +181,7 @@ def summarise(times: dict[str, list[list[float]]], mb: int) -> dict[str, Any]:
         return Spread.of(per_round).__dict__
 
     out: dict[str, Any] = {
-        "ratio_push_over_sink": ratios("push", "sink"),
-        "ratio_stream_over_sink": ratios("stream", "sink"),
-        "ratio_stream_over_push": ratios("stream", "push"),
+        f"ratio_{top}_over_{bottom}": ratios(top, bottom) for top, bottom, _ in RATIOS
     }
     for route in ROUTES:
         medians = [sorted(r)[len(r) // 2] for r in times[route]]
@@ -191,11 +210,7 @@ def report(result: dict[str, Any]) -> str:
                 f"{Spread(**result[route]['mb_per_s']).median:.0f} MB/s",
             )
         )
-    for top, bottom, says in (
-        ("push", "sink", "what parsing, writing and hashing add over uvicorn"),
-        ("stream", "sink", "the push stream against bytes dropped by uvicorn"),
-        ("stream", "push", "the push stream against the HTTP push"),
-    ):
+    for top, bottom, says in RATIOS:
         ratio = Spread(**result[f"ratio_{top}_over_{bottom}"])
         rows.append(spread_row(f"{top} / {bottom}", ratio, ".2f", "x", "", says))
     return table(rows)
@@ -213,6 +228,7 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=336, help="weights file size (rank 64, 8B: 336)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sends", type=int, default=3, help="sends per route and round")
+    parser.add_argument("--lanes", type=int, default=4, help="connections of the lanes route")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/push_receive.json")
     args = parser.parse_args()
     if args.serve:
@@ -234,7 +250,7 @@ def main() -> int:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
-            times = asyncio.run(measure(url, folder, args.rounds, args.sends))
+            times = asyncio.run(measure(url, folder, args.rounds, args.sends, args.lanes))
     finally:
         server.terminate()
         server.wait(30)
@@ -245,6 +261,7 @@ def main() -> int:
         "mb": args.mb,
         "rounds": args.rounds,
         "sends_per_round": args.sends,
+        "lanes": args.lanes,
         **summarise(times, args.mb),
         "raw_ms": times,
     }

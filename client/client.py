@@ -450,6 +450,7 @@ class RemoteInferenceClient:
                 version=version,
                 swap_policy=swap_policy,
                 keep_previous_s=keep,
+                lanes=self.config.push_stream_lanes,
             )
             if stream
             else None

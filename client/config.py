@@ -44,3 +44,7 @@ class ClientConfig:
     #: the HTTP body: about 2.5x the bytes per second (see
     #: ``skyrl_lora.server.http.push_stream``). False: always the HTTP body.
     push_stream: bool = True
+    #: Connections a streamed push asks for (the server grants at most its
+    #: ``max_lanes``): each lane's bytes are copied by the kernel on the core
+    #: of the thread that sends or reads it.
+    push_stream_lanes: int = 4

@@ -2,9 +2,10 @@
 
 The HTTP route opens the push and answers a ticket
 (:class:`~skyrl_lora.types.PushStreamTicket`); this module connects to the
-ticket's port on the server's host and sends the ticket line, the weights
-and their chunked digest (:mod:`skyrl_lora.chunk_digest`), hashing each chunk
-on other threads while it is sent, then reads the one-line answer. It runs
+ticket's port on the server's host, once per lane the ticket grants, and
+sends on each the ticket line, the lane's chunks and the whole file's
+chunked digest (:mod:`skyrl_lora.chunk_digest`), hashing each chunk on other
+threads while it is sent, then reads the one-line answer. Each lane runs
 on a thread with a blocking socket: the bytes go out in 8 MiB ``sendall``
 calls, with no event-loop turn between them. See
 ``skyrl_lora.server.http.push_stream`` for the server's side and why.
@@ -13,12 +14,17 @@ calls, with no event-loop turn between them. See
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
-from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest
+from skyrl_lora.chunk_digest import ChunkedDigest, chunk_span, lane_chunks
 from skyrl_lora.client.transport import error_from_body
 from skyrl_lora.errors import RequestTimeoutError, ResponseFormatError, ServerUnavailableError
 from skyrl_lora.types import PUSH_STREAM_HELLO, PushStreamTicket
@@ -51,52 +57,95 @@ def _stream(
 ) -> bytes:
     where = f"push stream {host}:{ticket.port} of {url}"
     try:
-        with socket.create_connection((host, ticket.port), timeout=connect_timeout) as sock:
-            sock.settimeout(timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                sock.sendall(PUSH_STREAM_HELLO + ticket.ticket.encode("ascii") + b"\n")
-                digest = _send_weights(sock, weights)
-                sock.sendall(digest.encode("ascii"))
-            except OSError:  # refused part-way: the server's answer says why
-                line = _read_line(sock)
-                if not line:
-                    raise
-            else:
-                line = _read_line(sock)
+        with contextlib.ExitStack() as stack:
+            lanes = [
+                stack.enter_context(
+                    socket.create_connection((host, ticket.port), timeout=connect_timeout)
+                )
+                for _ in range(ticket.lanes)
+            ]
+            lines = _send_lanes(lanes, ticket, weights, timeout)
     except TimeoutError as exc:
         raise RequestTimeoutError(f"{where} timed out after {timeout} s") from exc
     except OSError as exc:
         raise ServerUnavailableError(f"{where} failed: {exc!r}") from exc
-    try:
-        answer = json.loads(line)
-        status = int(answer["status"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ResponseFormatError(f"{where} answered {line[:200]!r}, not a push's answer") from exc
-    if status >= 400:
-        raise error_from_body(status, line.decode(errors="replace"), url)
-    return json.dumps(answer.get("adapter")).encode()
+    answers = [_parsed_answer(line, where) for line in lines if line]
+    for status, _, line in answers:
+        if status >= 400:
+            raise error_from_body(status, line.decode(errors="replace"), url)
+    if len(answers) < len(lines):
+        raise ServerUnavailableError(f"{where}: a lane was cut off with no answer")
+    return json.dumps(answers[0][1].get("adapter")).encode()
 
 
-def _send_weights(sock: socket.socket, weights: bytes | Path) -> str:
-    """Send the weights chunk by chunk while other threads hash the chunks sent."""
-    with ChunkedDigest() as digest:
+def _send_lanes(
+    lanes: list[socket.socket], ticket: PushStreamTicket, weights: bytes | Path, timeout: float
+) -> list[bytes]:
+    """Send every lane's chunks at once, a thread each; each lane's answer line
+    (empty where a lane was cut off before the server said why)."""
+    total = weights.stat().st_size if isinstance(weights, Path) else len(weights)
+    all_sent = threading.Barrier(len(lanes))
+    with (
+        ChunkedDigest(total_bytes=total) as digest,
+        ThreadPoolExecutor(len(lanes), thread_name_prefix="skyrl-push-lane") as pool,
+    ):
+
+        def send(lane: int) -> bytes:
+            sock = lanes[lane]
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.sendall(PUSH_STREAM_HELLO + f"{ticket.ticket}{lane:02x}\n".encode("ascii"))
+                _send_chunks(sock, weights, lane, len(lanes), total, digest)
+                all_sent.wait()  # every chunk is added: the digest can be waited for
+                sock.sendall(digest.hexdigest().encode("ascii"))
+            except (OSError, threading.BrokenBarrierError):  # the server's answer says why
+                all_sent.abort()
+                try:
+                    return _read_line(sock)
+                except OSError:
+                    return b""
+            return _read_line(sock)
+
+        return list(pool.map(send, range(len(lanes))))
+
+
+def _send_chunks(
+    sock: socket.socket,
+    weights: bytes | Path,
+    lane: int,
+    lanes: int,
+    total: int,
+    digest: ChunkedDigest,
+) -> None:
+    """Send one lane's chunks while other threads hash them."""
+    with contextlib.ExitStack() as stack:
         if isinstance(weights, Path):
-            size = weights.stat().st_size
-            with weights.open("rb", buffering=0) as file:
-                for start in range(0, size, CHUNK_BYTES):
-                    chunk = file.read(CHUNK_BYTES)
-                    if len(chunk) != min(CHUNK_BYTES, size - start):
-                        raise ValueError(f"{weights} shrank while it was being sent")
-                    digest.add(chunk)
-                    sock.sendall(chunk)
+            fd = stack.enter_context(weights.open("rb", buffering=0)).fileno()
+
+            def piece(start: int, length: int) -> bytes | memoryview:
+                chunk = os.pread(fd, length, start)
+                if len(chunk) != length:
+                    raise ValueError(f"{weights} shrank while it was being sent")
+                return chunk
         else:
             view = memoryview(weights)
-            for start in range(0, len(view), CHUNK_BYTES):
-                chunk = view[start : start + CHUNK_BYTES]
-                digest.add(chunk)
-                sock.sendall(chunk)
-        return digest.hexdigest()
+
+            def piece(start: int, length: int) -> bytes | memoryview:
+                return view[start : start + length]
+
+        for index in lane_chunks(lane, lanes, total):
+            chunk = piece(*chunk_span(index, total))
+            digest.add(chunk, index)
+            sock.sendall(chunk)
+
+
+def _parsed_answer(line: bytes, where: str) -> tuple[int, dict[str, Any], bytes]:
+    try:
+        answer = json.loads(line)
+        return int(answer["status"]), answer, line
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ResponseFormatError(f"{where} answered {line[:200]!r}, not a push's answer") from exc
 
 
 def _read_line(sock: socket.socket) -> bytes:

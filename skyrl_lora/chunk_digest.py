@@ -10,15 +10,17 @@ while the bytes move, and the digest is ready when the last chunk is.
 The digest of ``data``: ``sha256(sha256(c_0) || sha256(c_1) || ...)`` over
 the pieces ``c_i = data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]``; the
 sha256 of no chunks for empty data. Both ends cut the stream at the same
-offsets, so chunks must be added whole and in order. Pure computation, no
-I/O: the client (:mod:`skyrl_lora.client.push_stream`) and the server share
-it.
+offsets, so chunks are added whole: in order, or by index where the total
+size is known (a push's lanes carry every ``lanes``-th chunk each, see
+:func:`lane_chunks`). Pure computation, no I/O: the client
+(:mod:`skyrl_lora.client.push_stream`) and the server share it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
@@ -27,6 +29,30 @@ from typing import Final
 CHUNK_BYTES: Final = 8 << 20
 #: How the digest is named where it is recorded (a version's ``lora_path``).
 NAME: Final = "sha256-chunked-8MiB"
+
+
+def chunk_count(total_bytes: int) -> int:
+    """How many chunks ``total_bytes`` are cut into."""
+    return -(-total_bytes // CHUNK_BYTES)
+
+
+def chunk_span(index: int, total_bytes: int) -> tuple[int, int]:
+    """Where chunk ``index`` of ``total_bytes`` starts, and its length."""
+    start = index * CHUNK_BYTES
+    if index < 0 or start >= total_bytes:
+        raise ValueError(f"{total_bytes} bytes have no chunk {index}")
+    return start, min(CHUNK_BYTES, total_bytes - start)
+
+
+def lane_chunks(lane: int, lanes: int, total_bytes: int) -> range:
+    """The chunks lane ``lane`` of ``lanes`` carries: every ``lanes``-th from
+    its own index, so the lanes together fill the file from its start."""
+    return range(lane, chunk_count(total_bytes), lanes)
+
+
+def lane_bytes(lane: int, lanes: int, total_bytes: int) -> int:
+    """The bytes lane ``lane`` of ``lanes`` carries."""
+    return sum(chunk_span(i, total_bytes)[1] for i in lane_chunks(lane, lanes, total_bytes))
 
 
 def combine(chunk_digests: Iterable[bytes]) -> str:
@@ -51,34 +77,56 @@ def _sha256(chunk: bytes | memoryview) -> bytes:
 class ChunkedDigest:
     """Hashes chunks on a pool of threads as they are added; :meth:`hexdigest` waits.
 
-    The caller keeps a chunk's memory unchanged until the future that
-    :meth:`add` returned is done (a receiver reuses its buffer after that).
+    Chunks come in order, or, with ``total_bytes`` given, by index from any
+    number of threads (a push's lanes). The caller keeps a chunk's memory
+    unchanged until the future that :meth:`add` returned is done (a
+    receiver reuses its buffer after that).
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, total_bytes: int | None = None) -> None:
         count = threads if threads is not None else min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max(1, count), thread_name_prefix="skyrl-chunk-sha256")
-        self._parts: list[Future[bytes]] = []
+        self._total = total_bytes
+        self._lock = threading.Lock()
+        self._parts: dict[int, Future[bytes]] = {}
         self._last_short = False
 
-    def add(self, chunk: bytes | memoryview) -> Future[bytes]:
-        """Hash the next chunk: :data:`CHUNK_BYTES` long, except the last one."""
-        if self._last_short:
-            raise ValueError("a chunk shorter than CHUNK_BYTES must be the last one")
-        if len(chunk) > CHUNK_BYTES or not len(chunk):
-            raise ValueError(f"a chunk holds 1 to {CHUNK_BYTES} bytes, not {len(chunk)}")
-        self._last_short = len(chunk) < CHUNK_BYTES
-        future = self._pool.submit(_sha256, chunk)
-        self._parts.append(future)
+    def add(self, chunk: bytes | memoryview, index: int | None = None) -> Future[bytes]:
+        """Hash the next chunk (:data:`CHUNK_BYTES` long, except the last one),
+        or chunk ``index`` of ``total_bytes`` (exactly its length)."""
+        with self._lock:
+            if index is None:
+                if self._last_short:
+                    raise ValueError("a chunk shorter than CHUNK_BYTES must be the last one")
+                if len(chunk) > CHUNK_BYTES or not len(chunk):
+                    raise ValueError(f"a chunk holds 1 to {CHUNK_BYTES} bytes, not {len(chunk)}")
+                self._last_short = len(chunk) < CHUNK_BYTES
+                index = len(self._parts)
+            else:
+                if self._total is None:
+                    raise ValueError("chunks are added by index only where total_bytes is known")
+                length = chunk_span(index, self._total)[1]
+                if len(chunk) != length:
+                    raise ValueError(f"chunk {index} holds {length} bytes, not {len(chunk)}")
+                if index in self._parts:
+                    raise ValueError(f"chunk {index} was added already")
+            future = self._pool.submit(_sha256, chunk)
+            self._parts[index] = future
         return future
 
     def hexdigest(self) -> str:
         """The digest of every chunk added, once each is hashed."""
-        return combine(part.result() for part in self._parts)
+        with self._lock:
+            count = len(self._parts) if self._total is None else chunk_count(self._total)
+            missing = [i for i in range(count) if i not in self._parts]
+            if missing:
+                raise ValueError(f"chunks {missing[:5]} of {count} were never added")
+            parts = [self._parts[i] for i in range(count)]
+        return combine(part.result() for part in parts)
 
     def close(self) -> None:
         """Stop the threads (chunks not yet hashed are dropped)."""
-        for part in self._parts:
+        for part in self._parts.values():
             part.cancel()
         self._pool.shutdown(wait=False)
 

@@ -269,6 +269,10 @@ class HandoverRequest(_Wire):
     keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
+#: Connections one pushed stream may use at most (two hex digits name a lane).
+PUSH_STREAM_MAX_LANES = 64
+
+
 class PushStreamRequest(_Wire):
     """Open a push whose weights follow over a TCP stream of their own
     (``serve --push-stream-port``), outside the HTTP body.
@@ -284,21 +288,27 @@ class PushStreamRequest(_Wire):
     version: int | None = Field(default=None, ge=1)
     swap_policy: SwapPolicy = "abort_resume"
     keep_previous_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    #: Connections the weights would travel over at once (the ticket says
+    #: how many the server grants).
+    lanes: int = Field(default=1, ge=1, le=PUSH_STREAM_MAX_LANES)
 
 
-#: What a push stream starts with, before its ticket's 32 hex digits and a newline.
-PUSH_STREAM_HELLO = b"SKYRL-PUSH-STREAM/1 "
+#: What each connection of a push stream starts with, before its ticket's 32
+#: hex digits, its lane's index in 2 hex digits and a newline.
+PUSH_STREAM_HELLO = b"SKYRL-PUSH-STREAM/2 "
 
 
 class PushStreamTicket(_Wire):
-    """Where and how to send an opened push's weights: connect to ``port`` on
-    the server's host within ``expires_in_s`` seconds and send the
-    ``ticket`` line, the weights, and their chunked digest
-    (:mod:`skyrl_lora.chunk_digest`). The ticket is good for one stream."""
+    """Where and how to send an opened push's weights: open ``lanes``
+    connections to ``port`` on the server's host within ``expires_in_s``
+    seconds; on each, send the ticket line with the lane's index, the lane's
+    chunks (:func:`skyrl_lora.chunk_digest.lane_chunks`), and the whole
+    file's chunked digest. The ticket is good for one push."""
 
     ticket: str
     port: int
     expires_in_s: float
+    lanes: int = Field(default=1, ge=1, le=PUSH_STREAM_MAX_LANES)
 
 
 class LeaseRequest(_Wire):

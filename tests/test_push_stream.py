@@ -9,11 +9,21 @@ import json
 import os
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest, combine, digest_of
+from skyrl_lora.chunk_digest import (
+    CHUNK_BYTES,
+    ChunkedDigest,
+    chunk_count,
+    chunk_span,
+    combine,
+    digest_of,
+    lane_bytes,
+    lane_chunks,
+)
 from skyrl_lora.client.push_stream import stream_weights
 from skyrl_lora.errors import (
     AuthenticationError,
@@ -25,6 +35,7 @@ from skyrl_lora.server.http.push_stream import (
     OpenedPush,
     PushStreamConfig,
     PushStreamListener,
+    Receipt,
 )
 from skyrl_lora.types import PUSH_STREAM_HELLO as HELLO
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
@@ -43,6 +54,30 @@ def test_chunked_digest_is_sha256_over_the_chunks_sha256s() -> None:
         assert digest.hexdigest() == expected
     assert digest_of(b"") == combine([]) == hashlib.sha256(b"").hexdigest()
     assert digest_of(data[:-1]) != expected
+
+
+def test_chunked_digest_takes_chunks_by_index_from_lanes() -> None:
+    data = os.urandom(5 * CHUNK_BYTES + 99)
+    assert chunk_count(len(data)) == 6 and chunk_count(CHUNK_BYTES) == 1
+    assert [list(lane_chunks(lane, 4, len(data))) for lane in range(4)] == [
+        [0, 4], [1, 5], [2], [3]
+    ]  # fmt: skip
+    assert lane_bytes(1, 4, len(data)) == CHUNK_BYTES + 99
+    assert sum(lane_bytes(lane, 4, len(data)) for lane in range(4)) == len(data)
+    with ChunkedDigest(threads=2, total_bytes=len(data)) as digest:
+        for index in (5, 2, 0, 4, 1):
+            start, length = chunk_span(index, len(data))
+            digest.add(data[start : start + length], index)
+        with pytest.raises(ValueError, match=r"chunks \[3\] of 6 were never added"):
+            digest.hexdigest()
+        with pytest.raises(ValueError, match="chunk 3 holds 8388608 bytes, not 5"):
+            digest.add(b"short", 3)
+        digest.add(data[3 * CHUNK_BYTES : 4 * CHUNK_BYTES], 3)
+        with pytest.raises(ValueError, match="chunk 3 was added already"):
+            digest.add(data[3 * CHUNK_BYTES : 4 * CHUNK_BYTES], 3)
+        assert digest.hexdigest() == digest_of(data)
+    with ChunkedDigest(threads=1) as digest, pytest.raises(ValueError, match="total_bytes"):
+        digest.add(b"x", 0)
 
 
 def test_chunked_digest_refuses_chunks_off_the_boundaries() -> None:
@@ -66,7 +101,10 @@ class FakeServer:
             "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
         )
 
-    async def _finish(self, push: OpenedPush, digest: str) -> AdapterInfo:
+    async def _finish(self, push: OpenedPush, receipt: Receipt) -> AdapterInfo:
+        if push.lora_name == "refused-early":
+            raise ConflictError("the load refused it before its bytes came")
+        digest = await receipt.digest()
         weights = (push.folder / "adapter_model.safetensors").read_bytes()
         config = (push.folder / "adapter_config.json").read_bytes()
         self.loaded.append((push.lora_name, weights, config, digest))
@@ -82,11 +120,12 @@ class FakeServer:
             engine_requests=0,
         )
 
-    def open(self, name: str, size: int) -> tuple[PushStreamTicket, Path]:
+    def open(self, name: str, size: int, lanes: int = 1) -> tuple[PushStreamTicket, Path]:
         folder = Path(self.tmp / f"push-{len(os.listdir(self.tmp))}")
         folder.mkdir()
         (folder / "adapter_config.json").write_text('{"r": 8}')
-        return self.listener.open(OpenedPush(name, folder, size, {"version": "3"})), folder
+        opened = OpenedPush(name, folder, size, {"version": "3"}, lanes)
+        return self.listener.open(opened), folder
 
 
 @pytest.fixture
@@ -117,6 +156,79 @@ async def test_weights_arrive_whole_and_are_loaded_with_their_digest(
     ticket, _ = server.open("tenant-a", CHUNK_BYTES - 1)
     await send(ticket, path)
     assert server.loaded[-1][1] == data[: CHUNK_BYTES - 1]
+
+
+async def test_lanes_carry_the_chunks_at_once_and_each_answers(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    data = os.urandom(5 * CHUNK_BYTES + 4321)
+    ticket, _ = server.open("tenant-a", len(data), lanes=4)
+    assert ticket.lanes == 4
+    info = await send(ticket, data)
+    ((_, weights, _, digest),) = server.loaded
+    assert weights == data and digest == digest_of(data) == info.lora_path.split(":")[1]
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(data)
+    ticket, _ = server.open("tenant-a", len(data), lanes=3)
+    await send(ticket, path)
+    assert server.loaded[-1][1] == data
+    # Granted: no more lanes than chunks, nor than the listener's max_lanes.
+    assert server.open("tenant-a", CHUNK_BYTES + 1, lanes=8)[0].lanes == 2
+    assert server.open("tenant-a", 100 * CHUNK_BYTES, lanes=60)[0].lanes == 8
+
+
+def lane_hello(ticket: PushStreamTicket, lane: int) -> bytes:
+    return HELLO + ticket.ticket.encode() + f"{lane:02x}\n".encode()
+
+
+def lane_answers(port: int, lanes: list[list[bytes]]) -> list[dict[str, object]]:
+    """Send each lane's parts on a connection of its own, all at once; the answers."""
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        return list(pool.map(lambda parts: raw_stream(port, *parts), lanes))
+
+
+async def test_a_lane_that_fails_fails_the_push_on_every_lane(server: FakeServer) -> None:
+    data = os.urandom(2 * CHUNK_BYTES + 10)
+    port = server.listener.port
+    ticket, folder = server.open("tenant-a", len(data), lanes=3)
+    whole = digest_of(data).encode()
+    chunks = [data[:CHUNK_BYTES], data[CHUNK_BYTES : 2 * CHUNK_BYTES], data[2 * CHUNK_BYTES :]]
+    cut = [[lane_hello(ticket, lane), chunks[lane], whole] for lane in range(3)]
+    cut[1] = [lane_hello(ticket, 1), chunks[1][:1000]]
+    answers = await asyncio.to_thread(lane_answers, port, cut)
+    assert [a["status"] for a in answers] == [400, 400, 400]
+    assert len({json.dumps(a) for a in answers}) == 1  # every lane says the same
+    assert "broke off" in str(answers[0]["error"]) and "after 1000 of" in str(answers[0]["error"])
+    assert not folder.exists() and not server.loaded
+    # A lane whose digest differs from the bytes': damaged, on every lane.
+    ticket, folder = server.open("tenant-a", len(data), lanes=3)
+    lies = [[lane_hello(ticket, lane), chunks[lane], whole] for lane in range(3)]
+    lies[2][2] = digest_of(data[1:]).encode()
+    answers = await asyncio.to_thread(lane_answers, port, lies)
+    assert {a["status"] for a in answers} == {400}
+    assert all("damaged" in str(a["error"]) for a in answers)
+    assert not folder.exists() and not server.loaded
+
+
+async def test_lanes_are_checked_and_a_missing_lane_fails_the_push(tmp_path: Path) -> None:
+    fake = FakeServer(tmp_path, PushStreamConfig(idle_timeout_s=0.3))
+    port = fake.listener.port
+    data = os.urandom(CHUNK_BYTES + 5)
+    try:
+        ticket, folder = fake.open("tenant-a", len(data), lanes=2)
+        # A lane the ticket has not is refused, and the ticket stays good.
+        beyond = await asyncio.to_thread(raw_stream, port, lane_hello(ticket, 2))
+        assert beyond["status"] == 400 and "lanes 0 to 1, not 2" in str(beyond["error"])
+        answers = await asyncio.to_thread(
+            lane_answers,
+            port,
+            [[lane_hello(ticket, 0), data[:CHUNK_BYTES], digest_of(data).encode()]],
+        )
+        assert answers[0]["status"] == 400
+        assert "1 of the push's 2 lanes never connected" in str(answers[0]["error"])
+        assert not folder.exists() and not fake.loaded
+    finally:
+        fake.listener.close()
 
 
 async def test_a_ticket_is_good_for_one_stream(server: FakeServer) -> None:
@@ -159,6 +271,16 @@ async def test_the_loads_error_reaches_the_sender(server: FakeServer) -> None:
     assert not folder.exists()
 
 
+async def test_a_load_that_fails_before_the_bytes_came_stops_the_lanes(
+    server: FakeServer,
+) -> None:
+    data = os.urandom(6 * CHUNK_BYTES)
+    ticket, folder = server.open("refused-early", len(data), lanes=2)
+    with pytest.raises(ConflictError, match="before its bytes came"):
+        await send(ticket, data)
+    assert not folder.exists() and not server.loaded
+
+
 def raw_stream(port: int, *parts: bytes) -> dict[str, object]:
     """Send bytes as they are (a damaged or cut stream) and read the answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -175,18 +297,18 @@ async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeSe
     data = os.urandom(1000)
     port = server.listener.port
     ticket, folder = server.open("tenant-a", len(data))
-    hello = HELLO + ticket.ticket.encode() + b"\n"
+    hello = HELLO + ticket.ticket.encode() + b"00\n"
     damaged = await asyncio.to_thread(raw_stream, port, hello, data, digest_of(data[1:]).encode())
     assert damaged["status"] == 400 and "damaged" in str(damaged["error"])
     assert not folder.exists()
     ticket, folder = server.open("tenant-a", len(data))
-    hello = HELLO + ticket.ticket.encode() + b"\n"
+    hello = HELLO + ticket.ticket.encode() + b"00\n"
     cut = await asyncio.to_thread(raw_stream, port, hello, data[:500])
     assert cut["status"] == 400 and "after 500 of 1000 bytes" in str(cut["error"])
     assert not folder.exists()
     big = os.urandom(CHUNK_BYTES + 1000)  # cut in its second chunk: the count is the stream's
     ticket, folder = server.open("tenant-a", len(big))
-    hello = HELLO + ticket.ticket.encode() + b"\n"
+    hello = HELLO + ticket.ticket.encode() + b"00\n"
     cut = await asyncio.to_thread(raw_stream, port, hello, big[: CHUNK_BYTES + 10])
     assert f"after {CHUNK_BYTES + 10} of {CHUNK_BYTES + 1000} bytes" in str(cut["error"])
     assert not folder.exists()

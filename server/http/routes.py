@@ -231,7 +231,8 @@ def build_router(
             fields["keep_previous_s"] = str(body.keep_previous_s)
         folder = engine.registry.upload_dir()
         (folder / CONFIG_FILE).write_bytes(config)
-        return push_stream.open(OpenedPush(body.lora_name, folder, body.weights_bytes, fields))
+        opened = OpenedPush(body.lora_name, folder, body.weights_bytes, fields, body.lanes)
+        return push_stream.open(opened)
 
     @router.post(
         "/adapters/handover",

@@ -1,0 +1,151 @@
+"""A weights file that is still arriving: how its writer says how much of it
+is there, and how a reader waits for the bytes it needs.
+
+Why: a pushed adapter's staging (reading the file, building the model,
+writing the engine slot) used to start only once the push stream had
+received every byte, so a push cost its transfer plus a whole path load.
+The stream now starts the load when the push's first lane connects
+(:mod:`skyrl_lora.server.http.push_stream`), and the worker's read of the
+file (:class:`~skyrl_lora.server.weights.adapter_file.OneBufferFile`)
+follows the bytes as they land. What is checked stays as strict: the
+version is installed only after the whole file's digest matched, and a
+push that fails part-way fails its staging here.
+
+The marker is a small file beside the weights (:data:`MARKER`), three
+little-endian 64-bit fields: the file's final size, how many bytes from its
+start are written, and a state (receiving, complete, failed). The writer
+(the API server's stream) updates it as chunks land; the reader (a worker of
+the engine, another process) polls it. A file without a marker is whole.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+#: The marker's name, beside the weights file it describes.
+MARKER = ".arriving"
+_RECORD = struct.Struct("<QQQ")  # total bytes, bytes ready from the start, state
+RECEIVING, COMPLETE, FAILED = 0, 1, 2
+#: A reader's poll interval: the staging thread sleeps (the GIL free) between looks.
+POLL_S = 0.001
+
+
+class ArrivalFailed(Exception):
+    """The push that was writing the file failed (or stalled past the reader's
+    timeout); the file is not to be used. Not an ``OSError``: no reader may
+    take it for a file to read another way."""
+
+
+_followed = threading.local()
+
+
+def note_followed() -> None:
+    """A read on this thread followed an arriving file to its end."""
+    _followed.count = followed_reads() + 1
+
+
+def followed_reads() -> int:
+    """How many reads on this thread followed an arriving file (a staging
+    compares the count before and after its read)."""
+    return int(getattr(_followed, "count", 0))
+
+
+class ArrivalWriter:
+    """The writer's side: created with the weights file, before any reader looks."""
+
+    def __init__(self, folder: Path, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self._fd = os.open(folder / MARKER, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._write(0, RECEIVING)
+
+    def ready(self, nbytes: int) -> None:
+        """The file's first ``nbytes`` are written."""
+        self._write(nbytes, RECEIVING)
+
+    def complete(self) -> None:
+        """Every byte is written (its digest is the push's to check)."""
+        self._write(self.total_bytes, COMPLETE)
+
+    def fail(self) -> None:
+        """The push failed: readers waiting for bytes give up."""
+        self._write(0, FAILED)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def _write(self, ready: int, state: int) -> None:
+        os.pwrite(self._fd, _RECORD.pack(self.total_bytes, ready, state), 0)
+
+
+class Arrival:
+    """The reader's side, for a weights file whose marker is beside it."""
+
+    def __init__(self, marker: Path, timeout_s: float) -> None:
+        self._fd = os.open(marker, os.O_RDONLY)
+        self._timeout_s = timeout_s
+        self.total_bytes, _, _ = self._read()
+
+    @classmethod
+    def beside(cls, weights_path: str | Path, timeout_s: float = 300.0) -> Arrival | None:
+        """The arrival of ``weights_path`` (the marker in its folder); None for
+        a whole file (no marker)."""
+        try:
+            return cls(Path(weights_path).parent / MARKER, timeout_s)
+        except FileNotFoundError:
+            return None
+
+    def wait_for(self, nbytes: int) -> None:
+        """Return once the file's first ``nbytes`` are written; raises
+        :class:`ArrivalFailed` if the push fails, or after the timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            _, ready, state = self._read()
+            if state == FAILED:
+                raise ArrivalFailed("the push writing this adapter's weights failed")
+            if state == COMPLETE or ready >= nbytes:
+                return
+            if time.monotonic() > deadline:
+                raise ArrivalFailed(
+                    f"{ready} of the {nbytes} bytes needed arrived in {self._timeout_s} s"
+                )
+            time.sleep(POLL_S)
+
+    def wait_whole(self) -> None:
+        """Return once every byte of the file is written."""
+        self.wait_for(self.total_bytes)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read(self) -> tuple[int, int, int]:
+        """The record, read until two reads agree (a write may land mid-read)."""
+        while True:
+            first = os.pread(self._fd, _RECORD.size, 0)
+            if len(first) == _RECORD.size and first == os.pread(self._fd, _RECORD.size, 0):
+                total, ready, state = _RECORD.unpack(first)
+                return total, ready, state
+
+
+def arriving(folder: str | Path) -> bool:
+    """Whether the weights file in the adapter's ``folder`` has a marker (it
+    arrives, or arrived and its push has not yet installed it)."""
+    return (Path(folder) / MARKER).exists()
+
+
+def wait_whole(folder: str | Path) -> None:
+    """For readers that cannot follow the bytes: wait until the weights file
+    in the adapter's ``folder`` is whole (at once if nothing arrives there)."""
+    arrival = Arrival.beside(Path(folder) / "weights")
+    if arrival is not None:
+        with arrival:
+            arrival.wait_whole()
