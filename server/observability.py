@@ -46,6 +46,12 @@ READS = Counter(
     "Adapter versions staged, by how their files were read.",
     labelnames=["read"],
 )
+ARRIVING_READS = Counter(
+    "skyrl_adapter_arriving_reads",
+    "Adapter versions staged while their weights file still arrived (a streamed "
+    "push read as its bytes landed), by how the file was read.",
+    labelnames=["read"],
+)
 
 #: How each path load's weights file reached its snapshot: ``weights="held"``
 #: handed to the engine's workers open, who read it and write the snapshot's

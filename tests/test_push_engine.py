@@ -5,22 +5,29 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
+from skyrl_lora.chunk_digest import digest_of
 from skyrl_lora.client import ClientConfig, InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import (
     BadRequestError,
     PayloadTooLargeError,
     PermissionDeniedError,
 )
-from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer
+from skyrl_lora.types import PUSH_STREAM_HELLO
+from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer, counts_by_label
 
 pytestmark = pytest.mark.engine
 
+#: Stagings that read their file as it arrived, by read (a counter of ``/metrics``).
+ARRIVING = "skyrl_adapter_arriving_reads_total"
 #: Tokens: several seconds on CPU, so a push lands mid-sample (GPU runs set more).
 LONG = int(os.environ.get("SKYRL_TEST_LONG", "360"))
 
@@ -262,3 +269,98 @@ async def test_tenant_keys_push_only_their_own_existing_adapters(engine_server, 
             await tenant.push_lora_adapter("sec-b", woof)
         with pytest.raises(PermissionDeniedError):
             await tenant.push_lora_adapter("sec-a-new-name", woof)
+
+
+async def open_stream(server: EngineServer, name: str, files: dict[str, bytes]) -> dict[str, Any]:
+    """Open a push over HTTP as the client does; the ticket."""
+    body = {
+        "lora_name": name,
+        "config": json.loads(files["adapter_config.json"]),
+        "weights_bytes": len(files["adapter_model.safetensors"]),
+    }
+    headers = {"Authorization": f"Bearer {server.admin_key}"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        url = server.url + "/skyrl/v1/adapters/push/stream"
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+
+def stream_in_steps(server: EngineServer, ticket: dict[str, Any], *steps: bytes | float) -> dict:
+    """One lane: each bytes step is sent, each float step is a pause; the answer."""
+    host = urlsplit(server.url).hostname or "127.0.0.1"
+    with socket.create_connection((host, ticket["port"]), timeout=60) as sock:
+        sock.sendall(PUSH_STREAM_HELLO + ticket["ticket"].encode() + b"00\n")
+        for step in steps:
+            if isinstance(step, float):
+                time.sleep(step)
+            else:
+                sock.sendall(step)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while piece := sock.recv(65536):
+            answer += piece
+    return dict(json.loads(answer))
+
+
+async def test_a_streamed_push_is_staged_as_it_arrives_and_installed_whole(
+    engine_server, admin, http
+) -> None:
+    """The load starts with the stream: the staging reads the file as its bytes
+    land (``skyrl_adapter_arriving_reads_total``), and the new version serves
+    only once every byte came and the digest matched."""
+    name = "push-arriving"
+    await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
+    before = sum((await counts_by_label(http, engine_server.url, ARRIVING)).values())
+    files = files_of(engine_server, "woof")
+    weights = files["adapter_model.safetensors"]
+    ticket = await open_stream(engine_server, name, files)
+    half = len(weights) // 2
+    sending = asyncio.create_task(
+        asyncio.to_thread(
+            stream_in_steps,
+            engine_server,
+            ticket,
+            weights[:half],
+            1.0,
+            weights[half:],
+            digest_of(weights).encode(),
+        )
+    )
+    await asyncio.sleep(0.5)  # half the bytes are in: the old version still serves
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == 1 and words(engine_server, out.sequences[0].tokens) == {"meow"}
+    answer = await sending
+    assert answer["status"] == 200 and answer["adapter"]["version"] == 2, answer
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == 2 and words(engine_server, out.sequences[0].tokens) == {"woof"}
+    after = sum((await counts_by_label(http, engine_server.url, ARRIVING)).values())
+    assert after == before + 1
+    assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []
+    snapshot = engine_server.snapshot_dir / name
+    assert not list(snapshot.rglob(".arriving"))  # the marker goes once the file is whole
+
+
+async def test_a_streamed_push_cut_or_damaged_installs_nothing(engine_server, admin) -> None:
+    """Whether the stream breaks off or its digest does not match (after the
+    staging read every byte), the old version serves and nothing is left."""
+    name = "push-cut"
+    await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
+    files = files_of(engine_server, "woof")
+    weights = files["adapter_model.safetensors"]
+    ticket = await open_stream(engine_server, name, files)
+    cut = await asyncio.to_thread(stream_in_steps, engine_server, ticket, weights[:100])
+    assert cut["status"] == 400 and "broke off" in cut["error"]["message"], cut
+    ticket = await open_stream(engine_server, name, files)
+    wrong = digest_of(weights[1:]).encode()
+    damaged = await asyncio.to_thread(stream_in_steps, engine_server, ticket, weights, 0.3, wrong)
+    assert damaged["status"] == 400 and "damaged" in damaged["error"]["message"], damaged
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == 1 and words(engine_server, out.sequences[0].tokens) == {"meow"}
+    assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []
+    (info,) = await admin.push_lora_adapter(name, engine_server.model.adapters["woof"])
+    assert info.version == 2  # the failed pushes took no version
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == 2 and words(engine_server, out.sequences[0].tokens) == {"woof"}
+    versions = sorted(p.name for p in (engine_server.snapshot_dir / name).iterdir())
+    assert len(versions) <= 2, versions  # v1 (draining or gone) and v2; the failed ones left none

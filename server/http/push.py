@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +34,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
 from skyrl_lora.types import SwapPolicy
 
-from ..engine.gated import GatedEngine
+from ..engine.gated import GatedEngine, Preparer
 from ..weights.adapter_file import read_header
+from ..weights.registry import AdapterRecord, PreparedVersion
 from ..weights.snapshot_writer import write_all
 
 CONFIG_FILE = "adapter_config.json"
@@ -137,27 +138,35 @@ def write_pushed_files(
         raise
 
 
-async def load_pushed(engine: GatedEngine, pushed: PushedAdapter) -> SwapPolicy | None:
+async def load_pushed(
+    engine: GatedEngine, pushed: PushedAdapter, prepare: Preparer | None = None
+) -> SwapPolicy | None:
     """Load a checked push as the adapter's next version (or as its ``version``);
-    returns the policy applied, None for a repeat of the current version."""
+    returns the policy applied, None for a repeat of the current version.
+    ``prepare``: how the version is snapshotted and staged, where not simply
+    from the folder (a streamed push stages while its bytes arrive)."""
     source = pushed.source or f"push:sha256={pushed.sha256}"
+
+    def from_folder(replaces: int | None) -> Awaitable[PreparedVersion | AdapterRecord]:
+        return engine.registry.prepare_owned(
+            pushed.lora_name, pushed.folder, source, pushed.version, replaces
+        )
+
     try:
         return await engine.swap(
-            pushed.lora_name,
-            pushed.swap_policy,
-            lambda replaces: engine.registry.prepare_owned(
-                pushed.lora_name, pushed.folder, source, pushed.version, replaces
-            ),
-            pushed.keep_previous_s,
+            pushed.lora_name, pushed.swap_policy, prepare or from_folder, pushed.keep_previous_s
         )
     finally:  # moved into its snapshot on success; gone in every other case
         shutil.rmtree(pushed.folder, ignore_errors=True)
 
 
-def checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> PushedAdapter:
+def checked_push(
+    fields: Mapping[str, str], folder: Path, digest: str, weights_written: bool = True
+) -> PushedAdapter:
     """Check a written push; ``digest`` is the weights' sha256, taken as they
     were written (a streamed push's digest is checked before, and it sends
-    no ``sha256`` field)."""
+    no ``sha256`` field). A streamed push is checked before its weights
+    arrive (``weights_written`` False): their header is checked as it lands."""
     name = fields.get("lora_name", "")
     if not name:
         raise BadRequestError("push needs the form field 'lora_name'")
@@ -181,7 +190,8 @@ def checked_push(fields: Mapping[str, str], folder: Path, digest: str) -> Pushed
             f"{WEIGHTS_FILE} has sha256 {digest}, the push said {expected}: "
             "the upload was damaged or truncated"
         )
-    check_safetensors(folder / WEIGHTS_FILE)
+    if weights_written:
+        check_safetensors(folder / WEIGHTS_FILE)
     return PushedAdapter(
         name,
         folder,
@@ -212,11 +222,12 @@ def _keep_previous_s(text: str | None) -> float | None:
     return seconds
 
 
-def check_safetensors(path: Path) -> None:
-    """Refuse a truncated or corrupt safetensors file with a message, before vLLM reads it."""
+def check_safetensors(path: Path, size: int | None = None) -> None:
+    """Refuse a truncated or corrupt safetensors file with a message, before
+    vLLM reads it (``size``: the file's, where it is still being written)."""
     with path.open("rb") as f:
         try:
-            header, data_len = read_header(f, path.stat().st_size)
+            header, data_len = read_header(f, path.stat().st_size if size is None else size)
         except ValueError as exc:
             raise BadRequestError(f"{path.name} is {exc}") from exc
     for name, meta in header.items():

@@ -27,15 +27,17 @@ with safetensors as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
+from .arrival import Arrival, note_followed
 from .tensor_pickle import read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
@@ -58,6 +60,51 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 class UnsupportedFile(Exception):
     """This file is left to safetensors' own reader (see the module's docstring)."""
+
+
+@contextlib.contextmanager
+def _arrival(path: str) -> Iterator[Arrival | None]:
+    arrival = Arrival.beside(path)
+    try:
+        yield arrival
+    finally:
+        if arrival is not None:
+            arrival.close()
+
+
+class _Following:
+    """A file's ``read`` and ``tell`` that wait for the bytes to arrive first."""
+
+    def __init__(self, file: BinaryIO, arrival: Arrival) -> None:
+        self._file = file
+        self._arrival = arrival
+
+    def read(self, nbytes: int) -> bytes:
+        self._arrival.wait_for(min(self._file.tell() + nbytes, self._arrival.total_bytes))
+        return self._file.read(nbytes)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+
+#: A following read takes the bytes in slices of this size as they land.
+FOLLOW_BYTES = 8 << 20
+
+
+def _read_following(file: BinaryIO, buffer: Any, nbytes: int, arrival: Arrival, path: str) -> None:
+    """Fill ``buffer`` with ``nbytes`` from ``file``'s position, each slice
+    once the writer says it is there."""
+    view = memoryview(buffer.numpy()).cast("B")
+    fd, start = file.fileno(), file.tell()
+    for begin in range(0, nbytes, FOLLOW_BYTES):
+        end = min(begin + FOLLOW_BYTES, nbytes)
+        arrival.wait_for(start + end)
+        while begin < end:
+            read = os.preadv(fd, [view[begin:end]], start + begin)
+            if not read:
+                raise EOFError(f"{path} ended before byte {start + end}")
+            begin += read
+    note_followed()
 
 
 def _entry(name: str, info: Any, data_bytes: int, torch: Any) -> tuple[Any, list[int], int, int]:
@@ -99,25 +146,33 @@ def read_header(file: BinaryIO, size: int) -> tuple[dict[str, Any], int]:
 
 class OneBufferFile:
     """What vLLM's loader uses of ``safetensors.safe_open(path, framework="pt")``,
-    read in one call into ``allocate(nbytes)`` (a uint8 tensor)."""
+    read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
+    arriving (:mod:`.arrival`) is read as its bytes land. That one's failure
+    is :class:`~.arrival.ArrivalFailed`, never :class:`UnsupportedFile`: its
+    bytes are not to be read by anything else either."""
 
     def __init__(self, path: str, allocate: Callable[[int], Any]) -> None:
         import torch
 
-        with open(path, "rb", buffering=0) as file:
+        with open(path, "rb", buffering=0) as opened, _arrival(path) as arrival:
+            file: Any = opened if arrival is None else _Following(opened, arrival)
+            size = os.fstat(opened.fileno()).st_size if arrival is None else arrival.total_bytes
             try:
-                header, data_bytes = read_header(file, os.fstat(file.fileno()).st_size)
+                header, data_bytes = read_header(file, size)
             except ValueError as exc:
                 raise UnsupportedFile(f"{path}: {exc}") from exc
             #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
-            self.head = os.pread(file.fileno(), file.tell(), 0)
+            self.head = os.pread(opened.fileno(), opened.tell(), 0)
             self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
             self._entries = {
                 name: _entry(name, info, data_bytes, torch) for name, info in header.items()
             }
             self._buffer = allocate(data_bytes)
             try:
-                read_exactly(file, self._buffer, data_bytes, path)
+                if arrival is None:
+                    read_exactly(opened, self._buffer, data_bytes, path)
+                else:
+                    _read_following(opened, self._buffer, data_bytes, arrival, path)
             except EOFError as exc:
                 raise UnsupportedFile(str(exc)) from exc
 

@@ -53,7 +53,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import compat
-from . import tensor_pickle
+from . import arrival, tensor_pickle
 from .scale_fold import multiply_in_place
 
 logger = logging.getLogger("vllm.skyrl_lora.reader")
@@ -186,6 +186,9 @@ class ReaderRoutedLoader:
         routed = self._route()
         if routed:
             self.last_read = None
+        lora_dir = kwargs.get("lora_dir", args[0] if args else None)
+        if routed and lora_dir is not None and arrival.arriving(lora_dir):
+            routed = False  # read here, following the bytes; the child would wait for all
         if routed and self._reader.alive:
             started = time.perf_counter()
             try:

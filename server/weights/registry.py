@@ -257,7 +257,7 @@ class AdapterRegistry:
         Naming the current version with the same weights returns its record
         instead (nothing is staged or reloaded); with other weights, 409.
         """
-        if self._is_repeat(lora_name, version):
+        if self.repeats(lora_name, version):
             folder = self.upload_dir()
             try:
                 snapshot = await asyncio.to_thread(
@@ -301,7 +301,7 @@ class AdapterRegistry:
         The folder is moved into place (never copied) and removed on failure
         (and after a repeat of the current version).
         """
-        if self._is_repeat(lora_name, version):
+        if self.repeats(lora_name, version):
             try:
                 return await self._same_as_current(lora_name, folder)
             finally:
@@ -340,7 +340,8 @@ class AdapterRegistry:
             await self._engine.stage(request, replaces, weights_fd)
         return prepared
 
-    def _is_repeat(self, lora_name: str, version: int | None) -> bool:
+    def repeats(self, lora_name: str, version: int | None) -> bool:
+        """Whether a load naming ``version`` names the current one (compared by weights)."""
         current = self._records.get(lora_name)
         return version is not None and current is not None and current.version == version
 

@@ -83,13 +83,14 @@ from .. import compat
 from ..logits_guard import LogitsGuard
 from ..loop_monitor import watch_engine_collections
 from ..observability import (
+    ARRIVING_READS,
     READS,
     STAGING_NAPS,
     STAGINGS,
     log_engine_event,
     log_event,
 )
-from . import handover, tensor_pickle
+from . import arrival, handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
 from .finite_check import ensure_finite, model_tensors, on_host
@@ -162,6 +163,8 @@ class _Staged:
     model: Any
     read: str
     naps: int
+    #: Its file was read as it arrived (a streamed push, :mod:`.arrival`).
+    followed: bool = False
 
 
 class _WorkerStaging:
@@ -269,6 +272,7 @@ class _WorkerStaging:
         (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere, and for
         a file that reader leaves to safetensors."""
         if not getattr(self._staging_thread, "loading", False):
+            arrival.wait_whole(Path(path).parent)
             return None
         handed_over = getattr(self._staging_thread, "handed_over", None)
         if handed_over is not None:
@@ -277,6 +281,7 @@ class _WorkerStaging:
             opened = OneBufferFile(path, self._host_buffers)
         except UnsupportedFile as exc:
             logger.info("skyrl-lora reads %s with safetensors: %s", path, exc)
+            arrival.wait_whole(Path(path).parent)
             return None
         self._staging_thread.one_buffer = True
         return opened
@@ -485,7 +490,13 @@ class _WorkerStaging:
             return {"state": FAILED, "error": f"{type(error).__name__}: {error}"}
         in_slot = self._slots is not None and self._slots.reserved(lora_int_id)
         staged = future.result()
-        return {"state": READY, "in_slot": in_slot, "read": staged.read, "naps": staged.naps}
+        return {
+            "state": READY,
+            "in_slot": in_slot,
+            "read": staged.read,
+            "naps": staged.naps,
+            "followed": staged.followed,
+        }
 
     def discard(self, lora_int_id: int) -> None:
         held = self._take_held_file(lora_int_id)
@@ -517,6 +528,7 @@ class _WorkerStaging:
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
         copy_ms = None
+        followed_before = arrival.followed_reads()
         try:
             with self.yield_points.yielding() as naps:
                 handed = self._take(lora_request)
@@ -557,6 +569,7 @@ class _WorkerStaging:
             read = READER
         elif self._staging_thread.one_buffer:
             read = ONE_BUFFER
+        followed = arrival.followed_reads() > followed_before
         # An event, not a message: the timeline lines each phase up with the
         # others' stalls (the event's ``at`` is its end; the phases run back to back).
         log_engine_event(
@@ -564,6 +577,7 @@ class _WorkerStaging:
             lora_name=lora_request.lora_name,
             ms=round((done - started) * 1000, 2),
             read=read,
+            followed=followed,
             read_ms=round((loaded - started) * 1000, 2),
             reader_ms=None if times is None else round(times.child_ms, 2),
             pack_ms=round((packed - loaded) * 1000, 2),
@@ -576,7 +590,7 @@ class _WorkerStaging:
             # of which allocating host buffers (pinned ones cost a driver call)
             host_alloc_ms=None if handed is None else handed.alloc_ms,
         )
-        return _Staged(model, read, naps.count)
+        return _Staged(model, read, naps.count, followed)
 
     @property
     def _on_gpu(self) -> bool:
@@ -918,6 +932,9 @@ class StagedLoRAEngine:
         naps = max(r["naps"] for r in ready)
         STAGINGS.labels(slot="written" if in_slot else "none").inc()
         READS.labels(read=read).inc()
+        followed = any(r.get("followed") for r in ready)
+        if followed:
+            ARRIVING_READS.labels(read=read).inc()
         STAGING_NAPS.inc(naps)
         log_event(
             "adapter_staged",
@@ -927,6 +944,7 @@ class StagedLoRAEngine:
             channel=self.stage_channel,
             in_slot=in_slot,
             read=read,
+            followed=followed,
             naps=naps,
             replaced=replaces,
         )
