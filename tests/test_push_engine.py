@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from skyrl_lora.chunk_digest import digest_of
+from skyrl_lora.chunk_digest import CHUNK_BYTES, digest_of
 from skyrl_lora.client import ClientConfig, InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import (
     BadRequestError,
@@ -271,6 +271,20 @@ async def test_tenant_keys_push_only_their_own_existing_adapters(engine_server, 
             await tenant.push_lora_adapter("sec-a-new-name", woof)
 
 
+def padded(weights: bytes, header_end: int) -> bytes:
+    """The same safetensors file with metadata in its header up to byte
+    ``header_end`` (a multiple of 8): a file of several 8 MiB chunks (so of
+    several lanes) from a tiny adapter."""
+    length = int.from_bytes(weights[:8], "little")
+    header = json.loads(weights[8 : 8 + length])
+    header["__metadata__"] = {**header.get("__metadata__", {}), "pad": ""}
+    bare = len(json.dumps(header).encode())
+    header["__metadata__"]["pad"] = "x" * (header_end - 8 - bare)
+    raw = json.dumps(header).encode()
+    assert 8 + len(raw) == header_end
+    return len(raw).to_bytes(8, "little") + raw + weights[8 + length :]
+
+
 async def open_stream(server: EngineServer, name: str, files: dict[str, bytes]) -> dict[str, Any]:
     """Open a push over HTTP as the client does; the ticket."""
     body = {
@@ -313,21 +327,22 @@ async def test_a_streamed_push_is_staged_as_it_arrives_and_installed_whole(
     await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
     before = sum((await counts_by_label(http, engine_server.url, ARRIVING)).values())
     files = files_of(engine_server, "woof")
-    weights = files["adapter_model.safetensors"]
+    # The header fills the first chunk but for a few tensor bytes; the rest is the second.
+    weights = padded(files["adapter_model.safetensors"], CHUNK_BYTES - 64)
+    files = {**files, "adapter_model.safetensors": weights}
     ticket = await open_stream(engine_server, name, files)
-    half = len(weights) // 2
     sending = asyncio.create_task(
         asyncio.to_thread(
             stream_in_steps,
             engine_server,
             ticket,
-            weights[:half],
+            weights[:CHUNK_BYTES],
             1.0,
-            weights[half:],
+            weights[CHUNK_BYTES:],
             digest_of(weights).encode(),
         )
     )
-    await asyncio.sleep(0.5)  # half the bytes are in: the old version still serves
+    await asyncio.sleep(0.5)  # the first chunk is in, its staging waits: the old version serves
     out = await sample(admin, engine_server, name)
     assert out.adapter_version == 1 and words(engine_server, out.sequences[0].tokens) == {"meow"}
     answer = await sending
@@ -364,3 +379,33 @@ async def test_a_streamed_push_cut_or_damaged_installs_nothing(engine_server, ad
     assert out.adapter_version == 2 and words(engine_server, out.sequences[0].tokens) == {"woof"}
     versions = sorted(p.name for p in (engine_server.snapshot_dir / name).iterdir())
     assert len(versions) <= 2, versions  # v1 (draining or gone) and v2; the failed ones left none
+
+
+async def test_a_push_over_several_lanes_is_read_from_their_parts(
+    engine_server, admin, http
+) -> None:
+    """A push of three chunks goes over three lanes, each into a part file;
+    its header spans two chunks, so it is checked and staged from the whole
+    file, once the parts are copied into it; the version serves."""
+    name = "push-lanes"
+    await admin.push_lora_adapter(name, engine_server.model.adapters["meow"])
+    before = sum((await counts_by_label(http, engine_server.url, ARRIVING)).values())
+    files = files_of(engine_server, "woof")
+    weights = padded(files["adapter_model.safetensors"], 17 << 20)
+    adapter = in_memory({**files, "adapter_model.safetensors": weights})
+    (info,) = await admin.push_lora_adapter(name, adapter)
+    out = await sample(admin, engine_server, name)
+    assert out.adapter_version == info.version == 2
+    assert words(engine_server, out.sequences[0].tokens) == {"woof"}
+    after = sum((await counts_by_label(http, engine_server.url, ARRIVING)).values())
+    assert after == before  # read whole, not as it arrived
+    folder = engine_server.snapshot_dir / name / "v2"
+    for _ in range(500):  # the parts are copied in after the answer
+        if sorted(p.name for p in folder.iterdir()) == sorted(files):
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(files)
+    assert (folder / "adapter_model.safetensors").read_bytes() == weights
+    # Naming the current version with the same weights is a repeat: nothing reloads.
+    (again,) = await admin.push_lora_adapter(name, adapter, version=2)
+    assert again.version == 2

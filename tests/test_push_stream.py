@@ -97,6 +97,7 @@ class FakeServer:
     def __init__(self, tmp: Path, config: PushStreamConfig | None = None) -> None:
         self.tmp = tmp
         self.loaded: list[tuple[str, bytes, bytes, str]] = []
+        self.heads: list[bytes | None] = []
         self.listener = PushStreamListener(
             "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
         )
@@ -104,7 +105,13 @@ class FakeServer:
     async def _finish(self, push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         if push.lora_name == "refused-early":
             raise ConflictError("the load refused it before its bytes came")
+        self.heads.append(await receipt.head())
         digest = await receipt.digest()
+        assert await receipt.whole() == digest  # over several lanes, their parts copied in
+        assert sorted(p.name for p in push.folder.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         weights = (push.folder / "adapter_model.safetensors").read_bytes()
         config = (push.folder / "adapter_config.json").read_bytes()
         self.loaded.append((push.lora_name, weights, config, digest))
@@ -175,6 +182,18 @@ async def test_lanes_carry_the_chunks_at_once_and_each_answers(
     # Granted: no more lanes than chunks, nor than the listener's max_lanes.
     assert server.open("tenant-a", CHUNK_BYTES + 1, lanes=8)[0].lanes == 2
     assert server.open("tenant-a", 100 * CHUNK_BYTES, lanes=60)[0].lanes == 8
+
+
+async def test_the_header_is_handed_to_the_load_once_its_chunk_is_in(server: FakeServer) -> None:
+    """A safetensors header in the first chunk comes before the rest; one
+    longer than that chunk is left to the whole file (None)."""
+    short = (16).to_bytes(8, "little") + b'{"__metadata__":{}}'[:16]
+    data = short + os.urandom(3 * CHUNK_BYTES)
+    await send(server.open("tenant-a", len(data), lanes=2)[0], data)
+    assert server.heads[-1] == short
+    long = (CHUNK_BYTES + 1).to_bytes(8, "little") + os.urandom(2 * CHUNK_BYTES)
+    await send(server.open("tenant-a", len(long), lanes=2)[0], long)
+    assert server.heads[-1] is None
 
 
 def lane_hello(ticket: PushStreamTicket, lane: int) -> bytes:

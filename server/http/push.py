@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
 from skyrl_lora.types import SwapPolicy
 
 from ..engine.gated import GatedEngine, Preparer
-from ..weights.adapter_file import read_header
+from ..weights.adapter_file import Readable, read_header
 from ..weights.registry import AdapterRecord, PreparedVersion
 from ..weights.snapshot_writer import write_all
 
@@ -222,20 +223,29 @@ def _keep_previous_s(text: str | None) -> float | None:
     return seconds
 
 
-def check_safetensors(path: Path, size: int | None = None) -> None:
-    """Refuse a truncated or corrupt safetensors file with a message, before
-    vLLM reads it (``size``: the file's, where it is still being written)."""
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file with a message, before vLLM reads it."""
     with path.open("rb") as f:
-        try:
-            header, data_len = read_header(f, path.stat().st_size if size is None else size)
-        except ValueError as exc:
-            raise BadRequestError(f"{path.name} is {exc}") from exc
-    for name, meta in header.items():
-        if name == "__metadata__":
+        _check_header(f, path.stat().st_size, path.name)
+
+
+def check_safetensors_head(head: bytes, size: int) -> None:
+    """:func:`check_safetensors` from a weights file's first bytes (at least
+    its header) and its size: a streamed push's, checked as they land."""
+    _check_header(io.BytesIO(head), size, WEIGHTS_FILE)
+
+
+def _check_header(file: Readable, size: int, name: str) -> None:
+    try:
+        header, data_len = read_header(file, size)
+    except ValueError as exc:
+        raise BadRequestError(f"{name} is {exc}") from exc
+    for tensor, meta in header.items():
+        if tensor == "__metadata__":
             continue
         offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] <= data_len):
-            raise BadRequestError(f"{path.name} is truncated: tensor {name!r} lies past its end")
+            raise BadRequestError(f"{name} is truncated: tensor {tensor!r} lies past its end")
 
 
 class _FormWriter:

@@ -81,9 +81,15 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
 from ..engine.gated import GatedEngine
 from ..observability import log_event
-from ..weights.arrival import MARKER, ArrivalWriter
+from ..weights.arrival import MARKER, ArrivalWriter, lane_path
 from ..weights.registry import AdapterRecord, PreparedVersion
-from .push import WEIGHTS_FILE, check_safetensors, checked_push, load_pushed
+from .push import (
+    WEIGHTS_FILE,
+    check_safetensors,
+    check_safetensors_head,
+    checked_push,
+    load_pushed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,34 +140,50 @@ class OpenedPush:
 
 
 class Receipt:
-    """Whether a push's bytes all came, as its load awaits it on the event loop."""
+    """How far a push's bytes came, as its load awaits it on the event loop.
+
+    Each step raises the stream's error instead if the push failed first.
+    """
 
     def __init__(self) -> None:
-        self._head: Future[None] = Future()
-        self._outcome: Future[str] = Future()
+        self._head: Future[bytes | None] = Future()
+        self._digest: Future[str] = Future()
+        self._whole: Future[str] = Future()
 
-    async def head(self) -> None:
-        """Once the file's safetensors header is written (its first bytes and
-        the header they announce); raises the stream's error if it failed."""
-        await asyncio.wrap_future(self._head)
-
-    def head_written(self) -> None:
-        with contextlib.suppress(InvalidStateError):
-            self._head.set_result(None)
+    async def head(self) -> bytes | None:
+        """The weights file's first bytes, its safetensors header among them,
+        once they are written; None for a header longer than the first chunk
+        (then check the file once :meth:`whole`)."""
+        return await asyncio.wrap_future(self._head)
 
     async def digest(self) -> str:
-        """The weights' chunked digest once every lane is in and it matched;
-        raises the stream's error if the push failed."""
-        return await asyncio.wrap_future(self._outcome)
+        """The weights' chunked digest, once every lane is in and it matched:
+        the version may install from then on."""
+        return await asyncio.wrap_future(self._digest)
+
+    async def whole(self) -> str:
+        """The digest again, once the weights file itself is whole (a push
+        over several lanes copies their parts into it after the digest)."""
+        return await asyncio.wrap_future(self._whole)
+
+    def head_written(self, head: bytes | None) -> None:
+        _settle(self._head, head)
 
     def received(self, digest: str) -> None:
-        with contextlib.suppress(InvalidStateError):
-            self._outcome.set_result(digest)
+        _settle(self._digest, digest)
+
+    def written_whole(self, digest: str) -> None:
+        _settle(self._whole, digest)
 
     def failed(self, exc: BaseException) -> None:
-        for future in (self._head, self._outcome):
+        for future in (self._head, self._digest, self._whole):
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(exc)
+
+
+def _settle(future: Future[Any], value: Any) -> None:
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(value)
 
 
 #: Loads a push on the event loop, as an HTTP push is loaded, from the moment
@@ -386,14 +408,22 @@ class PushStreamListener:
 
 
 class _Assembly:
-    """One push on its way in over its lanes: the file they write, the digest
+    """One push on its way in over its lanes: the files they write, the digest
     they feed, the load that follows them, and the one answer all lanes give."""
 
     def __init__(self, push: OpenedPush, join_timeout_s: float) -> None:
         self.push = push
         self.started = time.perf_counter()
-        self.fd = os.open(push.folder / WEIGHTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
+        self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
+        #: Over several lanes, each writes a part file of its own (see :mod:`arrival
+        #: <skyrl_lora.server.weights.arrival>`), copied into the weights file at the end.
+        self._parts = [
+            os.open(lane_path(push.folder / WEIGHTS_FILE, lane), flags, 0o600)
+            for lane in range(push.lanes if push.lanes > 1 else 0)
+        ]
+        self.arrival = ArrivalWriter(push.folder, push.weights_bytes, push.lanes, CHUNK_BYTES)
         self.digest = ChunkedDigest(total_bytes=push.weights_bytes)
         self.receipt = Receipt()
         self.digests_said: list[str] = []
@@ -403,7 +433,7 @@ class _Assembly:
         self._inside = 0
         self._written: set[int] = set()
         self._prefix = 0  # chunks written from the file's start
-        self._head_end = 0  # where the safetensors header ends, once chunk 0 is in
+        self._head: bytes | None = None  # the file's first bytes to its header's end
         self._reply: dict[str, Any] | None = None
         self._answered = threading.Event()
 
@@ -432,35 +462,41 @@ class _Assembly:
             self._inside += 1
 
     def leave(self) -> bool:
-        """A lane's thread is out; True for the last one (the files are closed then)."""
+        """A lane's thread (or the copy of the parts) is out; True for the
+        last one (the files are closed then)."""
         with self._lock:
             self._inside -= 1
             last = self._inside == 0
         if last:  # the folder went into its snapshot, or goes now
             self.digest.close()
-            os.close(self.fd)
+            for fd in (self.fd, self._dir, *self._parts):
+                os.close(fd)
             self.arrival.close()
             shutil.rmtree(self.push.folder, ignore_errors=True)
         return last
 
     def write(self, index: int, view: memoryview, offset: int) -> None:
-        """Write chunk ``index`` at ``offset``; tell readers how far the file
-        is whole from its start."""
-        _write_at(self.fd, view, offset)
+        """Write chunk ``index`` (at ``offset`` in the file, or in its lane's
+        part); tell readers how far the file is written from its start."""
+        lanes = self.push.lanes
+        if lanes == 1:
+            _write_at(self.fd, view, offset)
+        else:
+            _write_at(self._parts[index % lanes], view, (index // lanes) * CHUNK_BYTES)
         with self._lock:
-            if index == 0 and len(view) >= 8:  # safetensors: the header's length, then it
-                self._head_end = 8 + int.from_bytes(view[:8], "little")
+            if index == 0:  # safetensors: the header's length, then the header
+                end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
+                self._head = bytes(view[: min(end, len(view))]) if end <= len(view) else None
             self._written.add(index)
             advanced = self._prefix
             while advanced in self._written:
                 self._written.discard(advanced)
                 advanced += 1
             if advanced > self._prefix:
+                if self._prefix == 0:
+                    self.receipt.head_written(self._head)
                 self._prefix = advanced
-                end = min(advanced * CHUNK_BYTES, self.push.weights_bytes)
-                self.arrival.ready(end)
-                if end >= min(self._head_end, self.push.weights_bytes):
-                    self.receipt.head_written()
+                self.arrival.ready(min(advanced * CHUNK_BYTES, self.push.weights_bytes))
 
     def lane_done(self, digest_said: str) -> bool:
         """A lane's bytes and digest are in; True for the push's last lane."""
@@ -469,7 +505,8 @@ class _Assembly:
             return len(self.digests_said) == self.push.lanes
 
     def check(self) -> None:
-        """Every lane is in: check the digest; the load may install now."""
+        """Every lane is in: check the digest (the load may install from now
+        on), then make the weights file whole."""
         push = self.push
         digest = self.digest.hexdigest()
         for said in self.digests_said:
@@ -478,7 +515,6 @@ class _Assembly:
                     f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
                     f"{said}: the bytes were damaged"
                 )
-        self.arrival.complete()
         log_event(
             "push_stream_received",
             lora_name=push.lora_name,
@@ -487,6 +523,50 @@ class _Assembly:
             ms=round((time.perf_counter() - self.started) * 1000, 2),
         )
         self.receipt.received(digest)
+        if not self._parts:
+            self._whole(digest)
+            return
+        with self._lock:
+            self._inside += 1  # the copy holds the files open
+        threading.Thread(
+            target=self._copy_parts, args=(digest,), name="skyrl-push-stream-parts", daemon=True
+        ).start()
+
+    def _copy_parts(self, digest: str) -> None:
+        """The lanes' parts into the weights file, off the push's path: the
+        staging read them already, and what reads the file whole waits."""
+        started = time.perf_counter()
+        try:
+            lanes = self.push.lanes
+            for index in range(chunk_count(self.push.weights_bytes)):
+                offset, length = chunk_span(index, self.push.weights_bytes)
+                _copy_range(
+                    self._parts[index % lanes],
+                    self.fd,
+                    length,
+                    (index // lanes) * CHUNK_BYTES,
+                    offset,
+                )
+            self._whole(digest)
+            log_event(
+                "push_stream_parts_copied",
+                lora_name=self.push.lora_name,
+                ms=round((time.perf_counter() - started) * 1000, 2),
+            )
+        except Exception as exc:  # the version's file is not whole: fail what waits for it
+            logger.exception("push stream: copying the lanes' parts failed")
+            self.arrival.fail()
+            self.receipt.failed(InternalServerError(f"the push's parts were not copied: {exc!r}"))
+        finally:
+            self.leave()
+
+    def _whole(self, digest: str) -> None:
+        """The weights file is whole and checked: no marker, no parts."""
+        self.arrival.complete()
+        for name in (MARKER, *(lane_path(WEIGHTS_FILE, i).name for i in range(len(self._parts)))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._dir)
+        self.receipt.written_whole(digest)
 
     def raise_if_failed(self) -> None:
         """Stop a lane's receive once the push failed elsewhere."""
@@ -531,6 +611,15 @@ class _Assembly:
 def _check_lane(lane: int, lanes: int) -> None:
     if lane >= lanes:
         raise BadRequestError(f"the push has lanes 0 to {lanes - 1}, not {lane}")
+
+
+def _copy_range(source: int, target: int, length: int, at: int, to: int) -> None:
+    """``length`` bytes of ``source`` from ``at`` into ``target`` at ``to``, in the kernel."""
+    while length:
+        copied = os.copy_file_range(source, target, length, at, to)
+        if not copied:
+            raise EOFError(f"a lane's part ended {length} bytes early")
+        length, at, to = length - copied, at + copied, to + copied
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:
@@ -586,10 +675,14 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
     registry = engine.registry
 
     async def prepare(replaces: int | None) -> PreparedVersion | AdapterRecord:
-        await receipt.head()
-        check_safetensors(push.folder / WEIGHTS_FILE, push.weights_bytes)
-        if registry.repeats(pushed.lora_name, pushed.version):
-            source = STREAMED_PREFIX + await receipt.digest()
+        head = await receipt.head()
+        if head is None:  # a header past the first chunk: checked in the whole file
+            await receipt.whole()
+            check_safetensors(push.folder / WEIGHTS_FILE)
+        else:
+            check_safetensors_head(head, push.weights_bytes)
+        if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
+            source = STREAMED_PREFIX + await receipt.whole()
             return await registry.prepare_owned(
                 pushed.lora_name, pushed.folder, source, pushed.version, replaces
             )
@@ -603,7 +696,6 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         except BaseException:
             await registry.abandon(prepared)
             raise
-        (prepared.snapshot / MARKER).unlink(missing_ok=True)  # the file is whole
         return dataclasses.replace(prepared, source_path=STREAMED_PREFIX + digest)
 
     applied = await load_pushed(engine, pushed, prepare)

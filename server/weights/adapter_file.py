@@ -27,17 +27,17 @@ with safetensors as before.
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
-from .arrival import Arrival, note_followed
+from .arrival import Arrival, lane_path, note_followed
 from .tensor_pickle import read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
@@ -62,48 +62,70 @@ class UnsupportedFile(Exception):
     """This file is left to safetensors' own reader (see the module's docstring)."""
 
 
-@contextlib.contextmanager
-def _arrival(path: str) -> Iterator[Arrival | None]:
-    arrival = Arrival.beside(path)
-    try:
-        yield arrival
-    finally:
-        if arrival is not None:
-            arrival.close()
+class _ArrivingBytes:
+    """Where an arriving file's bytes are, by the file's own offsets: in the
+    file over one lane, in the lanes' part files over several
+    (:func:`~.arrival.lane_path`), or in the file again once its parts were
+    copied in. Reads wait until the writer says the bytes are there."""
 
-
-class _Following:
-    """A file's ``read`` and ``tell`` that wait for the bytes to arrive first."""
-
-    def __init__(self, file: BinaryIO, arrival: Arrival) -> None:
-        self._file = file
+    def __init__(self, path: str, fd: int, arrival: Arrival) -> None:
         self._arrival = arrival
+        self._fds = [fd]
+        self._owned: list[int] = []
+        self.position = 0
+        if arrival.lanes > 1 and not arrival.complete:
+            try:
+                for lane in range(arrival.lanes):
+                    self._owned.append(os.open(lane_path(path, lane), os.O_RDONLY))
+            except FileNotFoundError:  # copied into the file and removed meanwhile
+                self.close()
+                arrival.wait_whole()
+            else:
+                self._fds = self._owned
 
     def read(self, nbytes: int) -> bytes:
-        self._arrival.wait_for(min(self._file.tell() + nbytes, self._arrival.total_bytes))
-        return self._file.read(nbytes)
+        """``nbytes`` from :attr:`position` on, as a file's ``read`` (for the header)."""
+        nbytes = max(0, min(nbytes, self._arrival.total_bytes - self.position))
+        out = bytearray(nbytes)
+        self.readinto(memoryview(out), self.position)
+        self.position += nbytes
+        return bytes(out)
 
     def tell(self) -> int:
-        return self._file.tell()
+        return self.position
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``, once they are written."""
+        self._arrival.wait_for(offset + len(view))
+        lanes, chunk = len(self._fds), self._arrival.chunk_bytes
+        done = 0
+        while done < len(view):
+            index, within = divmod(offset + done, chunk)
+            size = min(len(view) - done, chunk - within)
+            where = offset + done if lanes == 1 else (index // lanes) * chunk + within
+            got = os.preadv(self._fds[index % lanes], [view[done : done + size]], where)
+            if not got:
+                raise EOFError(f"the arriving file ended at byte {offset + done}")
+            done += got
+
+    def close(self) -> None:
+        for fd in self._owned:
+            os.close(fd)
+        self._owned = []
 
 
 #: A following read takes the bytes in slices of this size as they land.
 FOLLOW_BYTES = 8 << 20
 
 
-def _read_following(file: BinaryIO, buffer: Any, nbytes: int, arrival: Arrival, path: str) -> None:
-    """Fill ``buffer`` with ``nbytes`` from ``file``'s position, each slice
-    once the writer says it is there."""
+def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
+    """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
+    slice as the writer says each is there."""
     view = memoryview(buffer.numpy()).cast("B")
-    fd, start = file.fileno(), file.tell()
+    start = source.tell()
     for begin in range(0, nbytes, FOLLOW_BYTES):
         end = min(begin + FOLLOW_BYTES, nbytes)
-        arrival.wait_for(start + end)
-        while begin < end:
-            read = os.preadv(fd, [view[begin:end]], start + begin)
-            if not read:
-                raise EOFError(f"{path} ended before byte {start + end}")
-            begin += read
+        source.readinto(view[begin:end], start + begin)
     note_followed()
 
 
@@ -122,7 +144,13 @@ def _entry(name: str, info: Any, data_bytes: int, torch: Any) -> tuple[Any, list
     return dtype, shape, begin, end
 
 
-def read_header(file: BinaryIO, size: int) -> tuple[dict[str, Any], int]:
+class Readable(Protocol):
+    """What :func:`read_header` reads from: a file, or bytes still arriving."""
+
+    def read(self, nbytes: int, /) -> bytes: ...
+
+
+def read_header(file: Readable, size: int) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (a JSON object) and the size of the data after it.
 
     ``file`` is at its start and ``size`` bytes long. Raises ValueError, in
@@ -144,6 +172,15 @@ def read_header(file: BinaryIO, size: int) -> tuple[dict[str, Any], int]:
     return header, size - 8 - header_bytes
 
 
+def _head(file: io.FileIO | _ArrivingBytes, nbytes: int) -> bytes:
+    """The first ``nbytes`` of the file."""
+    if isinstance(file, _ArrivingBytes):
+        head = bytearray(nbytes)
+        file.readinto(memoryview(head), 0)
+        return bytes(head)
+    return os.pread(file.fileno(), nbytes, 0)
+
+
 class OneBufferFile:
     """What vLLM's loader uses of ``safetensors.safe_open(path, framework="pt")``,
     read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
@@ -152,29 +189,45 @@ class OneBufferFile:
     bytes are not to be read by anything else either."""
 
     def __init__(self, path: str, allocate: Callable[[int], Any]) -> None:
+        with open(path, "rb", buffering=0) as opened:
+            arrival = Arrival.beside(path)
+            if arrival is None:
+                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
+                return
+            with arrival:
+                source = _ArrivingBytes(path, opened.fileno(), arrival)
+                try:
+                    self._read(path, source, arrival.total_bytes, allocate)
+                finally:
+                    source.close()
+
+    def _read(
+        self,
+        path: str,
+        file: io.FileIO | _ArrivingBytes,
+        size: int,
+        allocate: Callable[[int], Any],
+    ) -> None:
         import torch
 
-        with open(path, "rb", buffering=0) as opened, _arrival(path) as arrival:
-            file: Any = opened if arrival is None else _Following(opened, arrival)
-            size = os.fstat(opened.fileno()).st_size if arrival is None else arrival.total_bytes
-            try:
-                header, data_bytes = read_header(file, size)
-            except ValueError as exc:
-                raise UnsupportedFile(f"{path}: {exc}") from exc
-            #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
-            self.head = os.pread(opened.fileno(), opened.tell(), 0)
-            self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
-            self._entries = {
-                name: _entry(name, info, data_bytes, torch) for name, info in header.items()
-            }
-            self._buffer = allocate(data_bytes)
-            try:
-                if arrival is None:
-                    read_exactly(opened, self._buffer, data_bytes, path)
-                else:
-                    _read_following(opened, self._buffer, data_bytes, arrival, path)
-            except EOFError as exc:
-                raise UnsupportedFile(str(exc)) from exc
+        try:
+            header, data_bytes = read_header(file, size)
+        except ValueError as exc:
+            raise UnsupportedFile(f"{path}: {exc}") from exc
+        #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
+        self.head = _head(file, file.tell())
+        self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
+        self._entries = {
+            name: _entry(name, info, data_bytes, torch) for name, info in header.items()
+        }
+        self._buffer = allocate(data_bytes)
+        try:
+            if isinstance(file, _ArrivingBytes):
+                _read_following(file, self._buffer, data_bytes)
+            else:
+                read_exactly(file, self._buffer, data_bytes, path)
+        except EOFError as exc:
+            raise UnsupportedFile(str(exc)) from exc
 
     @property
     def buffer(self) -> Any:

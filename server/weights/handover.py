@@ -33,6 +33,7 @@ from typing import Any
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
 from skyrl_lora.types import HandoverRequest, HandoverTensor
 
+from .arrival import MARKER as ARRIVING_FILE
 from .snapshot_writer import PENDING_FILE
 from .tensor_pickle import read_exactly
 
@@ -40,8 +41,9 @@ from .tensor_pickle import read_exactly
 HANDOVER_FILE = "handover.json"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-#: Either in a snapshot folder says its weights file is not written yet.
-SNAPSHOT_MARKERS = (HANDOVER_FILE, PENDING_FILE)
+#: Any in a snapshot folder says its weights file is not written yet (or,
+#: for a streamed push's, not whole yet: :mod:`.arrival`).
+SNAPSHOT_MARKERS = (HANDOVER_FILE, PENDING_FILE, ARRIVING_FILE)
 #: Where POSIX shared memory lives on Linux (``shm_open`` names).
 SHM_DIR = Path("/dev/shm")
 
