@@ -23,7 +23,6 @@ from skyrl_lora.server.weights.arrival import (  # noqa: E402
     Arrival,
     ArrivalFailed,
     ArrivalWriter,
-    lane_path,
     wait_whole,
 )
 
@@ -48,7 +47,7 @@ def _arriving(tmp_path: Path, total: int) -> tuple[Path, int, ArrivalWriter]:
     folder.mkdir()
     target = folder / "adapter_model.safetensors"
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    return target, fd, ArrivalWriter(folder, total, lanes=1, chunk_bytes=PIECE)
+    return target, fd, ArrivalWriter(folder, total)
 
 
 def test_a_file_still_arriving_is_read_as_its_bytes_land(
@@ -125,32 +124,3 @@ def test_a_whole_file_is_not_waited_for_and_a_stalled_one_times_out(tmp_path: Pa
     finally:
         os.close(fd)
         writer.close()
-
-
-def test_a_file_over_lanes_is_read_from_their_parts_then_from_itself(tmp_path: Path) -> None:
-    """Lane i writes chunks i, i + lanes, ... into a part of its own; a reader
-    maps the file's offsets onto the parts, and reads the file itself once the
-    parts were copied in and removed."""
-    data, tensors = _adapter_bytes(tmp_path)
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    target = folder / "adapter_model.safetensors"
-    target.touch()
-    lanes, chunk = 3, 4096
-    writer = ArrivalWriter(folder, len(data), lanes, chunk)
-    parts = [bytearray() for _ in range(lanes)]
-    for index in range(-(-len(data) // chunk)):
-        parts[index % lanes] += data[index * chunk : (index + 1) * chunk]
-    for lane, part in enumerate(parts):
-        lane_path(target, lane).write_bytes(part)
-    writer.ready(len(data))
-    with OneBufferFile(str(target), _HOST) as ours:
-        assert all(torch.equal(ours.get_tensor(n), t) for n, t in tensors.items())
-        assert ours.head == data[: len(ours.head)]
-    target.write_bytes(data)  # the parts copied in, then removed
-    writer.complete()
-    for lane in range(lanes):
-        lane_path(target, lane).unlink()
-    with OneBufferFile(str(target), _HOST) as ours:
-        assert all(torch.equal(ours.get_tensor(n), t) for n, t in tensors.items())
-    writer.close()

@@ -107,7 +107,6 @@ class FakeServer:
             raise ConflictError("the load refused it before its bytes came")
         self.heads.append(await receipt.head())
         digest = await receipt.digest()
-        assert await receipt.whole() == digest  # over several lanes, their parts copied in
         assert sorted(p.name for p in push.folder.iterdir()) == [
             "adapter_config.json",
             "adapter_model.safetensors",

@@ -81,7 +81,7 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
 from ..engine.gated import GatedEngine
 from ..observability import log_event
-from ..weights.arrival import MARKER, ArrivalWriter, lane_path
+from ..weights.arrival import MARKER, ArrivalWriter
 from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
     WEIGHTS_FILE,
@@ -148,23 +148,17 @@ class Receipt:
     def __init__(self) -> None:
         self._head: Future[bytes | None] = Future()
         self._digest: Future[str] = Future()
-        self._whole: Future[str] = Future()
 
     async def head(self) -> bytes | None:
         """The weights file's first bytes, its safetensors header among them,
         once they are written; None for a header longer than the first chunk
-        (then check the file once :meth:`whole`)."""
+        (then check the file once :meth:`digest` answers)."""
         return await asyncio.wrap_future(self._head)
 
     async def digest(self) -> str:
-        """The weights' chunked digest, once every lane is in and it matched:
-        the version may install from then on."""
+        """The weights' chunked digest, once every lane is in, it matched and
+        the file is whole: the version may install from then on."""
         return await asyncio.wrap_future(self._digest)
-
-    async def whole(self) -> str:
-        """The digest again, once the weights file itself is whole (a push
-        over several lanes copies their parts into it after the digest)."""
-        return await asyncio.wrap_future(self._whole)
 
     def head_written(self, head: bytes | None) -> None:
         _settle(self._head, head)
@@ -172,11 +166,8 @@ class Receipt:
     def received(self, digest: str) -> None:
         _settle(self._digest, digest)
 
-    def written_whole(self, digest: str) -> None:
-        _settle(self._whole, digest)
-
     def failed(self, exc: BaseException) -> None:
-        for future in (self._head, self._digest, self._whole):
+        for future in (self._head, self._digest):
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(exc)
 
@@ -414,16 +405,10 @@ class _Assembly:
     def __init__(self, push: OpenedPush, join_timeout_s: float) -> None:
         self.push = push
         self.started = time.perf_counter()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
         self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
-        #: Over several lanes, each writes a part file of its own (see :mod:`arrival
-        #: <skyrl_lora.server.weights.arrival>`), copied into the weights file at the end.
-        self._parts = [
-            os.open(lane_path(push.folder / WEIGHTS_FILE, lane), flags, 0o600)
-            for lane in range(push.lanes if push.lanes > 1 else 0)
-        ]
-        self.arrival = ArrivalWriter(push.folder, push.weights_bytes, push.lanes, CHUNK_BYTES)
+        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
         self.digest = ChunkedDigest(total_bytes=push.weights_bytes)
         self.receipt = Receipt()
         self.digests_said: list[str] = []
@@ -462,27 +447,22 @@ class _Assembly:
             self._inside += 1
 
     def leave(self) -> bool:
-        """A lane's thread (or the copy of the parts) is out; True for the
-        last one (the files are closed then)."""
+        """A lane's thread is out; True for the last one (the files are closed then)."""
         with self._lock:
             self._inside -= 1
             last = self._inside == 0
         if last:  # the folder went into its snapshot, or goes now
             self.digest.close()
-            for fd in (self.fd, self._dir, *self._parts):
+            for fd in (self.fd, self._dir):
                 os.close(fd)
             self.arrival.close()
             shutil.rmtree(self.push.folder, ignore_errors=True)
         return last
 
     def write(self, index: int, view: memoryview, offset: int) -> None:
-        """Write chunk ``index`` (at ``offset`` in the file, or in its lane's
-        part); tell readers how far the file is written from its start."""
-        lanes = self.push.lanes
-        if lanes == 1:
-            _write_at(self.fd, view, offset)
-        else:
-            _write_at(self._parts[index % lanes], view, (index // lanes) * CHUNK_BYTES)
+        """Write chunk ``index`` at ``offset``; tell readers how far the file
+        is written from its start."""
+        _write_at(self.fd, view, offset)
         with self._lock:
             if index == 0:  # safetensors: the header's length, then the header
                 end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
@@ -505,8 +485,7 @@ class _Assembly:
             return len(self.digests_said) == self.push.lanes
 
     def check(self) -> None:
-        """Every lane is in: check the digest (the load may install from now
-        on), then make the weights file whole."""
+        """Every lane is in: check the digest; the load may install now."""
         push = self.push
         digest = self.digest.hexdigest()
         for said in self.digests_said:
@@ -515,6 +494,9 @@ class _Assembly:
                     f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
                     f"{said}: the bytes were damaged"
                 )
+        self.arrival.complete()
+        with contextlib.suppress(FileNotFoundError):  # the folder may be a snapshot by now
+            os.unlink(MARKER, dir_fd=self._dir)
         log_event(
             "push_stream_received",
             lora_name=push.lora_name,
@@ -523,50 +505,6 @@ class _Assembly:
             ms=round((time.perf_counter() - self.started) * 1000, 2),
         )
         self.receipt.received(digest)
-        if not self._parts:
-            self._whole(digest)
-            return
-        with self._lock:
-            self._inside += 1  # the copy holds the files open
-        threading.Thread(
-            target=self._copy_parts, args=(digest,), name="skyrl-push-stream-parts", daemon=True
-        ).start()
-
-    def _copy_parts(self, digest: str) -> None:
-        """The lanes' parts into the weights file, off the push's path: the
-        staging read them already, and what reads the file whole waits."""
-        started = time.perf_counter()
-        try:
-            lanes = self.push.lanes
-            for index in range(chunk_count(self.push.weights_bytes)):
-                offset, length = chunk_span(index, self.push.weights_bytes)
-                _copy_range(
-                    self._parts[index % lanes],
-                    self.fd,
-                    length,
-                    (index // lanes) * CHUNK_BYTES,
-                    offset,
-                )
-            self._whole(digest)
-            log_event(
-                "push_stream_parts_copied",
-                lora_name=self.push.lora_name,
-                ms=round((time.perf_counter() - started) * 1000, 2),
-            )
-        except Exception as exc:  # the version's file is not whole: fail what waits for it
-            logger.exception("push stream: copying the lanes' parts failed")
-            self.arrival.fail()
-            self.receipt.failed(InternalServerError(f"the push's parts were not copied: {exc!r}"))
-        finally:
-            self.leave()
-
-    def _whole(self, digest: str) -> None:
-        """The weights file is whole and checked: no marker, no parts."""
-        self.arrival.complete()
-        for name in (MARKER, *(lane_path(WEIGHTS_FILE, i).name for i in range(len(self._parts)))):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self._dir)
-        self.receipt.written_whole(digest)
 
     def raise_if_failed(self) -> None:
         """Stop a lane's receive once the push failed elsewhere."""
@@ -611,15 +549,6 @@ class _Assembly:
 def _check_lane(lane: int, lanes: int) -> None:
     if lane >= lanes:
         raise BadRequestError(f"the push has lanes 0 to {lanes - 1}, not {lane}")
-
-
-def _copy_range(source: int, target: int, length: int, at: int, to: int) -> None:
-    """``length`` bytes of ``source`` from ``at`` into ``target`` at ``to``, in the kernel."""
-    while length:
-        copied = os.copy_file_range(source, target, length, at, to)
-        if not copied:
-            raise EOFError(f"a lane's part ended {length} bytes early")
-        length, at, to = length - copied, at + copied, to + copied
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:
@@ -677,12 +606,12 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
     async def prepare(replaces: int | None) -> PreparedVersion | AdapterRecord:
         head = await receipt.head()
         if head is None:  # a header past the first chunk: checked in the whole file
-            await receipt.whole()
+            await receipt.digest()
             check_safetensors(push.folder / WEIGHTS_FILE)
         else:
             check_safetensors_head(head, push.weights_bytes)
         if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
-            source = STREAMED_PREFIX + await receipt.whole()
+            source = STREAMED_PREFIX + await receipt.digest()
             return await registry.prepare_owned(
                 pushed.lora_name, pushed.folder, source, pushed.version, replaces
             )

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
-from .arrival import Arrival, lane_path, note_followed
+from .arrival import Arrival, note_followed
 from .tensor_pickle import read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
@@ -63,25 +63,13 @@ class UnsupportedFile(Exception):
 
 
 class _ArrivingBytes:
-    """Where an arriving file's bytes are, by the file's own offsets: in the
-    file over one lane, in the lanes' part files over several
-    (:func:`~.arrival.lane_path`), or in the file again once its parts were
-    copied in. Reads wait until the writer says the bytes are there."""
+    """An arriving file read by its offsets, each read once the writer says
+    its bytes are there."""
 
-    def __init__(self, path: str, fd: int, arrival: Arrival) -> None:
+    def __init__(self, fd: int, arrival: Arrival) -> None:
+        self._fd = fd
         self._arrival = arrival
-        self._fds = [fd]
-        self._owned: list[int] = []
         self.position = 0
-        if arrival.lanes > 1 and not arrival.complete:
-            try:
-                for lane in range(arrival.lanes):
-                    self._owned.append(os.open(lane_path(path, lane), os.O_RDONLY))
-            except FileNotFoundError:  # copied into the file and removed meanwhile
-                self.close()
-                arrival.wait_whole()
-            else:
-                self._fds = self._owned
 
     def read(self, nbytes: int) -> bytes:
         """``nbytes`` from :attr:`position` on, as a file's ``read`` (for the header)."""
@@ -97,21 +85,12 @@ class _ArrivingBytes:
     def readinto(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the file's bytes from ``offset``, once they are written."""
         self._arrival.wait_for(offset + len(view))
-        lanes, chunk = len(self._fds), self._arrival.chunk_bytes
         done = 0
         while done < len(view):
-            index, within = divmod(offset + done, chunk)
-            size = min(len(view) - done, chunk - within)
-            where = offset + done if lanes == 1 else (index // lanes) * chunk + within
-            got = os.preadv(self._fds[index % lanes], [view[done : done + size]], where)
+            got = os.preadv(self._fd, [view[done:]], offset + done)
             if not got:
                 raise EOFError(f"the arriving file ended at byte {offset + done}")
             done += got
-
-    def close(self) -> None:
-        for fd in self._owned:
-            os.close(fd)
-        self._owned = []
 
 
 #: A following read takes the bytes in slices of this size as they land.
@@ -195,11 +174,8 @@ class OneBufferFile:
                 self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
                 return
             with arrival:
-                source = _ArrivingBytes(path, opened.fileno(), arrival)
-                try:
-                    self._read(path, source, arrival.total_bytes, allocate)
-                finally:
-                    source.close()
+                source = _ArrivingBytes(opened.fileno(), arrival)
+                self._read(path, source, arrival.total_bytes, allocate)
 
     def _read(
         self,

@@ -11,18 +11,21 @@ follows the bytes as they land. What is checked stays as strict: the
 version is installed only after the whole file's digest matched, and a
 push that fails part-way fails its staging here.
 
-The marker is a small file beside the weights (:data:`MARKER`), five
+The marker is a small file beside the weights (:data:`MARKER`), three
 little-endian 64-bit fields: the file's final size, how many bytes from its
-start are written, a state (receiving, complete, failed), the lanes the
-bytes come over and their chunk size. Over one lane the bytes are written
-into the weights file itself. Over several, lane ``i`` writes its chunks
-(every ``lanes``-th, from chunk ``i``) one after another into a part file of
-its own (:func:`lane_path`): writers of one file queue on its lock (four
-threads wrote 336 MB into one file no faster than one), writers of
-separate files do not. Once the digest matched, the parts are copied into
-the weights file and removed, and the state says complete. The writer (the
-API server's stream) updates the marker as chunks land; a reader (a worker
-of the engine, another process) polls it. A file without a marker is whole.
+start are written, and a state (receiving, complete, failed). The writer
+(the API server's stream, whose lanes write their chunks at their offsets)
+updates it as chunks land; a reader (a worker of the engine, another
+process) polls it. Once the digest matched, the state says complete and the
+marker goes. A file without a marker is whole.
+
+Tried and taken out again: each lane writing a part file of its own,
+copied into the weights file after the digest (writers of one file queue on
+its lock, so four threads wrote 336 MB into one file no faster than one on
+the 2-core CPU machine). On the H100 machine the rank-64 push of the 8B
+model then took 180 ms idle against 144 ms with one file (main dc11f19
+against 719f52f, 2026-11-25): the lanes' receive did not get faster, and the
+copy of the parts ran beside the staging.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 
 #: The marker's name, beside the weights file it describes.
 MARKER = ".arriving"
-_RECORD = struct.Struct("<QQQQQ")  # total, ready from the start, state, lanes, chunk bytes
+_RECORD = struct.Struct("<QQQ")  # total bytes, bytes ready from the start, state
 RECEIVING, COMPLETE, FAILED = 0, 1, 2
 #: A reader's poll interval: the staging thread sleeps (the GIL free) between looks.
 POLL_S = 0.001
@@ -62,23 +65,16 @@ def followed_reads() -> int:
     return int(getattr(_followed, "count", 0))
 
 
-def lane_path(weights_path: str | Path, lane: int) -> Path:
-    """Where lane ``lane`` of a file arriving over several writes its chunks."""
-    return Path(f"{weights_path}.lane{lane}")
-
-
 class ArrivalWriter:
     """The writer's side: created with the weights file, before any reader looks."""
 
-    def __init__(self, folder: Path, total_bytes: int, lanes: int, chunk_bytes: int) -> None:
+    def __init__(self, folder: Path, total_bytes: int) -> None:
         self.total_bytes = total_bytes
-        self._lanes = lanes
-        self._chunk_bytes = chunk_bytes
         self._fd = os.open(folder / MARKER, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._write(0, RECEIVING)
 
     def ready(self, nbytes: int) -> None:
-        """The file's first ``nbytes`` are written (in the file, or in the lanes' parts)."""
+        """The file's first ``nbytes`` are written."""
         self._write(nbytes, RECEIVING)
 
     def complete(self) -> None:
@@ -93,8 +89,7 @@ class ArrivalWriter:
         os.close(self._fd)
 
     def _write(self, ready: int, state: int) -> None:
-        record = _RECORD.pack(self.total_bytes, ready, state, self._lanes, self._chunk_bytes)
-        os.pwrite(self._fd, record, 0)
+        os.pwrite(self._fd, _RECORD.pack(self.total_bytes, ready, state), 0)
 
 
 class Arrival:
@@ -103,7 +98,7 @@ class Arrival:
     def __init__(self, marker: Path, timeout_s: float) -> None:
         self._fd = os.open(marker, os.O_RDONLY)
         self._timeout_s = timeout_s
-        self.total_bytes, _, _, self.lanes, self.chunk_bytes = self._read()
+        self.total_bytes, _, _ = self._read()
 
     @classmethod
     def beside(cls, weights_path: str | Path, timeout_s: float = 300.0) -> Arrival | None:
@@ -114,25 +109,19 @@ class Arrival:
         except FileNotFoundError:
             return None
 
-    @property
-    def complete(self) -> bool:
-        """Whether the weights file itself is whole (its parts copied in)."""
-        return self._read()[2] == COMPLETE
-
     def wait_for(self, nbytes: int) -> None:
-        """Return once the file's first ``nbytes`` are written (in the file or
-        its parts); raises :class:`ArrivalFailed` if the push fails, or after
-        the timeout."""
+        """Return once the file's first ``nbytes`` are written; raises
+        :class:`ArrivalFailed` if the push fails, or after the timeout."""
         self._wait(lambda ready, state: state == COMPLETE or ready >= nbytes, nbytes)
 
     def wait_whole(self) -> None:
-        """Return once the weights file itself is whole and its digest matched."""
+        """Return once the weights file is whole and its digest matched."""
         self._wait(lambda ready, state: state == COMPLETE, self.total_bytes)
 
     def _wait(self, done: Callable[[int, int], bool], nbytes: int) -> None:
         deadline = time.monotonic() + self._timeout_s
         while True:
-            _, ready, state, _, _ = self._read()
+            _, ready, state = self._read()
             if state == FAILED:
                 raise ArrivalFailed("the push writing this adapter's weights failed")
             if done(ready, state):
@@ -152,13 +141,13 @@ class Arrival:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read(self) -> tuple[int, int, int, int, int]:
+    def _read(self) -> tuple[int, int, int]:
         """The record, read until two reads agree (a write may land mid-read)."""
         while True:
             first = os.pread(self._fd, _RECORD.size, 0)
             if len(first) == _RECORD.size and first == os.pread(self._fd, _RECORD.size, 0):
-                total, ready, state, lanes, chunk_bytes = _RECORD.unpack(first)
-                return total, ready, state, lanes, chunk_bytes
+                total, ready, state = _RECORD.unpack(first)
+                return total, ready, state
 
 
 def arriving(folder: str | Path) -> bool:
