@@ -65,7 +65,8 @@ def serve(port: int) -> None:
     from starlette.routing import Route
 
     from skyrl_lora.server.http.push import checked_push, receive_push
-    from skyrl_lora.server.http.push_stream import OpenedPush, PushStreamListener, Receipt
+    from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
+    from skyrl_lora.server.http.push_stream import PushStreamListener
     from skyrl_lora.types import AdapterInfo
 
     listener: list[PushStreamListener] = []

@@ -31,12 +31,8 @@ from skyrl_lora.errors import (
     ConflictError,
     ServerUnavailableError,
 )
-from skyrl_lora.server.http.push_stream import (
-    OpenedPush,
-    PushStreamConfig,
-    PushStreamListener,
-    Receipt,
-)
+from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
+from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
 from skyrl_lora.types import PUSH_STREAM_HELLO as HELLO
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
 

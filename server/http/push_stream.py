@@ -22,11 +22,14 @@ How, in three steps:
    :func:`~skyrl_lora.chunk_digest.lane_chunks`), then the 64 hex digits of
    the whole file's chunked digest (:mod:`skyrl_lora.chunk_digest`).
 3. A thread per lane reads its chunks into reused buffers; other threads
-   write each one at its offset in the push's folder and hash it meanwhile.
-   Once every lane is in and the digests match, the push is loaded on the
-   event loop exactly as an HTTP push is, and every lane gets the answer as
-   one JSON line: ``{"status": 200, "adapter": AdapterInfo}`` or
-   ``{"status": 4xx, "error": {"type", "message"}}``.
+   write each one at its offset in the push's folder and hash it meanwhile
+   (:class:`~.push_assembly.Assembly`). The push's load starts on the event
+   loop as the first lane connects, and stages while the bytes arrive
+   (:mod:`~skyrl_lora.server.weights.arrival`); it installs once every
+   lane is in and the digests match, as an HTTP push is installed, and
+   every lane gets the answer as one JSON line: ``{"status": 200,
+   "adapter": AdapterInfo}`` or ``{"status": 4xx, "error": {"type",
+   "message"}}``.
 
 Why lanes: one loopback TCP connection read by one Python thread carried
 336 MB in about 100 ms on the 2-core CPU machine, two in about 57 ms
@@ -44,26 +47,21 @@ serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import shutil
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from skyrl_lora.chunk_digest import (
     CHUNK_BYTES,
-    ChunkedDigest,
     chunk_count,
     chunk_span,
     lane_bytes,
@@ -80,8 +78,6 @@ from skyrl_lora.errors import (
 from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
 from ..engine.gated import GatedEngine
-from ..observability import log_event
-from ..weights.arrival import MARKER, ArrivalWriter
 from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
     WEIGHTS_FILE,
@@ -89,6 +85,14 @@ from .push import (
     check_safetensors_head,
     checked_push,
     load_pushed,
+)
+from .push_assembly import (
+    Assembly,
+    Finish,
+    OpenedPush,
+    Receipt,
+    check_lane,
+    error_reply,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,67 +128,6 @@ class PushStreamConfig:
     linger_s: float = 5.0
 
 
-@dataclass(frozen=True)
-class OpenedPush:
-    """A push checked at its open, waiting for its weights."""
-
-    lora_name: str
-    #: Holds ``adapter_config.json`` already; the weights are written here.
-    folder: Path
-    weights_bytes: int
-    #: The push's form fields (``swap_policy``, ``version``, ``keep_previous_s``).
-    fields: dict[str, str] = field(default_factory=dict)
-    #: Connections its weights travel over (asked for; the ticket grants at most
-    #: :attr:`PushStreamConfig.max_lanes`).
-    lanes: int = 1
-
-
-class Receipt:
-    """How far a push's bytes came, as its load awaits it on the event loop.
-
-    Each step raises the stream's error instead if the push failed first.
-    """
-
-    def __init__(self) -> None:
-        self._head: Future[bytes | None] = Future()
-        self._digest: Future[str] = Future()
-
-    async def head(self) -> bytes | None:
-        """The weights file's first bytes, its safetensors header among them,
-        once they are written; None for a header longer than the first chunk
-        (then check the file once :meth:`digest` answers)."""
-        return await asyncio.wrap_future(self._head)
-
-    async def digest(self) -> str:
-        """The weights' chunked digest, once every lane is in, it matched and
-        the file is whole: the version may install from then on."""
-        return await asyncio.wrap_future(self._digest)
-
-    def head_written(self, head: bytes | None) -> None:
-        _settle(self._head, head)
-
-    def received(self, digest: str) -> None:
-        _settle(self._digest, digest)
-
-    def failed(self, exc: BaseException) -> None:
-        for future in (self._head, self._digest):
-            with contextlib.suppress(InvalidStateError):
-                future.set_exception(exc)
-
-
-def _settle(future: Future[Any], value: Any) -> None:
-    with contextlib.suppress(InvalidStateError):
-        future.set_result(value)
-
-
-#: Loads a push on the event loop, as an HTTP push is loaded, from the moment
-#: its first lane connects: it may stage while the bytes arrive (the
-#: folder's weights file is followed through its :mod:`arrival
-#: <skyrl_lora.server.weights.arrival>` marker), and must install nothing
-#: before :meth:`Receipt.digest` answers.
-Finish = Callable[[OpenedPush, Receipt], Coroutine[Any, Any, AdapterInfo]]
-
-
 class PushStreamListener:
     """Owns the listening socket, the tickets and the threads that receive."""
 
@@ -201,7 +144,7 @@ class PushStreamListener:
         self._loop = loop
         self._lock = threading.Lock()
         self._tickets: dict[str, tuple[OpenedPush, float]] = {}
-        self._assemblies: dict[str, _Assembly] = {}  # pushes whose lanes are arriving
+        self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
         self._sock = socket.create_server((host or "", port))
@@ -278,7 +221,7 @@ class PushStreamListener:
         """One lane's answer: the push's, once every lane's bytes are in and
         the push is loaded (or refused). The push's folder is gone before
         the first answer is sent (moved into its snapshot, else removed)."""
-        assembly: _Assembly | None = None
+        assembly: Assembly | None = None
         try:
             assembly, lane = self._claim(conn)
             self._receive_lane(conn, assembly, lane)
@@ -295,15 +238,15 @@ class PushStreamListener:
             if assembly is not None:
                 self._leave(assembly)
 
-    def _failed(self, assembly: _Assembly | None, exc: ServerError) -> dict[str, Any]:
+    def _failed(self, assembly: Assembly | None, exc: ServerError) -> dict[str, Any]:
         """The answer of a lane that failed: the push fails with it (unless
         it was answered already), and the push's first failure is what
         every lane answers."""
         if assembly is None:
-            return _error_reply(exc)
+            return error_reply(exc)
         return assembly.fail(exc)
 
-    def _claim(self, conn: socket.socket) -> tuple[_Assembly, int]:
+    def _claim(self, conn: socket.socket) -> tuple[Assembly, int]:
         conn.settimeout(self.config.hello_timeout_s)
         header = bytearray(_HEADER_BYTES)
         _recv_exactly(conn, memoryview(header))
@@ -328,15 +271,15 @@ class PushStreamListener:
                     raise AuthenticationError(
                         "unknown push stream ticket (used already, expired, or never issued)"
                     )
-                _check_lane(lane, entry[0].lanes)
+                check_lane(lane, entry[0].lanes)
                 del self._tickets[ticket]
-                assembly = _Assembly(entry[0], self.config.idle_timeout_s)
+                assembly = Assembly(entry[0], self.config.idle_timeout_s)
                 self._assemblies[ticket] = assembly
                 assembly.start_load(self._finish, self._loop)
             assembly.join(lane)
         return assembly, lane
 
-    def _leave(self, assembly: _Assembly) -> None:
+    def _leave(self, assembly: Assembly) -> None:
         """A lane's thread is done with the push; the last one closes its file
         and forgets its ticket."""
         if assembly.leave():
@@ -345,7 +288,7 @@ class PushStreamListener:
                     if known is assembly:
                         del self._assemblies[ticket]
 
-    def _receive_lane(self, conn: socket.socket, assembly: _Assembly, lane: int) -> None:
+    def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
         """Read one lane's chunks into reused buffers; each is written at its
         offset and hashed on threads of their own while the next is read.
         The lane that brings the last bytes checks the digest and loads."""
@@ -398,166 +341,6 @@ class PushStreamListener:
         return bytearray(CHUNK_BYTES)
 
 
-class _Assembly:
-    """One push on its way in over its lanes: the files they write, the digest
-    they feed, the load that follows them, and the one answer all lanes give."""
-
-    def __init__(self, push: OpenedPush, join_timeout_s: float) -> None:
-        self.push = push
-        self.started = time.perf_counter()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
-        self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
-        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
-        self.digest = ChunkedDigest(total_bytes=push.weights_bytes)
-        self.receipt = Receipt()
-        self.digests_said: list[str] = []
-        self._join_deadline = time.monotonic() + join_timeout_s
-        self._lock = threading.Lock()
-        self._joined: set[int] = set()
-        self._inside = 0
-        self._written: set[int] = set()
-        self._prefix = 0  # chunks written from the file's start
-        self._head: bytes | None = None  # the file's first bytes to its header's end
-        self._reply: dict[str, Any] | None = None
-        self._answered = threading.Event()
-
-    def start_load(self, finish: Finish, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the push's load now: it stages while the bytes arrive."""
-        load = asyncio.run_coroutine_threadsafe(finish(self.push, self.receipt), loop)
-        load.add_done_callback(self._loaded)
-
-    def _loaded(self, load: Future[AdapterInfo]) -> None:
-        exc = load.exception()
-        if exc is None:
-            self._settle({"status": 200, "adapter": load.result().model_dump()})
-        elif isinstance(exc, ServerError):
-            self.fail(exc)
-        else:  # answered, not lost: the trainer sees why
-            logger.error("push stream's load failed", exc_info=exc)
-            self.fail(InternalServerError(f"the push stream's load failed: {exc!r}"))
-
-    def join(self, lane: int) -> None:
-        """Lane ``lane`` connected (called under the listener's lock)."""
-        with self._lock:
-            _check_lane(lane, self.push.lanes)
-            if lane in self._joined:
-                raise BadRequestError(f"lane {lane} of the push is connected already")
-            self._joined.add(lane)
-            self._inside += 1
-
-    def leave(self) -> bool:
-        """A lane's thread is out; True for the last one (the files are closed then)."""
-        with self._lock:
-            self._inside -= 1
-            last = self._inside == 0
-        if last:  # the folder went into its snapshot, or goes now
-            self.digest.close()
-            for fd in (self.fd, self._dir):
-                os.close(fd)
-            self.arrival.close()
-            shutil.rmtree(self.push.folder, ignore_errors=True)
-        return last
-
-    def write(self, index: int, view: memoryview, offset: int) -> None:
-        """Write chunk ``index`` at ``offset``; tell readers how far the file
-        is written from its start."""
-        _write_at(self.fd, view, offset)
-        with self._lock:
-            if index == 0:  # safetensors: the header's length, then the header
-                end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
-                self._head = bytes(view[: min(end, len(view))]) if end <= len(view) else None
-            self._written.add(index)
-            advanced = self._prefix
-            while advanced in self._written:
-                self._written.discard(advanced)
-                advanced += 1
-            if advanced > self._prefix:
-                if self._prefix == 0:
-                    self.receipt.head_written(self._head)
-                self._prefix = advanced
-                self.arrival.ready(min(advanced * CHUNK_BYTES, self.push.weights_bytes))
-
-    def lane_done(self, digest_said: str) -> bool:
-        """A lane's bytes and digest are in; True for the push's last lane."""
-        with self._lock:
-            self.digests_said.append(digest_said)
-            return len(self.digests_said) == self.push.lanes
-
-    def check(self) -> None:
-        """Every lane is in: check the digest; the load may install now."""
-        push = self.push
-        digest = self.digest.hexdigest()
-        for said in self.digests_said:
-            if said != digest:
-                raise BadRequestError(
-                    f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
-                    f"{said}: the bytes were damaged"
-                )
-        self.arrival.complete()
-        with contextlib.suppress(FileNotFoundError):  # the folder may be a snapshot by now
-            os.unlink(MARKER, dir_fd=self._dir)
-        log_event(
-            "push_stream_received",
-            lora_name=push.lora_name,
-            bytes=push.weights_bytes,
-            lanes=push.lanes,
-            ms=round((time.perf_counter() - self.started) * 1000, 2),
-        )
-        self.receipt.received(digest)
-
-    def raise_if_failed(self) -> None:
-        """Stop a lane's receive once the push failed elsewhere."""
-        reply = self._reply
-        if reply is not None and reply["status"] != 200:
-            raise BadRequestError("another lane of the push, or its load, failed")
-
-    def fail(self, exc: ServerError) -> dict[str, Any]:
-        """Fail the push (unless it was answered already); its answer."""
-        self.receipt.failed(exc)
-        with self._lock:
-            if self._reply is None:
-                self.arrival.fail()
-                shutil.rmtree(self.push.folder, ignore_errors=True)
-        return self._settle(_error_reply(exc))
-
-    def _settle(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """The push's answer: the first one given, to every lane."""
-        with self._lock:
-            if self._reply is None:
-                self._reply = reply
-            settled = self._reply
-        self._answered.set()
-        return settled
-
-    def wait_for_reply(self, poll_s: float) -> dict[str, Any]:
-        """The push's answer, once it has one; a push whose other lanes never
-        connect fails after the join timeout."""
-        while not self._answered.wait(min(poll_s, 0.5)):
-            with self._lock:
-                missing = self.push.lanes - len(self._joined)
-            if missing and time.monotonic() > self._join_deadline:
-                self.fail(
-                    BadRequestError(
-                        f"{missing} of the push's {self.push.lanes} lanes never connected"
-                    )
-                )
-        assert self._reply is not None
-        return self._reply
-
-
-def _check_lane(lane: int, lanes: int) -> None:
-    if lane >= lanes:
-        raise BadRequestError(f"the push has lanes 0 to {lanes - 1}, not {lane}")
-
-
-def _write_at(fd: int, view: memoryview, offset: int) -> None:
-    """``os.pwrite`` until all of ``view`` is at ``offset``."""
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
 def _recv_exactly(
     conn: socket.socket, view: memoryview, before: int = 0, total: int | None = None
 ) -> None:
@@ -585,10 +368,6 @@ def _answer(conn: socket.socket, line: bytes, linger_s: float) -> None:
             pass
     except OSError:
         pass  # the sender is gone; the push's outcome is in the log
-
-
-def _error_reply(exc: ServerError) -> dict[str, Any]:
-    return {"status": exc.status, "error": {"type": exc.error_type, "message": exc.message}}
 
 
 async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -> AdapterInfo:

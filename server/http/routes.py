@@ -50,7 +50,8 @@ from .push import (
     payload_too_large,
     receive_push,
 )
-from .push_stream import OpenedPush, PushStreamListener
+from .push_assembly import OpenedPush
+from .push_stream import PushStreamListener
 from .sample import Sampler
 
 PREFIX = "/skyrl/v1"

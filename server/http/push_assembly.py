@@ -1,0 +1,259 @@
+"""One streamed push on its way in: the weights file its lanes write, the
+digest they feed, the arrival marker that lets its staging follow the
+bytes, the receipt its load awaits, and the one answer every lane gives.
+
+The listener (:mod:`.push_stream`) owns the sockets and the tickets; an
+:class:`Assembly` owns what a push writes and decides, so that its lanes
+(threads of their own) and its load (a coroutine on the event loop) meet
+in one place, under one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest
+from skyrl_lora.errors import BadRequestError, InternalServerError, ServerError
+from skyrl_lora.types import AdapterInfo
+
+from ..observability import log_event
+from ..weights.arrival import MARKER, ArrivalWriter
+from .push import WEIGHTS_FILE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenedPush:
+    """A push checked at its open, waiting for its weights."""
+
+    lora_name: str
+    #: Holds ``adapter_config.json`` already; the weights are written here.
+    folder: Path
+    weights_bytes: int
+    #: The push's form fields (``swap_policy``, ``version``, ``keep_previous_s``).
+    fields: dict[str, str] = field(default_factory=dict)
+    #: Connections its weights travel over (asked for; the ticket grants at most
+    #: :attr:`PushStreamConfig.max_lanes`).
+    lanes: int = 1
+
+
+class Receipt:
+    """How far a push's bytes came, as its load awaits it on the event loop.
+
+    Each step raises the stream's error instead if the push failed first.
+    """
+
+    def __init__(self) -> None:
+        self._head: Future[bytes | None] = Future()
+        self._digest: Future[str] = Future()
+
+    async def head(self) -> bytes | None:
+        """The weights file's first bytes, its safetensors header among them,
+        once they are written; None for a header longer than the first chunk
+        (then check the file once :meth:`digest` answers)."""
+        return await asyncio.wrap_future(self._head)
+
+    async def digest(self) -> str:
+        """The weights' chunked digest, once every lane is in, it matched and
+        the file is whole: the version may install from then on."""
+        return await asyncio.wrap_future(self._digest)
+
+    def head_written(self, head: bytes | None) -> None:
+        _settle(self._head, head)
+
+    def received(self, digest: str) -> None:
+        _settle(self._digest, digest)
+
+    def failed(self, exc: BaseException) -> None:
+        for future in (self._head, self._digest):
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(exc)
+
+
+def _settle(future: Future[Any], value: Any) -> None:
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(value)
+
+
+#: Loads a push on the event loop, as an HTTP push is loaded, from the moment
+#: its first lane connects: it may stage while the bytes arrive (the
+#: folder's weights file is followed through its :mod:`arrival
+#: <skyrl_lora.server.weights.arrival>` marker), and must install nothing
+#: before :meth:`Receipt.digest` answers.
+Finish = Callable[[OpenedPush, Receipt], Coroutine[Any, Any, AdapterInfo]]
+
+
+class Assembly:
+    """One push on its way in over its lanes: the file they write, the digest
+    they feed, the load that follows them, and the one answer all lanes give."""
+
+    def __init__(self, push: OpenedPush, join_timeout_s: float) -> None:
+        self.push = push
+        self.started = time.perf_counter()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
+        self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
+        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
+        self.digest = ChunkedDigest(total_bytes=push.weights_bytes)
+        self.receipt = Receipt()
+        self.digests_said: list[str] = []
+        self._join_deadline = time.monotonic() + join_timeout_s
+        self._lock = threading.Lock()
+        self._joined: set[int] = set()
+        self._inside = 0
+        self._written: set[int] = set()
+        self._prefix = 0  # chunks written from the file's start
+        self._head: bytes | None = None  # the file's first bytes to its header's end
+        self._reply: dict[str, Any] | None = None
+        self._answered = threading.Event()
+
+    def start_load(self, finish: Finish, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the push's load now: it stages while the bytes arrive."""
+        load = asyncio.run_coroutine_threadsafe(finish(self.push, self.receipt), loop)
+        load.add_done_callback(self._loaded)
+
+    def _loaded(self, load: Future[AdapterInfo]) -> None:
+        exc = load.exception()
+        if exc is None:
+            self._settle({"status": 200, "adapter": load.result().model_dump()})
+        elif isinstance(exc, ServerError):
+            self.fail(exc)
+        else:  # answered, not lost: the trainer sees why
+            logger.error("push stream's load failed", exc_info=exc)
+            self.fail(InternalServerError(f"the push stream's load failed: {exc!r}"))
+
+    def join(self, lane: int) -> None:
+        """Lane ``lane`` connected (called under the listener's lock)."""
+        with self._lock:
+            check_lane(lane, self.push.lanes)
+            if lane in self._joined:
+                raise BadRequestError(f"lane {lane} of the push is connected already")
+            self._joined.add(lane)
+            self._inside += 1
+
+    def leave(self) -> bool:
+        """A lane's thread is out; True for the last one (the files are closed then)."""
+        with self._lock:
+            self._inside -= 1
+            last = self._inside == 0
+        if last:  # the folder went into its snapshot, or goes now
+            self.digest.close()
+            for fd in (self.fd, self._dir):
+                os.close(fd)
+            self.arrival.close()
+            shutil.rmtree(self.push.folder, ignore_errors=True)
+        return last
+
+    def write(self, index: int, view: memoryview, offset: int) -> None:
+        """Write chunk ``index`` at ``offset``; tell readers how far the file
+        is written from its start."""
+        _write_at(self.fd, view, offset)
+        with self._lock:
+            if index == 0:  # safetensors: the header's length, then the header
+                end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
+                self._head = bytes(view[: min(end, len(view))]) if end <= len(view) else None
+            self._written.add(index)
+            advanced = self._prefix
+            while advanced in self._written:
+                self._written.discard(advanced)
+                advanced += 1
+            if advanced > self._prefix:
+                if self._prefix == 0:
+                    self.receipt.head_written(self._head)
+                self._prefix = advanced
+                self.arrival.ready(min(advanced * CHUNK_BYTES, self.push.weights_bytes))
+
+    def lane_done(self, digest_said: str) -> bool:
+        """A lane's bytes and digest are in; True for the push's last lane."""
+        with self._lock:
+            self.digests_said.append(digest_said)
+            return len(self.digests_said) == self.push.lanes
+
+    def check(self) -> None:
+        """Every lane is in: check the digest; the load may install now."""
+        push = self.push
+        digest = self.digest.hexdigest()
+        for said in self.digests_said:
+            if said != digest:
+                raise BadRequestError(
+                    f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
+                    f"{said}: the bytes were damaged"
+                )
+        self.arrival.complete()
+        with contextlib.suppress(FileNotFoundError):  # the folder may be a snapshot by now
+            os.unlink(MARKER, dir_fd=self._dir)
+        log_event(
+            "push_stream_received",
+            lora_name=push.lora_name,
+            bytes=push.weights_bytes,
+            lanes=push.lanes,
+            ms=round((time.perf_counter() - self.started) * 1000, 2),
+        )
+        self.receipt.received(digest)
+
+    def raise_if_failed(self) -> None:
+        """Stop a lane's receive once the push failed elsewhere."""
+        reply = self._reply
+        if reply is not None and reply["status"] != 200:
+            raise BadRequestError("another lane of the push, or its load, failed")
+
+    def fail(self, exc: ServerError) -> dict[str, Any]:
+        """Fail the push (unless it was answered already); its answer."""
+        self.receipt.failed(exc)
+        with self._lock:
+            if self._reply is None:
+                self.arrival.fail()
+                shutil.rmtree(self.push.folder, ignore_errors=True)
+        return self._settle(error_reply(exc))
+
+    def _settle(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The push's answer: the first one given, to every lane."""
+        with self._lock:
+            if self._reply is None:
+                self._reply = reply
+            settled = self._reply
+        self._answered.set()
+        return settled
+
+    def wait_for_reply(self, poll_s: float) -> dict[str, Any]:
+        """The push's answer, once it has one; a push whose other lanes never
+        connect fails after the join timeout."""
+        while not self._answered.wait(min(poll_s, 0.5)):
+            with self._lock:
+                missing = self.push.lanes - len(self._joined)
+            if missing and time.monotonic() > self._join_deadline:
+                self.fail(
+                    BadRequestError(
+                        f"{missing} of the push's {self.push.lanes} lanes never connected"
+                    )
+                )
+        assert self._reply is not None
+        return self._reply
+
+
+def check_lane(lane: int, lanes: int) -> None:
+    if lane >= lanes:
+        raise BadRequestError(f"the push has lanes 0 to {lanes - 1}, not {lane}")
+
+
+def _write_at(fd: int, view: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``view`` is at ``offset``."""
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def error_reply(exc: ServerError) -> dict[str, Any]:
+    return {"status": exc.status, "error": {"type": exc.error_type, "message": exc.message}}
