@@ -3,8 +3,9 @@
 ``python scripts/probes/staging_events.py SERVER_LOG`` prints, per adapter
 name (the part before ``@``) and read kind, the engine's ``adapter_staging``
 phases (total, read, copy, pack, slot write), the API's ``adapter_staged``
-wait, and the hand-overs' and files' ``handover_settled`` copies to the
-host after the swap. A server log of a long run is too large to keep; this
+wait, the hand-overs' and files' ``handover_settled`` copies to the host
+after the swap, and a streamed push's receive (``push_stream_received``, by
+lanes); a staging that read its file as it arrived is marked ``followed``. A server log of a long run is too large to keep; this
 is what is kept of it.
 """
 
@@ -27,6 +28,8 @@ FIELDS = {
         "naps",
     ),
     "adapter_staged": ("stage_ms", "polls"),
+    # a streamed push's receive, from its first lane to the digest matched
+    "push_stream_received": ("ms",),
 }
 
 
@@ -48,7 +51,10 @@ def main(path: str) -> None:
         kind = event.get("event")
         if kind in FIELDS:
             name = str(event.get("lora_name", "")).split("@")[0]
-            groups[(kind, name, str(event.get("read", "")))].append(event)
+            read = str(event.get("read", event.get("lanes", "")))
+            if event.get("followed"):  # read as its bytes arrived (a streamed push)
+                read += ",followed"
+            groups[(kind, name, read)].append(event)
         elif kind == "handover_settled":
             groups[(kind, "", "")].append(event)
     for (kind, name, read), events in sorted(groups.items()):
