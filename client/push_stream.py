@@ -105,6 +105,12 @@ def _send_lanes(
                     return _read_line(sock)
                 except OSError:
                     return b""
+            except BaseException:  # ours (the file shrank): stop every lane now
+                all_sent.abort()
+                for other in lanes:
+                    with contextlib.suppress(OSError):
+                        other.shutdown(socket.SHUT_RDWR)
+                raise
             return _read_line(sock)
 
         return list(pool.map(send, range(len(lanes))))

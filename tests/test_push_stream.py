@@ -338,3 +338,31 @@ async def test_a_closed_listener_takes_nothing(tmp_path: Path) -> None:
     assert not folder.exists()
     with pytest.raises(ServerUnavailableError):
         await send(ticket, b"0123456789")
+
+
+async def test_a_file_that_shrinks_while_sent_stops_every_lane(
+    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's own failure on one lane ends the others at once, not
+    after a timeout, and the server loads nothing."""
+    data = os.urandom(4 * CHUNK_BYTES)
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(data)
+    ticket, folder = server.open("tenant-a", len(data), lanes=4)
+    real_pread = os.pread
+
+    def shrinking(fd: int, length: int, offset: int) -> bytes:
+        if offset == 3 * CHUNK_BYTES:
+            return real_pread(fd, length - 1, offset)
+        return real_pread(fd, length, offset)
+
+    monkeypatch.setattr(os, "pread", shrinking)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ValueError, match="shrank"):
+        await send(ticket, path)
+    assert asyncio.get_running_loop().time() - started < 10
+    for _ in range(100):  # the server's lanes see the connections end, and fail the push
+        if not folder.exists():
+            break
+        await asyncio.sleep(0.05)
+    assert not folder.exists() and not server.loaded
