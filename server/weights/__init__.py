@@ -1,7 +1,8 @@
 """Adapter weights, from a file, an upload or a trainer's memory to an engine LoRA slot.
 
 Owns the registry of names and versions (``registry``), reading adapter files
-(``adapter_file``, ``adapter_reader``, ``tensor_pickle``, ``chunked``),
+(``adapter_file``, ``adapter_reader``, ``tensor_pickle``, ``chunked``), also
+while a streamed push still writes them (``arrival``),
 copying them out of a colocated trainer's memory (``handover``), building a
 known layout's model from its template (``handover_template``, with the
 buffers of ``staged_buffer``, on the GPU where there is one:
