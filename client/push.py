@@ -51,7 +51,7 @@ class AdapterPayload:
     @property
     def weights_bytes(self) -> int:
         """The size of the safetensors file."""
-        return _size_of(self.weights)
+        return weights_size(self.weights)
 
     def form(
         self,
@@ -91,7 +91,7 @@ class StreamedForm:
         head += self._part(CONFIG_FILE, config, "application/json", CONFIG_FILE)
         self._head = head + self._part_head(WEIGHTS_FILE, "application/octet-stream", WEIGHTS_FILE)
         self._weights = weights
-        self._weights_bytes = _size_of(weights)
+        self._weights_bytes = weights_size(weights)
         self._tail_bytes = len(self._tail("0" * 64))
 
     @property
@@ -157,7 +157,8 @@ class StreamedForm:
         return b"\r\n" + self._part("sha256", sha256.encode()) + closing
 
 
-def _size_of(weights: bytes | Path) -> int:
+def weights_size(weights: bytes | Path) -> int:
+    """The size of a safetensors file, in memory or on disk."""
     return weights.stat().st_size if isinstance(weights, Path) else len(weights)
 
 

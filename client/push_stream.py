@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from skyrl_lora.chunk_digest import ChunkedDigest, chunk_span, lane_chunks
+from skyrl_lora.client.push import weights_size
 from skyrl_lora.client.transport import error_from_body
 from skyrl_lora.errors import RequestTimeoutError, ResponseFormatError, ServerUnavailableError
 from skyrl_lora.types import PUSH_STREAM_HELLO, PushStreamTicket
@@ -83,7 +84,7 @@ def _send_lanes(
 ) -> list[bytes]:
     """Send every lane's chunks at once, a thread each; each lane's answer line
     (empty where a lane was cut off before the server said why)."""
-    total = weights.stat().st_size if isinstance(weights, Path) else len(weights)
+    total = weights_size(weights)
     all_sent = threading.Barrier(len(lanes))
     with (
         ChunkedDigest(total_bytes=total) as digest,

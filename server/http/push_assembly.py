@@ -163,7 +163,7 @@ class Assembly:
         with self._lock:
             if index == 0:  # safetensors: the header's length, then the header
                 end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
-                self._head = bytes(view[: min(end, len(view))]) if end <= len(view) else None
+                self._head = bytes(view[:end]) if end <= len(view) else None
             self._written.add(index)
             advanced = self._prefix
             while advanced in self._written:

@@ -390,10 +390,7 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         else:
             check_safetensors_head(head, push.weights_bytes)
         if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
-            source = STREAMED_PREFIX + await receipt.digest()
-            return await registry.prepare_owned(
-                pushed.lora_name, pushed.folder, source, pushed.version, replaces
-            )
+            await receipt.digest()
         prepared = await registry.prepare_owned(
             pushed.lora_name, pushed.folder, STREAMED_PREFIX + "arriving", pushed.version, replaces
         )

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from .arrival import Arrival, note_followed
-from .tensor_pickle import read_exactly
+from .tensor_pickle import pread_exactly, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {
@@ -66,7 +66,8 @@ class _ArrivingBytes:
     """An arriving file read by its offsets, each read once the writer says
     its bytes are there."""
 
-    def __init__(self, fd: int, arrival: Arrival) -> None:
+    def __init__(self, path: str, fd: int, arrival: Arrival) -> None:
+        self._path = path
         self._fd = fd
         self._arrival = arrival
         self.position = 0
@@ -82,15 +83,13 @@ class _ArrivingBytes:
     def tell(self) -> int:
         return self.position
 
+    def fileno(self) -> int:
+        return self._fd
+
     def readinto(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the file's bytes from ``offset``, once they are written."""
         self._arrival.wait_for(offset + len(view))
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if not got:
-                raise EOFError(f"the arriving file ended at byte {offset + done}")
-            done += got
+        pread_exactly(self._fd, view, offset, self._path)
 
 
 #: A following read takes the bytes in slices of this size as they land.
@@ -151,15 +150,6 @@ def read_header(file: Readable, size: int) -> tuple[dict[str, Any], int]:
     return header, size - 8 - header_bytes
 
 
-def _head(file: io.FileIO | _ArrivingBytes, nbytes: int) -> bytes:
-    """The first ``nbytes`` of the file."""
-    if isinstance(file, _ArrivingBytes):
-        head = bytearray(nbytes)
-        file.readinto(memoryview(head), 0)
-        return bytes(head)
-    return os.pread(file.fileno(), nbytes, 0)
-
-
 class OneBufferFile:
     """What vLLM's loader uses of ``safetensors.safe_open(path, framework="pt")``,
     read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
@@ -174,7 +164,7 @@ class OneBufferFile:
                 self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
                 return
             with arrival:
-                source = _ArrivingBytes(opened.fileno(), arrival)
+                source = _ArrivingBytes(path, opened.fileno(), arrival)
                 self._read(path, source, arrival.total_bytes, allocate)
 
     def _read(
@@ -191,7 +181,7 @@ class OneBufferFile:
         except ValueError as exc:
             raise UnsupportedFile(f"{path}: {exc}") from exc
         #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
-        self.head = _head(file, file.tell())
+        self.head = os.pread(file.fileno(), file.tell(), 0)
         self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
         self._entries = {
             name: _entry(name, info, data_bytes, torch) for name, info in header.items()

@@ -145,14 +145,21 @@ def read_exactly(
         done += read
 
 
+def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (``preadv`` may read less per
+    call); EOFError if the file ends first."""
+    done = 0
+    while done < len(view):
+        read = os.preadv(fd, [view[done:]], offset + done)
+        if not read:
+            raise EOFError(f"{path} ended before byte {offset + len(view)} of the read")
+        done += read
+
+
 def _read_in_chunks(fd: int, view: memoryview, start: int, nbytes: int, path: str) -> None:
     """``nbytes`` from ``fd`` at ``start`` into ``view``, in chunks at once."""
 
     def read_chunk(begin: int, end: int) -> None:
-        while begin < end:
-            read = os.preadv(fd, [view[begin:end]], start + begin)
-            if not read:
-                raise EOFError(f"{path} ended before byte {start + end} of the read")
-            begin += read
+        pread_exactly(fd, view[begin:end], start + begin, path)
 
     chunked.run_in_chunks(nbytes, read_chunk)
