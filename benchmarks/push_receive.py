@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import socket
@@ -56,8 +57,9 @@ RATIOS = (
 )
 
 
-def serve(port: int) -> None:
-    """The server process: ``/push`` and ``/sink`` on uvicorn."""
+def serve(port: int, events: Path | None) -> None:
+    """The server process: ``/push`` and ``/sink`` on uvicorn; the push
+    stream's receive events go to ``events``, a line each."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -118,6 +120,11 @@ def serve(port: int) -> None:
         Route("/sink", sink, methods=["POST"]),
         Route("/stream/open", open_stream, methods=["POST"]),
     ]
+    if events is not None:
+        from skyrl_lora.server.observability import event_logger
+
+        event_logger.setLevel(logging.INFO)
+        event_logger.addHandler(logging.FileHandler(events))
     uvicorn.run(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -217,6 +224,33 @@ def report(result: dict[str, Any]) -> str:
     return table(rows)
 
 
+def receive_parts(events: Path) -> dict[str, dict[str, float]]:
+    """Where the push stream's receives spent their time, by lane count
+    (medians over pushes, warm-up included): the receive's ms, the slowest
+    lane's time reading its socket and waiting for its writes and hashes,
+    the writes' summed time, and the wait for the digest after the last lane."""
+    by_lanes: dict[str, list[dict[str, Any]]] = {}
+    for line in events.read_text().splitlines() if events.exists() else []:
+        event = json.loads(line.split("skyrl_event ", 1)[1]) if "skyrl_event " in line else {}
+        if event.get("event") == "push_stream_received":
+            by_lanes.setdefault(str(event["lanes"]), []).append(event)
+
+    def median(values: list[float]) -> float:
+        return round(sorted(values)[len(values) // 2], 1)
+
+    return {
+        lanes: {
+            "pushes": len(pushes),
+            "ms": median([e["ms"] for e in pushes]),
+            "slowest_lane_recv_ms": median([max(e["recv_ms"]) for e in pushes]),
+            "slowest_lane_wait_ms": median([max(e["wait_ms"]) for e in pushes]),
+            "write_ms_summed": median([e["write_ms"] for e in pushes]),
+            "digest_wait_ms": median([e["digest_wait_ms"] for e in pushes]),
+        }
+        for lanes, pushes in sorted(by_lanes.items())
+    }
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -226,6 +260,7 @@ def free_port() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--mb", type=int, default=336, help="weights file size (rank 64, 8B: 336)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sends", type=int, default=3, help="sends per route and round")
@@ -233,13 +268,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/push_receive.json")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.events)
         return 0
     port = free_port()
-    argv = [sys.executable, "-m", "benchmarks.push_receive", "--serve", str(port)]
-    server = subprocess.Popen(argv)
-    try:
-        with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as work:
+        events = Path(work) / "events.log"
+        argv = [sys.executable, "-m", "benchmarks.push_receive", "--serve", str(port)]
+        server = subprocess.Popen([*argv, "--events", str(events)])
+        try:
             folder = adapter(Path(work) / "adapter", args.mb)
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
@@ -252,9 +288,10 @@ def main() -> int:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
             times = asyncio.run(measure(url, folder, args.rounds, args.sends, args.lanes))
-    finally:
-        server.terminate()
-        server.wait(30)
+        finally:
+            server.terminate()
+            server.wait(30)
+        receives = receive_parts(events)
     result = {
         "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d"),
@@ -264,11 +301,14 @@ def main() -> int:
         "sends_per_round": args.sends,
         "lanes": args.lanes,
         **summarise(times, args.mb),
+        "receive_parts": receives,
         "raw_ms": times,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(report(result))
+    for lanes, parts in receives.items():
+        print(f"receive over {lanes} lane(s), medians over pushes: {parts}")
     print(f"wrote {args.json}")
     return 0
 

@@ -95,6 +95,17 @@ def _settle(future: Future[Any], value: Any) -> None:
 Finish = Callable[[OpenedPush, Receipt], Coroutine[Any, Any, AdapterInfo]]
 
 
+@dataclass
+class LaneTiming:
+    """Where one lane's receive spent its time: reading its socket, and
+    waiting for its earlier chunks' writes and hashes to free a buffer.
+    A lane that mostly waits is held by the writes or the hashes; one that
+    mostly reads, by the sender or the network."""
+
+    recv_s: float = 0.0
+    wait_s: float = 0.0
+
+
 class Assembly:
     """One push on its way in over its lanes: the file they write, the digest
     they feed, the load that follows them, and the one answer all lanes give."""
@@ -109,6 +120,8 @@ class Assembly:
         self.digest = ChunkedDigest(total_bytes=push.weights_bytes)
         self.receipt = Receipt()
         self.digests_said: list[str] = []
+        self.lane_timings: list[LaneTiming] = []
+        self._write_s = 0.0  # summed over the writer threads
         self._join_deadline = time.monotonic() + join_timeout_s
         self._lock = threading.Lock()
         self._joined: set[int] = set()
@@ -159,8 +172,11 @@ class Assembly:
     def write(self, index: int, view: memoryview, offset: int) -> None:
         """Write chunk ``index`` at ``offset``; tell readers how far the file
         is written from its start."""
+        began = time.perf_counter()
         _write_at(self.fd, view, offset)
+        took = time.perf_counter() - began
         with self._lock:
+            self._write_s += took
             if index == 0:  # safetensors: the header's length, then the header
                 end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
                 self._head = bytes(view[:end]) if end <= len(view) else None
@@ -175,16 +191,19 @@ class Assembly:
                 self._prefix = advanced
                 self.arrival.ready(min(advanced * CHUNK_BYTES, self.push.weights_bytes))
 
-    def lane_done(self, digest_said: str) -> bool:
+    def lane_done(self, digest_said: str, timing: LaneTiming) -> bool:
         """A lane's bytes and digest are in; True for the push's last lane."""
         with self._lock:
             self.digests_said.append(digest_said)
+            self.lane_timings.append(timing)
             return len(self.digests_said) == self.push.lanes
 
     def check(self) -> None:
         """Every lane is in: check the digest; the load may install now."""
         push = self.push
+        lanes_in = time.perf_counter()
         digest = self.digest.hexdigest()
+        digest_wait_s = time.perf_counter() - lanes_in
         for said in self.digests_said:
             if said != digest:
                 raise BadRequestError(
@@ -199,7 +218,11 @@ class Assembly:
             lora_name=push.lora_name,
             bytes=push.weights_bytes,
             lanes=push.lanes,
-            ms=round((time.perf_counter() - self.started) * 1000, 2),
+            ms=_ms(time.perf_counter() - self.started),
+            recv_ms=[_ms(t.recv_s) for t in self.lane_timings],
+            wait_ms=[_ms(t.wait_s) for t in self.lane_timings],
+            write_ms=_ms(self._write_s),
+            digest_wait_ms=_ms(digest_wait_s),
         )
         self.receipt.received(digest)
 
@@ -241,6 +264,10 @@ class Assembly:
                 )
         assert self._reply is not None
         return self._reply
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
 
 
 def check_lane(lane: int, lanes: int) -> None:

@@ -89,6 +89,7 @@ from .push import (
 from .push_assembly import (
     Assembly,
     Finish,
+    LaneTiming,
     OpenedPush,
     Receipt,
     check_lane,
@@ -299,6 +300,7 @@ class PushStreamListener:
         most = max(2, self.config.buffers_in_flight // push.lanes)
         lane_total = lane_bytes(lane, push.lanes, push.weights_bytes)
         received = 0
+        timing = LaneTiming()
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="skyrl-push-stream-write") as writer:
                 for index in chunks:
@@ -307,11 +309,15 @@ class PushStreamListener:
                         buffer = self._buffer()
                     else:
                         buffer, done = in_flight.popleft()
+                        waited = time.perf_counter()
                         for future in done:
                             future.result()
+                        timing.wait_s += time.perf_counter() - waited
                     start, length = chunk_span(index, push.weights_bytes)
                     view = memoryview(buffer)[:length]
+                    began = time.perf_counter()
                     _recv_exactly(conn, view, received, lane_total)
+                    timing.recv_s += time.perf_counter() - began
                     received += length
                     in_flight.append(
                         (
@@ -322,16 +328,18 @@ class PushStreamListener:
                             ],
                         )
                     )
+                waited = time.perf_counter()
                 for _, done in in_flight:
                     for future in done:
                         future.result()
+                timing.wait_s += time.perf_counter() - waited
         finally:
             with self._lock:
                 spare = self.config.buffers_in_flight * 2 - len(self._buffers)
                 self._buffers.extend(buffer for buffer, _ in list(in_flight)[: max(0, spare)])
         theirs = bytearray(_DIGEST_HEX)
         _recv_exactly(conn, memoryview(theirs))
-        if assembly.lane_done(theirs.decode("ascii", errors="replace")):
+        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
             assembly.check()
 
     def _buffer(self) -> bytearray:
