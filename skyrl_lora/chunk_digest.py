@@ -22,7 +22,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Final
 
 #: Bytes of every chunk but the last.
@@ -80,12 +80,22 @@ class ChunkedDigest:
     Chunks come in order, or, with ``total_bytes`` given, by index from any
     number of threads (a push's lanes). The caller keeps a chunk's memory
     unchanged until the future that :meth:`add` returned is done (a
-    receiver reuses its buffer after that).
+    receiver reuses its buffer after that). ``pool``: threads to hash on,
+    kept by the caller across digests (starting threads for each one cost
+    a busy receiver milliseconds); else the digest starts its own.
     """
 
-    def __init__(self, threads: int | None = None, total_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        total_bytes: int | None = None,
+        pool: Executor | None = None,
+    ) -> None:
         count = threads if threads is not None else min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(max(1, count), thread_name_prefix="skyrl-chunk-sha256")
+        self._owned = pool is None
+        self._pool = pool or ThreadPoolExecutor(
+            max(1, count), thread_name_prefix="skyrl-chunk-sha256"
+        )
         self._total = total_bytes
         self._lock = threading.Lock()
         self._parts: dict[int, Future[bytes]] = {}
@@ -128,7 +138,8 @@ class ChunkedDigest:
         """Stop the threads (chunks not yet hashed are dropped)."""
         for part in self._parts.values():
             part.cancel()
-        self._pool.shutdown(wait=False)
+        if self._owned:
+            self._pool.shutdown(wait=False)
 
     def __enter__(self) -> ChunkedDigest:
         return self

@@ -80,13 +80,13 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 from ..engine.gated import GatedEngine
 from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
-    WEIGHTS_FILE,
     check_safetensors,
     check_safetensors_head,
     checked_push,
     load_pushed,
 )
 from .push_assembly import (
+    Answered,
     Assembly,
     Finish,
     LaneTiming,
@@ -95,6 +95,7 @@ from .push_assembly import (
     check_lane,
     error_reply,
 )
+from .receive_area import ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,11 @@ class PushStreamConfig:
     max_lanes: int = 8
     #: Seconds a refused stream's bytes are still read (and dropped) after its answer.
     linger_s: float = 5.0
+    #: Receive areas (:mod:`.receive_area`) kept for the next pushes of the
+    #: same size; 0 writes each push's weights file in its folder instead.
+    idle_areas: int = 2
+    #: Threads that hash the chunks of every push.
+    hash_threads: int = 8
 
 
 class PushStreamListener:
@@ -148,6 +154,10 @@ class PushStreamListener:
         self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
+        self._areas = ReceiveAreas.available(self.config.idle_areas)
+        self._hashers = ThreadPoolExecutor(
+            self.config.hash_threads, thread_name_prefix="skyrl-chunk-sha256"
+        )
         self._sock = socket.create_server((host or "", port))
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
@@ -194,6 +204,9 @@ class PushStreamListener:
         except OSError:
             pass
         self._sock.close()
+        self._hashers.shutdown(wait=False)
+        if self._areas is not None:
+            self._areas.close()
 
     # -- streams (listener threads) ------------------------------------------
     def _accept_loop(self) -> None:
@@ -227,6 +240,8 @@ class PushStreamListener:
             assembly, lane = self._claim(conn)
             self._receive_lane(conn, assembly, lane)
             return assembly.wait_for_reply(self.config.idle_timeout_s)
+        except Answered as over:
+            return over.reply
         except ServerError as exc:
             return self._failed(assembly, exc)
         except OSError as exc:
@@ -274,7 +289,9 @@ class PushStreamListener:
                     )
                 check_lane(lane, entry[0].lanes)
                 del self._tickets[ticket]
-                assembly = Assembly(entry[0], self.config.idle_timeout_s)
+                assembly = Assembly(
+                    entry[0], self.config.idle_timeout_s, self._areas, self._hashers
+                )
                 self._assemblies[ticket] = assembly
                 assembly.start_load(self._finish, self._loop)
             assembly.join(lane)
@@ -290,11 +307,22 @@ class PushStreamListener:
                         del self._assemblies[ticket]
 
     def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
-        """Read one lane's chunks into reused buffers; each is written at its
-        offset and hashed on threads of their own while the next is read.
-        The lane that brings the last bytes checks the digest and loads."""
-        push = assembly.push
+        """Read one lane's chunks into the push's receive area, or into reused
+        buffers each written at its offset on a thread of its own; each chunk
+        is hashed on other threads while the next is read. The lane that
+        brings the last bytes checks the digest and loads."""
         conn.settimeout(self.config.idle_timeout_s)
+        if assembly.area is not None:
+            timing = _receive_into(conn, assembly, lane)
+        else:
+            timing = self._receive_buffered(conn, assembly, lane)
+        theirs = bytearray(_DIGEST_HEX)
+        _recv_exactly(conn, memoryview(theirs))
+        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
+            assembly.check()
+
+    def _receive_buffered(self, conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
+        push = assembly.push
         chunks = lane_chunks(lane, push.lanes, push.weights_bytes)
         in_flight: deque[tuple[bytearray, list[Future[Any]]]] = deque()
         most = max(2, self.config.buffers_in_flight // push.lanes)
@@ -337,16 +365,39 @@ class PushStreamListener:
             with self._lock:
                 spare = self.config.buffers_in_flight * 2 - len(self._buffers)
                 self._buffers.extend(buffer for buffer, _ in list(in_flight)[: max(0, spare)])
-        theirs = bytearray(_DIGEST_HEX)
-        _recv_exactly(conn, memoryview(theirs))
-        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
-            assembly.check()
+        return timing
 
     def _buffer(self) -> bytearray:
         with self._lock:
             if self._buffers:
                 return self._buffers.pop()
         return bytearray(CHUNK_BYTES)
+
+
+def _receive_into(conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
+    """Read one lane's chunks straight into the push's receive area, each
+    hashed on other threads while the next is read."""
+    push, area = assembly.push, assembly.area
+    assert area is not None
+    lane_total = lane_bytes(lane, push.lanes, push.weights_bytes)
+    timing = LaneTiming()
+    hashed: list[Future[Any]] = []
+    received = 0
+    for index in lane_chunks(lane, push.lanes, push.weights_bytes):
+        assembly.raise_if_failed()
+        start, length = chunk_span(index, push.weights_bytes)
+        view = area.view[start : start + length]
+        began = time.perf_counter()
+        _recv_exactly(conn, view, received, lane_total)
+        timing.recv_s += time.perf_counter() - began
+        received += length
+        assembly.landed(index, view)
+        hashed.append(assembly.digest.add(view, index))
+    waited = time.perf_counter()
+    for future in hashed:
+        future.result()
+    timing.wait_s += time.perf_counter() - waited
+    return timing
 
 
 def _recv_exactly(
@@ -394,13 +445,18 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         head = await receipt.head()
         if head is None:  # a header past the first chunk: checked in the whole file
             await receipt.digest()
-            check_safetensors(push.folder / WEIGHTS_FILE)
+            check_safetensors(receipt.weights)
         else:
             check_safetensors_head(head, push.weights_bytes)
         if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
             await receipt.digest()
         prepared = await registry.prepare_owned(
-            pushed.lora_name, pushed.folder, STREAMED_PREFIX + "arriving", pushed.version, replaces
+            pushed.lora_name,
+            pushed.folder,
+            STREAMED_PREFIX + "arriving",
+            pushed.version,
+            replaces,
+            receipt.weights_fd,
         )
         if isinstance(prepared, AdapterRecord):
             return prepared
