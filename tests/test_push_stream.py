@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -354,14 +354,15 @@ async def test_a_file_that_shrinks_while_sent_stops_every_lane(
     path = tmp_path / "weights.safetensors"
     path.write_bytes(data)
     ticket, folder = server.open("tenant-a", len(data), lanes=4)
-    real_pread = os.pread
+    real_preadv = os.preadv
+    end = 4 * CHUNK_BYTES - 1  # the file's last byte is gone by the time it is read
 
-    def shrinking(fd: int, length: int, offset: int) -> bytes:
-        if offset == 3 * CHUNK_BYTES:
-            return real_pread(fd, length - 1, offset)
-        return real_pread(fd, length, offset)
+    def shrinking(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset >= end:
+            return 0
+        return real_preadv(fd, [buffers[0][: end - offset]], offset)
 
-    monkeypatch.setattr(os, "pread", shrinking)
+    monkeypatch.setattr(os, "preadv", shrinking)
     started = asyncio.get_running_loop().time()
     with pytest.raises(ValueError, match="shrank"):
         await send(ticket, path)
@@ -380,13 +381,16 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
     try:
         data = os.urandom(2 * CHUNK_BYTES + 5)
         await send(fake.open("tenant-a", len(data), lanes=2)[0], data)
+        await until(lambda: fake.listener.idle_areas() == 1)  # given back after the answer
         await send(fake.open("tenant-a", len(data), lanes=2)[0], data[::-1])
         first, second = fake.areas
         assert first is not None and first == second and first.is_dir()
         assert fake.loaded[-1][1] == data[::-1]  # the area's bytes are the new push's
+        await until(lambda: fake.listener.idle_areas() == 1)
         other = os.urandom(1000)  # another size: a new area; only one is kept idle
         await send(fake.open("tenant-a", len(other))[0], other)
-        assert fake.areas[-1] not in (None, first) and not first.exists()
+        await until(lambda: not first.exists())
+        assert fake.areas[-1] not in (None, first) and fake.listener.idle_areas() == 1
         kept = fake.areas[-1]
         assert kept is not None and sorted(p.name for p in kept.iterdir()) == [
             "adapter_model.safetensors"  # the arrival marker went with the digest's match
@@ -401,3 +405,10 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
     finally:
         fake.listener.close()
     assert not [area for area in fake.areas if area is not None and area.exists()]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.01)

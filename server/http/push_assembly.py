@@ -29,8 +29,9 @@ from skyrl_lora.types import AdapterInfo
 
 from ..observability import log_event
 from ..weights.arrival import MARKER, ArrivalWriter
+from ..weights.snapshot_writer import PENDING_FILE, write_weights_from
 from .push import WEIGHTS_FILE
-from .receive_area import ReceiveAreas
+from .receive_area import ReceiveArea, ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class Receipt:
     def __init__(self, weights: Path, weights_fd: int | None = None) -> None:
         self.weights = weights
         self.weights_fd = weights_fd
+        #: Set by the load once the version is installed: its snapshot, whose
+        #: weights file the push writes from ``weights_fd`` where it is pending.
+        self.snapshot: Path | None = None
         self._head: Future[bytes | None] = Future()
         self._digest: Future[str] = Future()
 
@@ -132,7 +136,7 @@ class Assembly:
         push: OpenedPush,
         join_timeout_s: float,
         areas: ReceiveAreas | None = None,
-        digest_pool: Executor | None = None,
+        pool: Executor | None = None,
     ) -> None:
         self.push = push
         self.started = time.perf_counter()
@@ -148,7 +152,8 @@ class Assembly:
             lands_in = self.area.folder
         self._dir = os.open(lands_in, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
         self.arrival = ArrivalWriter(lands_in, push.weights_bytes)
-        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=digest_pool)
+        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=pool)
+        self._pool = pool
         self.receipt = Receipt(lands_in / WEIGHTS_FILE, None if self.area is None else self.area.fd)
         self._area_holds = 2  # the lanes and the load: the last to finish gives it back
         self.digests_said: list[str] = []
@@ -182,18 +187,33 @@ class Assembly:
         self._release_area()
 
     def _release_area(self) -> None:
-        """Once the lanes and the load are both done with the area: back to
-        the pool after a push that installed, else removed (a failed push's
-        readers may still be at its file)."""
+        """Once the lanes and the load are both done with the area: its
+        version's snapshot gets its weights file from it, and it goes back
+        to the pool; after a push that failed it is removed (its readers may
+        still be at its file)."""
         with self._lock:
             self._area_holds -= 1
             if self._area_holds or self.area is None:
                 return
             area, installed = self.area, self._reply is not None and self._reply["status"] == 200
-        if installed and self._areas is not None:
-            self._areas.give_back(area)
-        else:
+        if not installed or self._areas is None:
             area.close()
+        elif self._pool is None:
+            self._write_snapshot(area)
+        else:  # a 336 MB copy: never on the event loop, nor in a lane's answer
+            self._pool.submit(self._write_snapshot, area)
+
+    def _write_snapshot(self, area: ReceiveArea) -> None:
+        snapshot = self.receipt.snapshot
+        try:
+            if snapshot is not None and (snapshot / PENDING_FILE).exists():
+                write_weights_from(area.fd, snapshot, WEIGHTS_FILE)
+        except BaseException:
+            logger.exception("the snapshot %s did not get its weights file", snapshot)
+            area.close()
+            raise
+        assert self._areas is not None
+        self._areas.give_back(area)
 
     def join(self, lane: int) -> None:
         """Lane ``lane`` connected (called under the listener's lock). A lane
@@ -296,12 +316,17 @@ class Assembly:
             raise BadRequestError("another lane of the push, or its load, failed")
 
     def fail(self, exc: ServerError) -> dict[str, Any]:
-        """Fail the push (unless it was answered already); its answer."""
-        self.receipt.failed(exc)
+        """Fail the push (unless it was answered already); its answer. The
+        answer is settled before the folder goes, so a load that fails for
+        want of it (a race) cannot answer first."""
         with self._lock:
-            if self._reply is None:
+            first = self._reply is None
+            if first:
+                self._reply = error_reply(exc)
                 self.arrival.fail()
-                shutil.rmtree(self.push.folder, ignore_errors=True)
+        self.receipt.failed(exc)
+        if first:
+            shutil.rmtree(self.push.folder, ignore_errors=True)
         return self._settle(error_reply(exc))
 
     def _settle(self, reply: dict[str, Any]) -> dict[str, Any]:

@@ -58,6 +58,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from skyrl_lora.chunk_digest import (
@@ -165,6 +166,10 @@ class PushStreamListener:
             target=self._accept_loop, name="skyrl-push-stream", daemon=True
         )
         self._acceptor.start()
+
+    def idle_areas(self) -> int:
+        """Receive areas kept for the next pushes (0 where pushes write files)."""
+        return 0 if self._areas is None else self._areas.idle()
 
     # -- tickets (called on the event loop) ---------------------------------
     def open(self, push: OpenedPush) -> PushStreamTicket:
@@ -465,7 +470,11 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         except BaseException:
             await registry.abandon(prepared)
             raise
+        staged_in.append(prepared.snapshot)
         return dataclasses.replace(prepared, source_path=STREAMED_PREFIX + digest)
 
+    staged_in: list[Path] = []
     applied = await load_pushed(engine, pushed, prepare)
+    if applied and staged_in:  # installed: its snapshot's weights come from the push
+        receipt.snapshot = staged_in[-1]
     return engine.adapter_info(push.lora_name, applied=applied)

@@ -100,6 +100,10 @@ class ReceiveAreas:
                 area = self._idle.pop(0)
         area.close()
 
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

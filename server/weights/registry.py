@@ -72,13 +72,19 @@ class LoRAEngine(Protocol):
     """
 
     async def stage(
-        self, lora_request: Any, replaces: int | None = None, weights_fd: int | None = None
+        self,
+        lora_request: Any,
+        replaces: int | None = None,
+        weights_fd: int | None = None,
+        writes_snapshot: bool = True,
     ) -> None:
         """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing).
 
         ``replaces``: the engine id of a version none of whose requests can run
         before this one is installed; the engine may drop it at once.
-        ``weights_fd``: given only to an engine that ``takes_files``.
+        ``weights_fd``: given only to an engine that ``takes_files``; it
+        writes the snapshot's weights file unless ``writes_snapshot`` is
+        False (then the registry's caller does, after the swap).
         """
 
     async def discard(self, lora_id: int) -> None:
@@ -303,9 +309,11 @@ class AdapterRegistry:
         (and after a repeat of the current version). ``weights_fd``: the
         weights, open, where they are not in the folder (a streamed push's
         receive area, maybe still arriving): an engine that :attr:`takes_files`
-        reads them from it and writes the snapshot's copy after the swap;
-        for any other, the copy is made here, once the file is whole. The
-        caller keeps the file until the version is installed or abandoned.
+        reads them from it, and the snapshot's weights file is left to the
+        caller, who writes it from the file after the swap (the snapshot
+        holds :data:`PENDING_FILE` until then; :func:`write_weights_from`);
+        for any other engine, the copy is made here, once the file is whole.
+        The caller keeps the file unchanged until then.
         """
         if self.repeats(lora_name, version):
             try:
@@ -331,7 +339,9 @@ class AdapterRegistry:
                 shutil.rmtree(target, ignore_errors=True)
                 raise
             weights_fd = None
-        return await self._stage(lora_name, version, target, source, replaces, weights_fd)
+        return await self._stage(
+            lora_name, version, target, source, replaces, weights_fd, writes_snapshot=False
+        )
 
     @property
     def takes_files(self) -> bool:
@@ -353,6 +363,7 @@ class AdapterRegistry:
         source: str,
         replaces: int | None,
         weights_fd: int | None = None,
+        writes_snapshot: bool = True,
     ) -> PreparedVersion:
         request = self._make_request(
             lora_name=f"{lora_name}@v{version}",
@@ -361,7 +372,7 @@ class AdapterRegistry:
         )
         prepared = PreparedVersion(lora_name, version, source, request)
         async with self._abandoned_on_failure(prepared):
-            await self._engine.stage(request, replaces, weights_fd)
+            await self._engine.stage(request, replaces, weights_fd, writes_snapshot)
         return prepared
 
     def repeats(self, lora_name: str, version: int | None) -> bool:
