@@ -66,7 +66,7 @@ def serve(port: int, events: Path | None) -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from skyrl_lora.server.http.push import check_safetensors, checked_push, receive_push
+    from skyrl_lora.server.http.push import checked_push, receive_push
     from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
     from skyrl_lora.server.http.push_stream import PushStreamListener
     from skyrl_lora.types import AdapterInfo
@@ -76,10 +76,7 @@ def serve(port: int, events: Path | None) -> None:
     async def checked(push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         try:
             digest = await receipt.digest()
-            pushed = await asyncio.to_thread(
-                checked_push, push.fields, push.folder, digest, weights_written=False
-            )
-            await asyncio.to_thread(check_safetensors, receipt.weights)
+            pushed = await asyncio.to_thread(checked_push, push.fields, push.folder, digest)
         finally:
             shutil.rmtree(push.folder, ignore_errors=True)
         return AdapterInfo(

@@ -19,13 +19,12 @@ import json
 import os
 import socket
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest, chunk_span, lane_chunks
+from skyrl_lora.chunk_digest import ChunkedDigest, chunk_span, lane_chunks
 from skyrl_lora.client.push import weights_size
 from skyrl_lora.client.transport import error_from_body
 from skyrl_lora.errors import RequestTimeoutError, ResponseFormatError, ServerUnavailableError
@@ -118,11 +117,6 @@ def _send_lanes(
         return list(pool.map(send, range(len(lanes))))
 
 
-#: Buffers a lane reads a file's chunks into, in turn: one is sent while the
-#: ones before it are still hashed.
-LANE_BUFFERS = 3
-
-
 def _send_chunks(
     sock: socket.socket,
     weights: bytes | Path,
@@ -131,51 +125,26 @@ def _send_chunks(
     total: int,
     digest: ChunkedDigest,
 ) -> None:
-    """Send one lane's chunks while other threads hash them.
+    """Send one lane's chunks while other threads hash them."""
+    with contextlib.ExitStack() as stack:
+        if isinstance(weights, Path):
+            fd = stack.enter_context(weights.open("rb", buffering=0)).fileno()
 
-    A file's chunks are read into the lane's few reused buffers: a fresh
-    8 MiB ``bytes`` per chunk costs its allocation and a page fault per 4 KiB
-    page, and the lanes of a rank-64 push of the 8B model read at 1.2-1.5
-    GB/s each that way on the H200 machine's host (main cf489ef, 2026-11-26),
-    against about 2.7 GB/s that the receiving side takes.
-    """
-    chunks = lane_chunks(lane, lanes, total)
-    if not isinstance(weights, Path):
-        view = memoryview(weights)
-        for index in chunks:
-            start, length = chunk_span(index, total)
-            digest.add(view[start : start + length], index)
-            sock.sendall(view[start : start + length])
-        return
-    with weights.open("rb", buffering=0) as file:
-        ring: deque[tuple[memoryview, Future[bytes] | None]] = deque(
-            (memoryview(bytearray(CHUNK_BYTES)), None)
-            for _ in range(min(LANE_BUFFERS, len(chunks)))
-        )
-        for index in chunks:
-            buffer, hashing = ring.popleft()
-            if hashing is not None:
-                hashing.result()  # its last chunk is hashed: the buffer may be reused
-            start, length = chunk_span(index, total)
-            chunk = buffer[:length]
-            if pread_into(file.fileno(), chunk, start) != length:
-                raise ValueError(f"{weights} shrank while it was being sent")
-            ring.append((buffer, digest.add(chunk, index)))
+            def piece(start: int, length: int) -> bytes | memoryview:
+                chunk = os.pread(fd, length, start)
+                if len(chunk) != length:
+                    raise ValueError(f"{weights} shrank while it was being sent")
+                return chunk
+        else:
+            view = memoryview(weights)
+
+            def piece(start: int, length: int) -> bytes | memoryview:
+                return view[start : start + length]
+
+        for index in lane_chunks(lane, lanes, total):
+            chunk = piece(*chunk_span(index, total))
+            digest.add(chunk, index)
             sock.sendall(chunk)
-        for _, hashing in ring:
-            if hashing is not None:
-                hashing.result()
-
-
-def pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``offset`` of ``fd``; the bytes read (fewer at the file's end)."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if not n:
-            break
-        got += n
-    return got
 
 
 def _parsed_answer(line: bytes, where: str) -> tuple[int, dict[str, Any], bytes]:

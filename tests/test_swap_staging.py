@@ -45,11 +45,7 @@ class _Engine:
         return self.gate.is_paused("a")
 
     async def stage(
-        self,
-        request: _Request,
-        replaces: int | None = None,
-        weights_fd: int | None = None,
-        writes_snapshot: bool = True,
+        self, request: _Request, replaces: int | None = None, weights_fd: int | None = None
     ) -> None:
         self.paused_while["stage"] = self._paused()
         self.replaced.append(replaces)

@@ -29,9 +29,7 @@ from skyrl_lora.types import AdapterInfo
 
 from ..observability import log_event
 from ..weights.arrival import MARKER, ArrivalWriter
-from ..weights.snapshot_writer import PENDING_FILE, write_weights_from
 from .push import WEIGHTS_FILE
-from .receive_area import ReceiveArea, ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +50,12 @@ class OpenedPush:
 
 
 class Receipt:
-    """Where a push's bytes land and how far they came, as its load awaits
-    it on the event loop.
+    """How far a push's bytes came, as its load awaits it on the event loop.
 
-    ``weights``: the weights file, whole once :meth:`digest` answers;
-    ``weights_fd``: a descriptor of it where it is not in the push's folder
-    but in a receive area (:mod:`.receive_area`): the load hands it to the
-    engine, which writes the snapshot's copy (see
-    :meth:`~skyrl_lora.server.weights.registry.AdapterRegistry.prepare_owned`).
     Each step raises the stream's error instead if the push failed first.
     """
 
-    def __init__(self, weights: Path, weights_fd: int | None = None) -> None:
-        self.weights = weights
-        self.weights_fd = weights_fd
-        #: Set by the load once the version is installed: its snapshot, whose
-        #: weights file the push writes from ``weights_fd`` where it is pending.
-        self.snapshot: Path | None = None
+    def __init__(self) -> None:
         self._head: Future[bytes | None] = Future()
         self._digest: Future[str] = Future()
 
@@ -132,30 +119,16 @@ class Assembly:
     they feed, the load that follows them, and the one answer all lanes give."""
 
     def __init__(
-        self,
-        push: OpenedPush,
-        join_timeout_s: float,
-        areas: ReceiveAreas | None = None,
-        pool: Executor | None = None,
+        self, push: OpenedPush, join_timeout_s: float, hashers: Executor | None = None
     ) -> None:
         self.push = push
         self.started = time.perf_counter()
-        #: Where the lanes receive: an area's map, else the folder's file (``fd``).
-        self.area = None if areas is None else areas.take(push.weights_bytes)
-        self._areas = areas
-        self.fd: int | None = None
-        if self.area is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-            self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
-            lands_in = push.folder
-        else:
-            lands_in = self.area.folder
-        self._dir = os.open(lands_in, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
-        self.arrival = ArrivalWriter(lands_in, push.weights_bytes)
-        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=pool)
-        self._pool = pool
-        self.receipt = Receipt(lands_in / WEIGHTS_FILE, None if self.area is None else self.area.fd)
-        self._area_holds = 2  # the lanes and the load: the last to finish gives it back
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
+        self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
+        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
+        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=hashers)
+        self.receipt = Receipt()
         self.digests_said: list[str] = []
         self.lane_timings: list[LaneTiming] = []
         self._write_s = 0.0  # summed over the writer threads
@@ -184,36 +157,6 @@ class Assembly:
         else:  # answered, not lost: the trainer sees why
             logger.error("push stream's load failed", exc_info=exc)
             self.fail(InternalServerError(f"the push stream's load failed: {exc!r}"))
-        self._release_area()
-
-    def _release_area(self) -> None:
-        """Once the lanes and the load are both done with the area: its
-        version's snapshot gets its weights file from it, and it goes back
-        to the pool; after a push that failed it is removed (its readers may
-        still be at its file)."""
-        with self._lock:
-            self._area_holds -= 1
-            if self._area_holds or self.area is None:
-                return
-            area, installed = self.area, self._reply is not None and self._reply["status"] == 200
-        if not installed or self._areas is None:
-            area.close()
-        elif self._pool is None:
-            self._write_snapshot(area)
-        else:  # a 336 MB copy: never on the event loop, nor in a lane's answer
-            self._pool.submit(self._write_snapshot, area)
-
-    def _write_snapshot(self, area: ReceiveArea) -> None:
-        snapshot = self.receipt.snapshot
-        try:
-            if snapshot is not None and (snapshot / PENDING_FILE).exists():
-                write_weights_from(area.fd, snapshot, WEIGHTS_FILE)
-        except BaseException:
-            logger.exception("the snapshot %s did not get its weights file", snapshot)
-            area.close()
-            raise
-        assert self._areas is not None
-        self._areas.give_back(area)
 
     def join(self, lane: int) -> None:
         """Lane ``lane`` connected (called under the listener's lock). A lane
@@ -238,28 +181,19 @@ class Assembly:
         if last:  # the folder went into its snapshot, or goes now
             self.digest.close()
             for fd in (self.fd, self._dir):
-                if fd is not None:
-                    os.close(fd)
+                os.close(fd)
             self.arrival.close()
             shutil.rmtree(self.push.folder, ignore_errors=True)
-            self._release_area()
         return last
 
     def write(self, index: int, view: memoryview, offset: int) -> None:
-        """Write chunk ``index`` at ``offset`` of the folder's file; then as
-        :meth:`landed`."""
-        assert self.fd is not None, "a push received into an area writes no file"
+        """Write chunk ``index`` at ``offset``; tell readers how far the file
+        is written from its start."""
         began = time.perf_counter()
         _write_at(self.fd, view, offset)
         took = time.perf_counter() - began
         with self._lock:
             self._write_s += took
-        self.landed(index, view)
-
-    def landed(self, index: int, view: memoryview) -> None:
-        """Chunk ``index`` is in place: tell readers how far the weights are
-        there from their start."""
-        with self._lock:
             if index == 0:  # safetensors: the header's length, then the header
                 end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
                 self._head = bytes(view[:end]) if end <= len(view) else None

@@ -37,6 +37,21 @@ Why lanes: one loopback TCP connection read by one Python thread carried
 the core of the thread that reads it. A lane that fails fails the push, and
 the others answer that failure.
 
+Tried and taken out: lanes reading straight into resident shared memory
+(a ``/dev/shm`` file mapped once and reused by the next push of its size),
+handed to the engine open instead of the folder's file. Writers of one file
+queue on its lock: on the H200 machine's host 336 MB arrived over 4
+loopback lanes in 30 ms into such memory and in 116-135 ms into one file
+(``scripts/probes/receive_into.py``). The receive of a rank-64 push of the
+8B model fell from 89 to 78 ms p50 and its lanes stopped waiting for
+writes (6 ms against 44), but the swap did not get faster against the path
+load in the same run (2.09x against 2.11x; main cf489ef on an H200 against
+072c8e3 on an H100, 2026-11-26): the lanes then wait on the sender, and the
+engine copied the bytes once more to keep the snapshot's. Writing the
+snapshot from the shared memory after the swap instead (366084d) held it
+past the answer, so back-to-back pushes found none free and mapped a new
+one (about 250 ms). See ``docs/gpu.md``.
+
 A ticket not used within :attr:`PushStreamConfig.ticket_ttl_s` expires and
 its folder is removed; so is the folder of a push whose lanes do not all
 connect within :attr:`PushStreamConfig.idle_timeout_s`, or one of which
@@ -58,7 +73,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from skyrl_lora.chunk_digest import (
@@ -81,6 +95,7 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 from ..engine.gated import GatedEngine
 from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
+    WEIGHTS_FILE,
     check_safetensors,
     check_safetensors_head,
     checked_push,
@@ -96,7 +111,6 @@ from .push_assembly import (
     check_lane,
     error_reply,
 )
-from .receive_area import ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +143,8 @@ class PushStreamConfig:
     max_lanes: int = 8
     #: Seconds a refused stream's bytes are still read (and dropped) after its answer.
     linger_s: float = 5.0
-    #: Receive areas (:mod:`.receive_area`) kept for the next pushes of the
-    #: same size; 0 writes each push's weights file in its folder instead.
-    idle_areas: int = 2
-    #: Threads that hash the chunks of every push.
+    #: Threads that hash the chunks of every push (kept: starting a digest's
+    #: own threads for each push cost its lanes milliseconds).
     hash_threads: int = 8
 
 
@@ -155,7 +167,6 @@ class PushStreamListener:
         self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
-        self._areas = ReceiveAreas.available(self.config.idle_areas)
         self._hashers = ThreadPoolExecutor(
             self.config.hash_threads, thread_name_prefix="skyrl-chunk-sha256"
         )
@@ -166,10 +177,6 @@ class PushStreamListener:
             target=self._accept_loop, name="skyrl-push-stream", daemon=True
         )
         self._acceptor.start()
-
-    def idle_areas(self) -> int:
-        """Receive areas kept for the next pushes (0 where pushes write files)."""
-        return 0 if self._areas is None else self._areas.idle()
 
     # -- tickets (called on the event loop) ---------------------------------
     def open(self, push: OpenedPush) -> PushStreamTicket:
@@ -210,8 +217,6 @@ class PushStreamListener:
             pass
         self._sock.close()
         self._hashers.shutdown(wait=False)
-        if self._areas is not None:
-            self._areas.close()
 
     # -- streams (listener threads) ------------------------------------------
     def _accept_loop(self) -> None:
@@ -294,9 +299,7 @@ class PushStreamListener:
                     )
                 check_lane(lane, entry[0].lanes)
                 del self._tickets[ticket]
-                assembly = Assembly(
-                    entry[0], self.config.idle_timeout_s, self._areas, self._hashers
-                )
+                assembly = Assembly(entry[0], self.config.idle_timeout_s, self._hashers)
                 self._assemblies[ticket] = assembly
                 assembly.start_load(self._finish, self._loop)
             assembly.join(lane)
@@ -312,22 +315,11 @@ class PushStreamListener:
                         del self._assemblies[ticket]
 
     def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
-        """Read one lane's chunks into the push's receive area, or into reused
-        buffers each written at its offset on a thread of its own; each chunk
-        is hashed on other threads while the next is read. The lane that
-        brings the last bytes checks the digest and loads."""
-        conn.settimeout(self.config.idle_timeout_s)
-        if assembly.area is not None:
-            timing = _receive_into(conn, assembly, lane)
-        else:
-            timing = self._receive_buffered(conn, assembly, lane)
-        theirs = bytearray(_DIGEST_HEX)
-        _recv_exactly(conn, memoryview(theirs))
-        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
-            assembly.check()
-
-    def _receive_buffered(self, conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
+        """Read one lane's chunks into reused buffers; each is written at its
+        offset and hashed on threads of their own while the next is read.
+        The lane that brings the last bytes checks the digest and loads."""
         push = assembly.push
+        conn.settimeout(self.config.idle_timeout_s)
         chunks = lane_chunks(lane, push.lanes, push.weights_bytes)
         in_flight: deque[tuple[bytearray, list[Future[Any]]]] = deque()
         most = max(2, self.config.buffers_in_flight // push.lanes)
@@ -370,39 +362,16 @@ class PushStreamListener:
             with self._lock:
                 spare = self.config.buffers_in_flight * 2 - len(self._buffers)
                 self._buffers.extend(buffer for buffer, _ in list(in_flight)[: max(0, spare)])
-        return timing
+        theirs = bytearray(_DIGEST_HEX)
+        _recv_exactly(conn, memoryview(theirs))
+        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
+            assembly.check()
 
     def _buffer(self) -> bytearray:
         with self._lock:
             if self._buffers:
                 return self._buffers.pop()
         return bytearray(CHUNK_BYTES)
-
-
-def _receive_into(conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
-    """Read one lane's chunks straight into the push's receive area, each
-    hashed on other threads while the next is read."""
-    push, area = assembly.push, assembly.area
-    assert area is not None
-    lane_total = lane_bytes(lane, push.lanes, push.weights_bytes)
-    timing = LaneTiming()
-    hashed: list[Future[Any]] = []
-    received = 0
-    for index in lane_chunks(lane, push.lanes, push.weights_bytes):
-        assembly.raise_if_failed()
-        start, length = chunk_span(index, push.weights_bytes)
-        view = area.view[start : start + length]
-        began = time.perf_counter()
-        _recv_exactly(conn, view, received, lane_total)
-        timing.recv_s += time.perf_counter() - began
-        received += length
-        assembly.landed(index, view)
-        hashed.append(assembly.digest.add(view, index))
-    waited = time.perf_counter()
-    for future in hashed:
-        future.result()
-    timing.wait_s += time.perf_counter() - waited
-    return timing
 
 
 def _recv_exactly(
@@ -450,18 +419,13 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         head = await receipt.head()
         if head is None:  # a header past the first chunk: checked in the whole file
             await receipt.digest()
-            check_safetensors(receipt.weights)
+            check_safetensors(push.folder / WEIGHTS_FILE)
         else:
             check_safetensors_head(head, push.weights_bytes)
         if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
             await receipt.digest()
         prepared = await registry.prepare_owned(
-            pushed.lora_name,
-            pushed.folder,
-            STREAMED_PREFIX + "arriving",
-            pushed.version,
-            replaces,
-            receipt.weights_fd,
+            pushed.lora_name, pushed.folder, STREAMED_PREFIX + "arriving", pushed.version, replaces
         )
         if isinstance(prepared, AdapterRecord):
             return prepared
@@ -470,11 +434,7 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         except BaseException:
             await registry.abandon(prepared)
             raise
-        staged_in.append(prepared.snapshot)
         return dataclasses.replace(prepared, source_path=STREAMED_PREFIX + digest)
 
-    staged_in: list[Path] = []
     applied = await load_pushed(engine, pushed, prepare)
-    if applied and staged_in:  # installed: its snapshot's weights come from the push
-        receipt.snapshot = staged_in[-1]
     return engine.adapter_info(push.lora_name, applied=applied)

@@ -54,7 +54,7 @@ from skyrl_lora.errors import (
 
 from ..observability import SNAPSHOTS, log_event
 from .handover import wait_for_weights
-from .snapshot_writer import PENDING_FILE, copy_to_end, write_weights_from
+from .snapshot_writer import PENDING_FILE, copy_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +72,13 @@ class LoRAEngine(Protocol):
     """
 
     async def stage(
-        self,
-        lora_request: Any,
-        replaces: int | None = None,
-        weights_fd: int | None = None,
-        writes_snapshot: bool = True,
+        self, lora_request: Any, replaces: int | None = None, weights_fd: int | None = None
     ) -> None:
         """Build the adapter ahead of ``add_lora``, off the step loop (or do nothing).
 
         ``replaces``: the engine id of a version none of whose requests can run
         before this one is installed; the engine may drop it at once.
-        ``weights_fd``: given only to an engine that ``takes_files``; it
-        writes the snapshot's weights file unless ``writes_snapshot`` is
-        False (then the registry's caller does, after the swap).
+        ``weights_fd``: given only to an engine that ``takes_files``.
         """
 
     async def discard(self, lora_id: int) -> None:
@@ -277,7 +271,7 @@ class AdapterRegistry:
         started = time.perf_counter()
         # Where the engine can take the weights file open, it reads it once
         # and writes the snapshot's copy from what it read, after the swap.
-        held: dict[str, int] | None = {} if self.takes_files else None
+        held: dict[str, int] | None = {} if getattr(self._engine, "takes_files", False) else None
         await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots, held)
         weights_fd = None if held is None else held.get(WEIGHTS_FILES[0])
         SNAPSHOTS.labels(weights="copied" if weights_fd is None else "held").inc()
@@ -301,25 +295,14 @@ class AdapterRegistry:
         source: str,
         version: int | None = None,
         replaces: int | None = None,
-        weights_fd: int | None = None,
     ) -> PreparedVersion | AdapterRecord:
         """Like :meth:`prepare` for a folder the server wrote itself (an upload).
 
         The folder is moved into place (never copied) and removed on failure
-        (and after a repeat of the current version). ``weights_fd``: the
-        weights, open, where they are not in the folder (a streamed push's
-        receive area, maybe still arriving): an engine that :attr:`takes_files`
-        reads them from it, and the snapshot's weights file is left to the
-        caller, who writes it from the file after the swap (the snapshot
-        holds :data:`PENDING_FILE` until then; :func:`write_weights_from`);
-        for any other engine, the copy is made here, once the file is whole.
-        The caller keeps the file unchanged until then.
+        (and after a repeat of the current version).
         """
         if self.repeats(lora_name, version):
             try:
-                if weights_fd is not None:  # compared by the folder's file
-                    name = WEIGHTS_FILES[0]
-                    await asyncio.to_thread(write_weights_from, weights_fd, folder, name)
                 return await self._same_as_current(lora_name, folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -330,24 +313,7 @@ class AdapterRegistry:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        if weights_fd is not None and self.takes_files:
-            (target / PENDING_FILE).touch()
-        elif weights_fd is not None:
-            try:
-                await asyncio.to_thread(write_weights_from, weights_fd, target, WEIGHTS_FILES[0])
-            except BaseException:
-                shutil.rmtree(target, ignore_errors=True)
-                raise
-            weights_fd = None
-        return await self._stage(
-            lora_name, version, target, source, replaces, weights_fd, writes_snapshot=False
-        )
-
-    @property
-    def takes_files(self) -> bool:
-        """Whether the engine reads a weights file handed to it open (see
-        :class:`LoRAEngine`), and writes the snapshot's copy itself."""
-        return bool(getattr(self._engine, "takes_files", False))
+        return await self._stage(lora_name, version, target, source, replaces)
 
     def upload_dir(self) -> Path:
         """A fresh folder beside the snapshots (same file system, so moves are renames)."""
@@ -363,7 +329,6 @@ class AdapterRegistry:
         source: str,
         replaces: int | None,
         weights_fd: int | None = None,
-        writes_snapshot: bool = True,
     ) -> PreparedVersion:
         request = self._make_request(
             lora_name=f"{lora_name}@v{version}",
@@ -372,7 +337,7 @@ class AdapterRegistry:
         )
         prepared = PreparedVersion(lora_name, version, source, request)
         async with self._abandoned_on_failure(prepared):
-            await self._engine.stage(request, replaces, weights_fd, writes_snapshot)
+            await self._engine.stage(request, replaces, weights_fd)
         return prepared
 
     def repeats(self, lora_name: str, version: int | None) -> bool:

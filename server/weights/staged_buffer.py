@@ -67,9 +67,6 @@ class TakenBuffer:
     file_head: bytes = b""
     #: Time spent allocating its host buffers (pinned ones cost a driver call).
     alloc_ms: float = 0.0
-    #: The snapshot's weights file is written after the swap by whoever
-    #: handed the file over (a streamed push's receive area), not from here.
-    file_pending: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -161,9 +158,7 @@ class BufferSource:
             alloc_ms=self._alloc_ms(),
         )
 
-    def take_file(
-        self, lora_request: Any, weights_fd: int | None = None, writes_snapshot: bool = True
-    ) -> TakenBuffer | None:
+    def take_file(self, lora_request: Any, weights_fd: int | None = None) -> TakenBuffer | None:
         """An adapter file read into one host buffer, to be built like a
         hand-over; None for a file that reader leaves to safetensors (vLLM's
         loader then reads it).
@@ -173,10 +168,7 @@ class BufferSource:
         opened again through ``/proc/self/fd`` (an offset of this reader's
         own: each worker of the engine reads it), and the snapshot's copy is
         written from the data as read, after the swap; the model is built
-        from a copy of it, since the build folds scalings in place. Unless
-        ``writes_snapshot`` is False: the API server writes that copy from
-        the file it keeps unchanged (a streamed push's receive area), and
-        the model is built from the data as read.
+        from a copy of it, since the build folds scalings in place.
 
         Through vLLM's loader the rank-64 adapter of the 8B model took 241 ms
         to load by path on an idle H100 (08cfe58).
@@ -187,8 +179,7 @@ class BufferSource:
             weights = Path(f"/proc/self/fd/{weights_fd}")
         # Held open, the file is read into the snapshot's copy, which no GPU
         # copy reads: a pooled buffer; the model is built from a copy of it.
-        copies = weights_fd is not None and writes_snapshot
-        read_into = self._snapshot_buffers if copies else self._host_buffers
+        read_into = self._host_buffers if weights_fd is None else self._snapshot_buffers
         self._alloc_ms()
         try:
             config = (folder / handover.CONFIG_FILE).read_text()
@@ -202,15 +193,9 @@ class BufferSource:
             return None
         layout = layout_key(description, config, request_extra(lora_request))
         as_read = opened.buffer
-        if not copies:
+        if weights_fd is None:
             return TakenBuffer(
-                folder,
-                description,
-                as_read,
-                None,
-                layout,
-                alloc_ms=self._alloc_ms(),
-                file_pending=weights_fd is not None,
+                folder, description, as_read, None, layout, alloc_ms=self._alloc_ms()
             )
         model_buffer = self._host_buffers(as_read.numel())
         model_buffer.copy_(as_read)

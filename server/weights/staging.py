@@ -216,9 +216,7 @@ class _WorkerStaging:
         self._status_dir: Path | None = None
         self._listener: StageListener | None = None
         #: Path loads' weights files, open, sent over the channel (by adapter id).
-        #: Weights files handed over open, by request: the descriptor, and
-        #: whether the staging writes the snapshot's copy from what it read.
-        self._held_files: dict[int, tuple[int, bool]] = {}
+        self._held_files: dict[int, int] = {}
         #: Stagings from the channel that may wait for a replaced version's
         #: slot, by adapter id; versions the step loop dropped since.
         self._dropped = threading.Condition()
@@ -405,30 +403,28 @@ class _WorkerStaging:
                 os.close(weights)
             raise
         if weights is not None:
-            writes = bool(message.get("writes_snapshot", True))
-            self._hold_file(request.lora_int_id, weights, writes)
+            self._hold_file(request.lora_int_id, weights)
         try:
             self.stage_beside_loop(request, message.get("replaces"))
         except BaseException:
-            held, _ = self._take_held_file(request.lora_int_id)
+            held = self._take_held_file(request.lora_int_id)
             if held is not None:
                 os.close(held)
             raise
 
-    def _hold_file(self, lora_int_id: int, fd: int, writes_snapshot: bool) -> None:
+    def _hold_file(self, lora_int_id: int, fd: int) -> None:
         """Keep ``fd`` for ``lora_int_id``'s staging; closes one it replaces
         (the same request sent twice)."""
         with self._lock:
             replaced = self._held_files.pop(lora_int_id, None)
-            self._held_files[lora_int_id] = (fd, writes_snapshot)
+            self._held_files[lora_int_id] = fd
         if replaced is not None:
-            os.close(replaced[0])
+            os.close(replaced)
 
-    def _take_held_file(self, lora_int_id: int) -> tuple[int | None, bool]:
-        """The weights file held for ``lora_int_id``'s staging, now the
-        caller's to close, and whether the staging writes the snapshot's copy."""
+    def _take_held_file(self, lora_int_id: int) -> int | None:
+        """The weights file held for ``lora_int_id``'s staging, now the caller's to close."""
         with self._lock:
-            return self._held_files.pop(lora_int_id, (None, True))
+            return self._held_files.pop(lora_int_id, None)
 
     def _publish(self, lora_int_id: int, done: concurrent.futures.Future[_Staged]) -> None:
         """The status of a finished staging, as a file (written whole, then renamed)."""
@@ -503,7 +499,7 @@ class _WorkerStaging:
         }
 
     def discard(self, lora_int_id: int) -> None:
-        held, _ = self._take_held_file(lora_int_id)
+        held = self._take_held_file(lora_int_id)
         if held is not None:
             os.close(held)
         with self._lock:
@@ -616,16 +612,14 @@ class _WorkerStaging:
 
     def _take(self, lora_request: Any) -> TakenBuffer | None:
         """The request's bytes as one buffer (:mod:`.staged_buffer`): a
-        hand-over, or a file unless a reader process reads files (one still
-        arriving is read here, as its bytes land); None leaves the read to
-        vLLM's loader (which reads the snapshot: a weights file held open is
-        copied into it first)."""
-        held, writes_snapshot = self._take_held_file(lora_request.lora_int_id)
+        hand-over, or a file unless a reader process reads files; None
+        leaves the read to vLLM's loader (which reads the snapshot: a
+        weights file held open is copied into it first)."""
+        held = self._take_held_file(lora_request.lora_int_id)
         try:
             taken = self._buffers.take_handover(lora_request)
-            follows = held is not None and arrival.arriving_file(f"/proc/self/fd/{held}")
-            if taken is None and (self._routed_reads is None or follows):
-                taken = self._buffers.take_file(lora_request, held, writes_snapshot)
+            if taken is None and self._routed_reads is None:
+                taken = self._buffers.take_file(lora_request, held)
             elif taken is None and held is not None:
                 folder = Path(lora_request.lora_path)
                 write_weights_from(held, folder, handover.WEIGHTS_FILE)
@@ -644,7 +638,7 @@ class _WorkerStaging:
         if handed is not None:
             views = handover.tensor_views(handed.model_buffer, handed.description)
             self._staging_thread.handed_over = HandedOverFile(views)
-            if handed.writes_snapshot or handed.file_pending:
+            if handed.writes_snapshot:
                 # vLLM's loader looks for the file before it opens it (the
                 # opening is ours); the real one replaces this after the swap,
                 # and until then the folder's marker (a hand-over's
@@ -911,11 +905,7 @@ class StagedLoRAEngine:
         return folder
 
     async def stage(
-        self,
-        lora_request: Any,
-        replaces: int | None = None,
-        weights_fd: int | None = None,
-        writes_snapshot: bool = True,
+        self, lora_request: Any, replaces: int | None = None, weights_fd: int | None = None
     ) -> None:
         """Build the adapter on every worker, off the step loop, and wait until it is ready.
 
@@ -927,9 +917,7 @@ class StagedLoRAEngine:
         first, so its engine slot and CPU cache entry go to the new version.
         ``weights_fd``: the snapshot's weights file, opened by the registry
         and not copied (:attr:`takes_files`); the workers read it, and write
-        the snapshot's copy of what they read, unless ``writes_snapshot`` is
-        False (the caller writes it from the file, kept unchanged, after the
-        swap).
+        the snapshot's copy of what they read.
         """
         if not self.available:
             if weights_fd is not None:  # vLLM's own loader reads the snapshot
@@ -937,7 +925,7 @@ class StagedLoRAEngine:
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
-        polls, ready = await self._stage(lora_request, replaces, weights_fd, writes_snapshot)
+        polls, ready = await self._stage(lora_request, replaces, weights_fd)
         in_slot = all(r["in_slot"] for r in ready)
         reads = {r["read"] for r in ready}
         read = reads.pop() if len(reads) == 1 else "mixed"
@@ -992,11 +980,7 @@ class StagedLoRAEngine:
         return added
 
     async def _stage(
-        self,
-        lora_request: Any,
-        replaces: int | None,
-        weights_fd: int | None,
-        writes_snapshot: bool = True,
+        self, lora_request: Any, replaces: int | None, weights_fd: int | None
     ) -> tuple[int, list[dict[str, Any]]]:
         """Stage on every worker and wait until all are ready.
 
@@ -1008,7 +992,7 @@ class StagedLoRAEngine:
             "lora_int_id": lora_id,
             "lora_path": lora_request.lora_path,
         }
-        await self._request_staging(fields, replaces, weights_fd, writes_snapshot)
+        await self._request_staging(fields, replaces, weights_fd)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
         delay = self._config.first_poll_s
@@ -1035,11 +1019,7 @@ class StagedLoRAEngine:
             delay = min(delay * 2, self._config.max_poll_s)
 
     async def _request_staging(
-        self,
-        fields: dict[str, Any],
-        replaces: int | None,
-        weights_fd: int | None,
-        writes_snapshot: bool = True,
+        self, fields: dict[str, Any], replaces: int | None, weights_fd: int | None
     ) -> None:
         """Ask every worker to stage: over the stage channel where there is
         one (no step boundary to wait for), else by RPC, after writing the
@@ -1054,7 +1034,7 @@ class StagedLoRAEngine:
         """
         channel = self._channel
         fds = () if weights_fd is None else (weights_fd,)
-        message = {"request": fields, "replaces": replaces, "writes_snapshot": writes_snapshot}
+        message = {"request": fields, "replaces": replaces}
         if channel is not None and channel.send(message, fds):
             if replaces is not None:
                 drop = asyncio.create_task(
