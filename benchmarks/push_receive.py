@@ -13,7 +13,10 @@ HTTP push on this stack pays. The third, ``stream``, is the push stream
 ticket and the weights go over the listener's socket, received, written,
 hashed and checked as a push is (the client's
 :func:`~skyrl_lora.client.push_stream.stream_weights`), over one connection;
-``lanes`` is the same over ``--lanes`` connections at once. No engine and no
+``lanes`` is the same over ``--lanes`` connections at once, received into
+a receive area (:mod:`skyrl_lora.server.http.receive_area`), and
+``lanes_file`` the same written into the push's folder instead (a listener
+without areas), the baseline of the areas. No engine and no
 staging: the swap's cost (``benchmarks.scale``) comes on top.
 
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
@@ -46,7 +49,7 @@ from skyrl_lora.client.transport import Transport
 from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTES = ("sink", "push", "stream", "lanes")
+ROUTES = ("sink", "push", "stream", "lanes", "lanes_file")
 #: (top, bottom, what the ratio says), each as ``ratio_{top}_over_{bottom}``.
 RATIOS = (
     ("push", "sink", "what parsing, writing and hashing add over uvicorn"),
@@ -54,6 +57,7 @@ RATIOS = (
     ("stream", "push", "the push stream against the HTTP push"),
     ("lanes", "stream", "the push stream's lanes against one lane"),
     ("lanes", "push", "the push stream's lanes against the HTTP push"),
+    ("lanes", "lanes_file", "lanes into a receive area against lanes into the folder's file"),
 )
 
 
@@ -66,17 +70,20 @@ def serve(port: int, events: Path | None) -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from skyrl_lora.server.http.push import checked_push, receive_push
+    from skyrl_lora.server.http.push import check_safetensors, checked_push, receive_push
     from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
-    from skyrl_lora.server.http.push_stream import PushStreamListener
+    from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
     from skyrl_lora.types import AdapterInfo
 
-    listener: list[PushStreamListener] = []
+    listeners: dict[str, PushStreamListener] = {}  # by where the lanes receive
 
     async def checked(push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         try:
             digest = await receipt.digest()
-            pushed = await asyncio.to_thread(checked_push, push.fields, push.folder, digest)
+            pushed = await asyncio.to_thread(
+                checked_push, push.fields, push.folder, digest, weights_written=False
+            )
+            await asyncio.to_thread(check_safetensors, receipt.weights)
         finally:
             shutil.rmtree(push.folder, ignore_errors=True)
         return AdapterInfo(
@@ -90,15 +97,17 @@ def serve(port: int, events: Path | None) -> None:
         )
 
     async def open_stream(request: Request) -> JSONResponse:
-        if not listener:
+        opened = await request.json()
+        into = str(opened.get("into", "area"))
+        if into not in listeners:
+            config = PushStreamConfig(idle_areas=0 if into == "file" else 2)
             loop = asyncio.get_running_loop()
-            listener.append(PushStreamListener("127.0.0.1", 0, checked, loop))
+            listeners[into] = PushStreamListener("127.0.0.1", 0, checked, loop, config)
         folder = Path(tempfile.mkdtemp(prefix="skyrl-push-bench-"))
         (folder / "adapter_config.json").write_text("{}")
-        opened = await request.json()
         size, lanes = int(opened["weights_bytes"]), int(opened["lanes"])
         fields = {"lora_name": "bench"}
-        ticket = listener[0].open(OpenedPush("bench", folder, size, fields, lanes))
+        ticket = listeners[into].open(OpenedPush("bench", folder, size, fields, lanes))
         return JSONResponse(ticket.model_dump())
 
     async def push(request: Request) -> JSONResponse:
@@ -146,11 +155,15 @@ def adapter(folder: Path, mb: int) -> Path:
 async def send_once(transport: Transport, url: str, route: str, folder: Path, lanes: int) -> None:
     """One push of the adapter as a trainer's client sends it to ``route``."""
     payload = await asyncio.to_thread(adapter_payload, str(folder))
-    if route not in ("stream", "lanes"):
+    if route not in ("stream", "lanes", "lanes_file"):
         form = payload.form("bench", "abort_resume")
         await transport.call("POST", f"{url}/{route}", form, timeout=300)
         return
-    opened = {"weights_bytes": payload.weights_bytes, "lanes": lanes if route == "lanes" else 1}
+    opened = {
+        "weights_bytes": payload.weights_bytes,
+        "lanes": 1 if route == "stream" else lanes,
+        "into": "file" if route == "lanes_file" else "area",
+    }
     raw = await transport.call("POST", f"{url}/stream/open", opened, timeout=300)
     ticket = PushStreamTicket.model_validate_json(raw)
     await stream_weights(url, ticket, payload.weights, timeout=300, connect_timeout=10)
@@ -233,7 +246,8 @@ def receive_parts(events: Path) -> dict[str, dict[str, float]]:
     for line in events.read_text().splitlines() if events.exists() else []:
         event = json.loads(line.split("skyrl_event ", 1)[1]) if "skyrl_event " in line else {}
         if event.get("event") == "push_stream_received":
-            by_lanes.setdefault(str(event["lanes"]), []).append(event)
+            where = f"{event['lanes']} lane(s) into {event.get('into', 'file')}"
+            by_lanes.setdefault(where, []).append(event)
 
     def median(values: list[float]) -> float:
         return round(sorted(values)[len(values) // 2], 1)
@@ -307,8 +321,8 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(report(result))
-    for lanes, parts in receives.items():
-        print(f"receive over {lanes} lane(s), medians over pushes: {parts}")
+    for where, parts in receives.items():
+        print(f"receive over {where}, medians over pushes: {parts}")
     print(f"wrote {args.json}")
     return 0
 

@@ -124,3 +124,38 @@ def test_a_whole_file_is_not_waited_for_and_a_stalled_one_times_out(tmp_path: Pa
     finally:
         os.close(fd)
         writer.close()
+
+
+def test_a_descriptor_is_followed_and_copied_only_once_whole(tmp_path: Path) -> None:
+    """The engine is handed a push's receive area open: ``/proc/self/fd/N``
+    finds the marker beside the file, and the snapshot's copy waits for it."""
+    from skyrl_lora.server.weights.snapshot_writer import PENDING_FILE, write_weights_from
+
+    data, _ = _adapter_bytes(tmp_path)
+    target, fd, writer = _arriving(tmp_path, len(data))
+    held = os.open(target, os.O_RDONLY)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / PENDING_FILE).touch()
+
+    def write() -> None:
+        for start in range(0, len(data), PIECE):
+            time.sleep(0.01)
+            os.pwrite(fd, data[start : start + PIECE], start)
+            writer.ready(min(start + PIECE, len(data)))
+        writer.complete()
+
+    thread = threading.Thread(target=write)
+    try:
+        arrival = Arrival.beside(f"/proc/self/fd/{held}")
+        assert arrival is not None and arrival.total_bytes == len(data)
+        arrival.close()
+        thread.start()
+        write_weights_from(held, snapshot, "adapter_model.safetensors")
+        assert (snapshot / "adapter_model.safetensors").read_bytes() == data
+        assert not (snapshot / PENDING_FILE).exists()
+    finally:
+        thread.join()
+        for opened in (fd, held):
+            os.close(opened)
+        writer.close()

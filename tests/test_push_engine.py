@@ -355,6 +355,14 @@ async def test_a_streamed_push_is_staged_as_it_arrives_and_installed_whole(
     assert list((engine_server.snapshot_dir / ".uploads").iterdir()) == []
     snapshot = engine_server.snapshot_dir / name
     assert not list(snapshot.rglob(".arriving"))  # the marker goes once the file is whole
+    # The engine writes the snapshot's weights file from what it read, after the swap.
+    for _ in range(200):
+        pending = list(snapshot.rglob("weights.pending"))
+        if not pending:
+            break
+        await asyncio.sleep(0.05)
+    assert not pending
+    assert (snapshot / "v2" / "adapter_model.safetensors").read_bytes() == weights
 
 
 async def test_a_streamed_push_cut_or_damaged_installs_nothing(engine_server, admin) -> None:

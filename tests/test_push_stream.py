@@ -94,6 +94,7 @@ class FakeServer:
         self.tmp = tmp
         self.loaded: list[tuple[str, bytes, bytes, str]] = []
         self.heads: list[bytes | None] = []
+        self.areas: list[Path | None] = []  # where each load found its weights, if in an area
         self.listener = PushStreamListener(
             "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
         )
@@ -103,11 +104,13 @@ class FakeServer:
             raise ConflictError("the load refused it before its bytes came")
         self.heads.append(await receipt.head())
         digest = await receipt.digest()
-        assert sorted(p.name for p in push.folder.iterdir()) == [
-            "adapter_config.json",
-            "adapter_model.safetensors",
-        ]
-        weights = (push.folder / "adapter_model.safetensors").read_bytes()
+        in_area = receipt.weights_fd is not None
+        self.areas.append(receipt.weights.parent if in_area else None)
+        in_folder = [] if in_area else ["adapter_model.safetensors"]
+        assert sorted(p.name for p in push.folder.iterdir()) == ["adapter_config.json", *in_folder]
+        weights = receipt.weights.read_bytes()
+        if receipt.weights_fd is not None:  # the descriptor the engine is handed reads the same
+            assert os.pread(receipt.weights_fd, len(weights) + 1, 0) == weights
         config = (push.folder / "adapter_config.json").read_bytes()
         self.loaded.append((push.lora_name, weights, config, digest))
         if push.lora_name == "refused":
@@ -130,9 +133,11 @@ class FakeServer:
         return self.listener.open(opened), folder
 
 
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[FakeServer]:
-    fake = FakeServer(tmp_path)
+@pytest.fixture(params=[2, 0], ids=["into_area", "into_folder"])
+async def server(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[FakeServer]:
+    """A listener receiving into shared-memory areas, and one writing each
+    push's weights file in its folder (a host without ``/dev/shm``)."""
+    fake = FakeServer(tmp_path, PushStreamConfig(idle_areas=request.param))
     yield fake
     fake.listener.close()
 
@@ -366,3 +371,33 @@ async def test_a_file_that_shrinks_while_sent_stops_every_lane(
             break
         await asyncio.sleep(0.05)
     assert not folder.exists() and not server.loaded
+
+
+async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
+    tmp_path: Path,
+) -> None:
+    fake = FakeServer(tmp_path, PushStreamConfig(idle_areas=1))
+    try:
+        data = os.urandom(2 * CHUNK_BYTES + 5)
+        await send(fake.open("tenant-a", len(data), lanes=2)[0], data)
+        await send(fake.open("tenant-a", len(data), lanes=2)[0], data[::-1])
+        first, second = fake.areas
+        assert first is not None and first == second and first.is_dir()
+        assert fake.loaded[-1][1] == data[::-1]  # the area's bytes are the new push's
+        other = os.urandom(1000)  # another size: a new area; only one is kept idle
+        await send(fake.open("tenant-a", len(other))[0], other)
+        assert fake.areas[-1] not in (None, first) and not first.exists()
+        kept = fake.areas[-1]
+        assert kept is not None and sorted(p.name for p in kept.iterdir()) == [
+            "adapter_model.safetensors"  # the arrival marker went with the digest's match
+        ]
+        ticket, _ = fake.open("tenant-a", len(other))
+        hello = HELLO + ticket.ticket.encode() + b"00\n"
+        damaged = await asyncio.to_thread(
+            raw_stream, fake.listener.port, hello, other, digest_of(other[1:]).encode()
+        )
+        assert damaged["status"] == 400
+        assert not kept.exists()  # its readers may still be at it: never reused
+    finally:
+        fake.listener.close()
+    assert not [area for area in fake.areas if area is not None and area.exists()]

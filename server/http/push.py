@@ -171,7 +171,8 @@ def checked_push(
     name = fields.get("lora_name", "")
     if not name:
         raise BadRequestError("push needs the form field 'lora_name'")
-    missing = [f for f in FILES if not (folder / f).is_file()]
+    required = FILES if weights_written else (CONFIG_FILE,)  # streamed: the weights come apart
+    missing = [f for f in required if not (folder / f).is_file()]
     if missing:
         raise BadRequestError(f"push needs the files {', '.join(missing)}")
     policy = cast(SwapPolicy, fields.get("swap_policy") or "abort_resume")

@@ -30,6 +30,7 @@ from skyrl_lora.types import AdapterInfo
 from ..observability import log_event
 from ..weights.arrival import MARKER, ArrivalWriter
 from .push import WEIGHTS_FILE
+from .receive_area import ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,20 @@ class OpenedPush:
 
 
 class Receipt:
-    """How far a push's bytes came, as its load awaits it on the event loop.
+    """Where a push's bytes land and how far they came, as its load awaits
+    it on the event loop.
 
+    ``weights``: the weights file, whole once :meth:`digest` answers;
+    ``weights_fd``: a descriptor of it where it is not in the push's folder
+    but in a receive area (:mod:`.receive_area`): the load hands it to the
+    engine, which writes the snapshot's copy (see
+    :meth:`~skyrl_lora.server.weights.registry.AdapterRegistry.prepare_owned`).
     Each step raises the stream's error instead if the push failed first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, weights: Path, weights_fd: int | None = None) -> None:
+        self.weights = weights
+        self.weights_fd = weights_fd
         self._head: Future[bytes | None] = Future()
         self._digest: Future[str] = Future()
 
@@ -119,16 +128,29 @@ class Assembly:
     they feed, the load that follows them, and the one answer all lanes give."""
 
     def __init__(
-        self, push: OpenedPush, join_timeout_s: float, hashers: Executor | None = None
+        self,
+        push: OpenedPush,
+        join_timeout_s: float,
+        areas: ReceiveAreas | None = None,
+        digest_pool: Executor | None = None,
     ) -> None:
         self.push = push
         self.started = time.perf_counter()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
-        self._dir = os.open(push.folder, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
-        self.arrival = ArrivalWriter(push.folder, push.weights_bytes)
-        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=hashers)
-        self.receipt = Receipt()
+        #: Where the lanes receive: an area's map, else the folder's file (``fd``).
+        self.area = None if areas is None else areas.take(push.weights_bytes)
+        self._areas = areas
+        self.fd: int | None = None
+        if self.area is None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            self.fd = os.open(push.folder / WEIGHTS_FILE, flags, 0o600)
+            lands_in = push.folder
+        else:
+            lands_in = self.area.folder
+        self._dir = os.open(lands_in, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
+        self.arrival = ArrivalWriter(lands_in, push.weights_bytes)
+        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=digest_pool)
+        self.receipt = Receipt(lands_in / WEIGHTS_FILE, None if self.area is None else self.area.fd)
+        self._area_holds = 2  # the lanes and the load: the last to finish gives it back
         self.digests_said: list[str] = []
         self.lane_timings: list[LaneTiming] = []
         self._write_s = 0.0  # summed over the writer threads
@@ -157,6 +179,21 @@ class Assembly:
         else:  # answered, not lost: the trainer sees why
             logger.error("push stream's load failed", exc_info=exc)
             self.fail(InternalServerError(f"the push stream's load failed: {exc!r}"))
+        self._release_area()
+
+    def _release_area(self) -> None:
+        """Once the lanes and the load are both done with the area: back to
+        the pool after a push that installed, else removed (a failed push's
+        readers may still be at its file)."""
+        with self._lock:
+            self._area_holds -= 1
+            if self._area_holds or self.area is None:
+                return
+            area, installed = self.area, self._reply is not None and self._reply["status"] == 200
+        if installed and self._areas is not None:
+            self._areas.give_back(area)
+        else:
+            area.close()
 
     def join(self, lane: int) -> None:
         """Lane ``lane`` connected (called under the listener's lock). A lane
@@ -181,19 +218,28 @@ class Assembly:
         if last:  # the folder went into its snapshot, or goes now
             self.digest.close()
             for fd in (self.fd, self._dir):
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             self.arrival.close()
             shutil.rmtree(self.push.folder, ignore_errors=True)
+            self._release_area()
         return last
 
     def write(self, index: int, view: memoryview, offset: int) -> None:
-        """Write chunk ``index`` at ``offset``; tell readers how far the file
-        is written from its start."""
+        """Write chunk ``index`` at ``offset`` of the folder's file; then as
+        :meth:`landed`."""
+        assert self.fd is not None, "a push received into an area writes no file"
         began = time.perf_counter()
         _write_at(self.fd, view, offset)
         took = time.perf_counter() - began
         with self._lock:
             self._write_s += took
+        self.landed(index, view)
+
+    def landed(self, index: int, view: memoryview) -> None:
+        """Chunk ``index`` is in place: tell readers how far the weights are
+        there from their start."""
+        with self._lock:
             if index == 0:  # safetensors: the header's length, then the header
                 end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
                 self._head = bytes(view[:end]) if end <= len(view) else None
@@ -235,6 +281,7 @@ class Assembly:
             lora_name=push.lora_name,
             bytes=push.weights_bytes,
             lanes=push.lanes,
+            into="file" if self.area is None else "area",
             ms=_ms(time.perf_counter() - self.started),
             recv_ms=[_ms(t.recv_s) for t in self.lane_timings],
             wait_ms=[_ms(t.wait_s) for t in self.lane_timings],

@@ -21,36 +21,23 @@ How, in three steps:
    then the lane's 8 MiB chunks of the safetensors file (every ``lanes``-th,
    :func:`~skyrl_lora.chunk_digest.lane_chunks`), then the 64 hex digits of
    the whole file's chunked digest (:mod:`skyrl_lora.chunk_digest`).
-3. A thread per lane reads its chunks into reused buffers; other threads
-   write each one at its offset in the push's folder and hash it meanwhile
-   (:class:`~.push_assembly.Assembly`). The push's load starts on the event
-   loop as the first lane connects, and stages while the bytes arrive
-   (:mod:`~skyrl_lora.server.weights.arrival`); it installs once every
-   lane is in and the digests match, as an HTTP push is installed, and
-   every lane gets the answer as one JSON line: ``{"status": 200,
-   "adapter": AdapterInfo}`` or ``{"status": 4xx, "error": {"type",
-   "message"}}``.
+3. A thread per lane reads its chunks straight into the push's receive
+   area, shared memory the engine is then handed (:mod:`.receive_area`),
+   or, on a host without ``/dev/shm``, into reused buffers that other
+   threads write at their offsets in the push's folder; other threads hash
+   each chunk meanwhile (:class:`~.push_assembly.Assembly`). The push's
+   load starts on the event loop as the first lane connects, and stages
+   while the bytes arrive (:mod:`~skyrl_lora.server.weights.arrival`); it
+   installs once every lane is in and the digests match, as an HTTP push
+   is installed, and every lane gets the answer as one JSON line:
+   ``{"status": 200, "adapter": AdapterInfo}`` or ``{"status": 4xx,
+   "error": {"type", "message"}}``.
 
 Why lanes: one loopback TCP connection read by one Python thread carried
 336 MB in about 100 ms on the 2-core CPU machine, two in about 57 ms
 (main cbbcf6b, 2026-11-25); the kernel's copies of each connection run on
 the core of the thread that reads it. A lane that fails fails the push, and
 the others answer that failure.
-
-Tried and taken out: lanes reading straight into resident shared memory
-(a ``/dev/shm`` file mapped once and reused by the next push of its size),
-handed to the engine open instead of the folder's file. Writers of one file
-queue on its lock: on the H200 machine's host 336 MB arrived over 4
-loopback lanes in 30 ms into such memory and in 116-135 ms into one file
-(``scripts/probes/receive_into.py``). The receive of a rank-64 push of the
-8B model fell from 89 to 78 ms p50 and its lanes stopped waiting for
-writes (6 ms against 44), but the swap did not get faster against the path
-load in the same run (2.09x against 2.11x; main cf489ef on an H200 against
-072c8e3 on an H100, 2026-11-26): the lanes then wait on the sender, and the
-engine copied the bytes once more to keep the snapshot's. Writing the
-snapshot from the shared memory after the swap instead (366084d) held it
-past the answer, so back-to-back pushes found none free and mapped a new
-one (about 250 ms). See ``docs/gpu.md``.
 
 A ticket not used within :attr:`PushStreamConfig.ticket_ttl_s` expires and
 its folder is removed; so is the folder of a push whose lanes do not all
@@ -95,7 +82,6 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 from ..engine.gated import GatedEngine
 from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
-    WEIGHTS_FILE,
     check_safetensors,
     check_safetensors_head,
     checked_push,
@@ -111,6 +97,7 @@ from .push_assembly import (
     check_lane,
     error_reply,
 )
+from .receive_area import ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +130,10 @@ class PushStreamConfig:
     max_lanes: int = 8
     #: Seconds a refused stream's bytes are still read (and dropped) after its answer.
     linger_s: float = 5.0
-    #: Threads that hash the chunks of every push (kept: starting a digest's
-    #: own threads for each push cost its lanes milliseconds).
+    #: Receive areas (:mod:`.receive_area`) kept for the next pushes of the
+    #: same size; 0 writes each push's weights file in its folder instead.
+    idle_areas: int = 2
+    #: Threads that hash the chunks of every push.
     hash_threads: int = 8
 
 
@@ -167,6 +156,7 @@ class PushStreamListener:
         self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
+        self._areas = ReceiveAreas.available(self.config.idle_areas)
         self._hashers = ThreadPoolExecutor(
             self.config.hash_threads, thread_name_prefix="skyrl-chunk-sha256"
         )
@@ -217,6 +207,8 @@ class PushStreamListener:
             pass
         self._sock.close()
         self._hashers.shutdown(wait=False)
+        if self._areas is not None:
+            self._areas.close()
 
     # -- streams (listener threads) ------------------------------------------
     def _accept_loop(self) -> None:
@@ -299,7 +291,9 @@ class PushStreamListener:
                     )
                 check_lane(lane, entry[0].lanes)
                 del self._tickets[ticket]
-                assembly = Assembly(entry[0], self.config.idle_timeout_s, self._hashers)
+                assembly = Assembly(
+                    entry[0], self.config.idle_timeout_s, self._areas, self._hashers
+                )
                 self._assemblies[ticket] = assembly
                 assembly.start_load(self._finish, self._loop)
             assembly.join(lane)
@@ -315,11 +309,22 @@ class PushStreamListener:
                         del self._assemblies[ticket]
 
     def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
-        """Read one lane's chunks into reused buffers; each is written at its
-        offset and hashed on threads of their own while the next is read.
-        The lane that brings the last bytes checks the digest and loads."""
-        push = assembly.push
+        """Read one lane's chunks into the push's receive area, or into reused
+        buffers each written at its offset on a thread of its own; each chunk
+        is hashed on other threads while the next is read. The lane that
+        brings the last bytes checks the digest and loads."""
         conn.settimeout(self.config.idle_timeout_s)
+        if assembly.area is not None:
+            timing = _receive_into(conn, assembly, lane)
+        else:
+            timing = self._receive_buffered(conn, assembly, lane)
+        theirs = bytearray(_DIGEST_HEX)
+        _recv_exactly(conn, memoryview(theirs))
+        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
+            assembly.check()
+
+    def _receive_buffered(self, conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
+        push = assembly.push
         chunks = lane_chunks(lane, push.lanes, push.weights_bytes)
         in_flight: deque[tuple[bytearray, list[Future[Any]]]] = deque()
         most = max(2, self.config.buffers_in_flight // push.lanes)
@@ -362,16 +367,39 @@ class PushStreamListener:
             with self._lock:
                 spare = self.config.buffers_in_flight * 2 - len(self._buffers)
                 self._buffers.extend(buffer for buffer, _ in list(in_flight)[: max(0, spare)])
-        theirs = bytearray(_DIGEST_HEX)
-        _recv_exactly(conn, memoryview(theirs))
-        if assembly.lane_done(theirs.decode("ascii", errors="replace"), timing):
-            assembly.check()
+        return timing
 
     def _buffer(self) -> bytearray:
         with self._lock:
             if self._buffers:
                 return self._buffers.pop()
         return bytearray(CHUNK_BYTES)
+
+
+def _receive_into(conn: socket.socket, assembly: Assembly, lane: int) -> LaneTiming:
+    """Read one lane's chunks straight into the push's receive area, each
+    hashed on other threads while the next is read."""
+    push, area = assembly.push, assembly.area
+    assert area is not None
+    lane_total = lane_bytes(lane, push.lanes, push.weights_bytes)
+    timing = LaneTiming()
+    hashed: list[Future[Any]] = []
+    received = 0
+    for index in lane_chunks(lane, push.lanes, push.weights_bytes):
+        assembly.raise_if_failed()
+        start, length = chunk_span(index, push.weights_bytes)
+        view = area.view[start : start + length]
+        began = time.perf_counter()
+        _recv_exactly(conn, view, received, lane_total)
+        timing.recv_s += time.perf_counter() - began
+        received += length
+        assembly.landed(index, view)
+        hashed.append(assembly.digest.add(view, index))
+    waited = time.perf_counter()
+    for future in hashed:
+        future.result()
+    timing.wait_s += time.perf_counter() - waited
+    return timing
 
 
 def _recv_exactly(
@@ -419,13 +447,18 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         head = await receipt.head()
         if head is None:  # a header past the first chunk: checked in the whole file
             await receipt.digest()
-            check_safetensors(push.folder / WEIGHTS_FILE)
+            check_safetensors(receipt.weights)
         else:
             check_safetensors_head(head, push.weights_bytes)
         if registry.repeats(pushed.lora_name, pushed.version):  # compared by the whole file
             await receipt.digest()
         prepared = await registry.prepare_owned(
-            pushed.lora_name, pushed.folder, STREAMED_PREFIX + "arriving", pushed.version, replaces
+            pushed.lora_name,
+            pushed.folder,
+            STREAMED_PREFIX + "arriving",
+            pushed.version,
+            replaces,
+            receipt.weights_fd,
         )
         if isinstance(prepared, AdapterRecord):
             return prepared

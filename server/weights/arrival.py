@@ -102,10 +102,11 @@ class Arrival:
 
     @classmethod
     def beside(cls, weights_path: str | Path, timeout_s: float = 300.0) -> Arrival | None:
-        """The arrival of ``weights_path`` (the marker in its folder); None for
-        a whole file (no marker)."""
+        """The arrival of ``weights_path`` (the marker in its folder; a link,
+        such as a descriptor's ``/proc/self/fd/N``, is followed first); None
+        for a whole file (no marker)."""
         try:
-            return cls(Path(weights_path).parent / MARKER, timeout_s)
+            return cls(_marker_of(weights_path), timeout_s)
         except FileNotFoundError:
             return None
 
@@ -148,6 +149,15 @@ class Arrival:
             if len(first) == _RECORD.size and first == os.pread(self._fd, _RECORD.size, 0):
                 total, ready, state = _RECORD.unpack(first)
                 return total, ready, state
+
+
+def _marker_of(weights_path: str | Path) -> Path:
+    return Path(os.path.realpath(weights_path)).parent / MARKER
+
+
+def arriving_file(weights_path: str | Path) -> bool:
+    """Whether ``weights_path`` (a link followed) has a marker beside it."""
+    return _marker_of(weights_path).exists()
 
 
 def arriving(folder: str | Path) -> bool:

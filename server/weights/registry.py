@@ -54,7 +54,7 @@ from skyrl_lora.errors import (
 
 from ..observability import SNAPSHOTS, log_event
 from .handover import wait_for_weights
-from .snapshot_writer import PENDING_FILE, copy_to_end
+from .snapshot_writer import PENDING_FILE, copy_to_end, write_weights_from
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class AdapterRegistry:
         started = time.perf_counter()
         # Where the engine can take the weights file open, it reads it once
         # and writes the snapshot's copy from what it read, after the swap.
-        held: dict[str, int] | None = {} if getattr(self._engine, "takes_files", False) else None
+        held: dict[str, int] | None = {} if self.takes_files else None
         await asyncio.to_thread(snapshot_adapter_dir, source_path, target, self._roots, held)
         weights_fd = None if held is None else held.get(WEIGHTS_FILES[0])
         SNAPSHOTS.labels(weights="copied" if weights_fd is None else "held").inc()
@@ -295,14 +295,23 @@ class AdapterRegistry:
         source: str,
         version: int | None = None,
         replaces: int | None = None,
+        weights_fd: int | None = None,
     ) -> PreparedVersion | AdapterRecord:
         """Like :meth:`prepare` for a folder the server wrote itself (an upload).
 
         The folder is moved into place (never copied) and removed on failure
-        (and after a repeat of the current version).
+        (and after a repeat of the current version). ``weights_fd``: the
+        weights, open, where they are not in the folder (a streamed push's
+        receive area, maybe still arriving): an engine that :attr:`takes_files`
+        reads them from it and writes the snapshot's copy after the swap;
+        for any other, the copy is made here, once the file is whole. The
+        caller keeps the file until the version is installed or abandoned.
         """
         if self.repeats(lora_name, version):
             try:
+                if weights_fd is not None:  # compared by the folder's file
+                    name = WEIGHTS_FILES[0]
+                    await asyncio.to_thread(write_weights_from, weights_fd, folder, name)
                 return await self._same_as_current(lora_name, folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -313,7 +322,22 @@ class AdapterRegistry:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return await self._stage(lora_name, version, target, source, replaces)
+        if weights_fd is not None and self.takes_files:
+            (target / PENDING_FILE).touch()
+        elif weights_fd is not None:
+            try:
+                await asyncio.to_thread(write_weights_from, weights_fd, target, WEIGHTS_FILES[0])
+            except BaseException:
+                shutil.rmtree(target, ignore_errors=True)
+                raise
+            weights_fd = None
+        return await self._stage(lora_name, version, target, source, replaces, weights_fd)
+
+    @property
+    def takes_files(self) -> bool:
+        """Whether the engine reads a weights file handed to it open (see
+        :class:`LoRAEngine`), and writes the snapshot's copy itself."""
+        return bool(getattr(self._engine, "takes_files", False))
 
     def upload_dir(self) -> Path:
         """A fresh folder beside the snapshots (same file system, so moves are renames)."""

@@ -612,13 +612,15 @@ class _WorkerStaging:
 
     def _take(self, lora_request: Any) -> TakenBuffer | None:
         """The request's bytes as one buffer (:mod:`.staged_buffer`): a
-        hand-over, or a file unless a reader process reads files; None
-        leaves the read to vLLM's loader (which reads the snapshot: a
-        weights file held open is copied into it first)."""
+        hand-over, or a file unless a reader process reads files (one still
+        arriving is read here, as its bytes land); None leaves the read to
+        vLLM's loader (which reads the snapshot: a weights file held open is
+        copied into it first)."""
         held = self._take_held_file(lora_request.lora_int_id)
         try:
             taken = self._buffers.take_handover(lora_request)
-            if taken is None and self._routed_reads is None:
+            follows = held is not None and arrival.arriving_file(f"/proc/self/fd/{held}")
+            if taken is None and (self._routed_reads is None or follows):
                 taken = self._buffers.take_file(lora_request, held)
             elif taken is None and held is not None:
                 folder = Path(lora_request.lora_path)
