@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -386,7 +386,8 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
         assert fake.loaded[-1][1] == data[::-1]  # the area's bytes are the new push's
         other = os.urandom(1000)  # another size: a new area; only one is kept idle
         await send(fake.open("tenant-a", len(other))[0], other)
-        assert fake.areas[-1] not in (None, first) and not first.exists()
+        assert fake.areas[-1] not in (None, first)
+        await until(lambda: not first.exists())  # closed off the event loop's thread
         kept = fake.areas[-1]
         assert kept is not None and sorted(p.name for p in kept.iterdir()) == [
             "adapter_model.safetensors"  # the arrival marker went with the digest's match
@@ -397,7 +398,28 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
             raw_stream, fake.listener.port, hello, other, digest_of(other[1:]).encode()
         )
         assert damaged["status"] == 400
-        assert not kept.exists()  # its readers may still be at it: never reused
+        await until(lambda: not kept.exists())  # its readers may still be at it: never reused
     finally:
         fake.listener.close()
     assert not [area for area in fake.areas if area is not None and area.exists()]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_push_maps_one_area_however_many_lanes_connect_at_once(tmp_path: Path) -> None:
+    """Its first lane takes the area, outside the listener's lock; the other
+    lanes wait for it instead of mapping areas of their own."""
+    fake = FakeServer(tmp_path, PushStreamConfig(idle_areas=4))
+    try:
+        data = os.urandom(4 * CHUNK_BYTES)
+        for _ in range(2):
+            await send(fake.open("tenant-a", len(data), lanes=4)[0], data)
+            assert fake.listener.idle_areas() == 1
+        assert fake.areas[0] is not None and fake.areas[0] == fake.areas[1]
+    finally:
+        fake.listener.close()

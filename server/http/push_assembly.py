@@ -30,7 +30,7 @@ from skyrl_lora.types import AdapterInfo
 from ..observability import log_event
 from ..weights.arrival import MARKER, ArrivalWriter
 from .push import WEIGHTS_FILE
-from .receive_area import ReceiveAreas
+from .receive_area import ReceiveArea, ReceiveAreas, close_area
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +131,17 @@ class Assembly:
         self,
         push: OpenedPush,
         join_timeout_s: float,
+        area: ReceiveArea | None = None,
         areas: ReceiveAreas | None = None,
-        digest_pool: Executor | None = None,
+        pool: Executor | None = None,
     ) -> None:
         self.push = push
         self.started = time.perf_counter()
-        #: Where the lanes receive: an area's map, else the folder's file (``fd``).
-        self.area = None if areas is None else areas.take(push.weights_bytes)
+        #: Where the lanes receive: an area's map (given back to ``areas``
+        #: after the push), else the folder's file (``fd``).
+        self.area = area
         self._areas = areas
+        self._pool = pool
         self.fd: int | None = None
         if self.area is None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -148,7 +151,7 @@ class Assembly:
             lands_in = self.area.folder
         self._dir = os.open(lands_in, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
         self.arrival = ArrivalWriter(lands_in, push.weights_bytes)
-        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=digest_pool)
+        self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=pool)
         self.receipt = Receipt(lands_in / WEIGHTS_FILE, None if self.area is None else self.area.fd)
         self._area_holds = 2  # the lanes and the load: the last to finish gives it back
         self.digests_said: list[str] = []
@@ -191,9 +194,9 @@ class Assembly:
                 return
             area, installed = self.area, self._reply is not None and self._reply["status"] == 200
         if installed and self._areas is not None:
-            self._areas.give_back(area)
-        else:
-            area.close()
+            self._areas.give_back(area)  # at once: the trainer's next push may follow now
+        else:  # unmapping and removing 336 MB is not for the event loop's thread
+            close_area(area, self._pool)
 
     def join(self, lane: int) -> None:
         """Lane ``lane`` connected (called under the listener's lock). A lane
@@ -318,6 +321,17 @@ class Assembly:
             settled = self._reply
         self._answered.set()
         return settled
+
+    def missing_lanes(self) -> frozenset[int]:
+        """The lanes that never connected."""
+        with self._lock:
+            return frozenset(range(self.push.lanes)) - self._joined
+
+    def reply(self) -> dict[str, Any]:
+        """The push's answer, once it has one."""
+        with self._lock:
+            assert self._reply is not None, "the push is not answered yet"
+            return self._reply
 
     def wait_for_reply(self, poll_s: float) -> dict[str, Any]:
         """The push's answer, once it has one; a push whose other lanes never

@@ -97,7 +97,7 @@ from .push_assembly import (
     check_lane,
     error_reply,
 )
-from .receive_area import ReceiveAreas
+from .receive_area import ReceiveArea, ReceiveAreas
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +154,16 @@ class PushStreamListener:
         self._lock = threading.Lock()
         self._tickets: dict[str, tuple[OpenedPush, float]] = {}
         self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
+        self._claiming: set[str] = set()  # tickets whose first lane maps their area
+        #: Pushes over before all their lanes came, by ticket: their answer,
+        #: the lanes still to come (answered that), and until when.
+        self._answered: dict[str, tuple[dict[str, Any], frozenset[int], float]] = {}
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
-        self._areas = ReceiveAreas.available(self.config.idle_areas)
         self._hashers = ThreadPoolExecutor(
             self.config.hash_threads, thread_name_prefix="skyrl-chunk-sha256"
         )
+        self._areas = ReceiveAreas.available(self.config.idle_areas, self._hashers)
         self._sock = socket.create_server((host or "", port))
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
@@ -167,6 +171,10 @@ class PushStreamListener:
             target=self._accept_loop, name="skyrl-push-stream", daemon=True
         )
         self._acceptor.start()
+
+    def idle_areas(self) -> int:
+        """Receive areas kept for the next pushes (0 where pushes write files)."""
+        return 0 if self._areas is None else self._areas.idle()
 
     # -- tickets (called on the event loop) ---------------------------------
     def open(self, push: OpenedPush) -> PushStreamTicket:
@@ -193,6 +201,9 @@ class PushStreamListener:
                 del self._tickets[ticket]
                 shutil.rmtree(push.folder, ignore_errors=True)
                 logger.info("push stream of %s expired unused", push.lora_name)
+        for ticket, (_, _, deadline) in list(self._answered.items()):
+            if deadline <= now:
+                del self._answered[ticket]
 
     def close(self) -> None:
         """Stop accepting, and remove the folders of pushes never streamed."""
@@ -206,9 +217,9 @@ class PushStreamListener:
         except OSError:
             pass
         self._sock.close()
-        self._hashers.shutdown(wait=False)
         if self._areas is not None:
             self._areas.close()
+        self._hashers.shutdown(wait=False)
 
     # -- streams (listener threads) ------------------------------------------
     def _accept_loop(self) -> None:
@@ -280,24 +291,65 @@ class PushStreamListener:
                 "its ticket, its lane in 2 hex digits and a newline"
             )
         lane = int(lane_hex, 16)
+        area = self._area_for(ticket)  # the push's first lane only
+        deadline = time.monotonic() + self.config.hello_timeout_s
+        try:
+            while True:
+                with self._lock:
+                    self._expire_locked()
+                    answered = self._answered.get(ticket)
+                    if answered is not None and lane in answered[1]:
+                        raise Answered(answered[0])  # the others came and went
+                    assembly = self._assemblies.get(ticket)
+                    if assembly is not None or area is not None or ticket not in self._claiming:
+                        if assembly is None:
+                            assembly = self._assemble(ticket, lane, area)
+                            area = None  # the push's now
+                        assembly.join(lane)
+                        return assembly, lane
+                # its first lane is still mapping the push's area
+                if time.monotonic() > deadline:
+                    raise BadRequestError("the push's first lane never started it")
+                time.sleep(0.001)
+        finally:
+            if area is not None and self._areas is not None:  # the push failed to start
+                self._areas.give_back(area)
+
+    def _assemble(self, ticket: str, lane: int, area: ReceiveArea | None) -> Assembly:
+        """The push of ``ticket``, started by its first lane (under the lock)."""
+        self._claiming.discard(ticket)
+        entry = self._tickets.get(ticket)
+        if entry is None:
+            raise AuthenticationError(
+                "unknown push stream ticket (used already, expired, or never issued)"
+            )
+        check_lane(lane, entry[0].lanes)
+        del self._tickets[ticket]
+        assembly = Assembly(entry[0], self.config.idle_timeout_s, area, self._areas, self._hashers)
+        self._assemblies[ticket] = assembly
+        assembly.start_load(self._finish, self._loop)
+        return assembly
+
+    def _area_for(self, ticket: str) -> ReceiveArea | None:
+        """The receive area of a push whose first lane this is; its other
+        lanes wait meanwhile (``_claiming``). Taken outside the listener's
+        lock: mapping a new one takes a few hundred ms, and the event loop
+        takes that lock to open pushes."""
+        if self._areas is None:
+            return None
         with self._lock:
-            self._expire_locked()
-            assembly = self._assemblies.get(ticket)
-            if assembly is None:
-                entry = self._tickets.get(ticket)
-                if entry is None:
-                    raise AuthenticationError(
-                        "unknown push stream ticket (used already, expired, or never issued)"
-                    )
-                check_lane(lane, entry[0].lanes)
-                del self._tickets[ticket]
-                assembly = Assembly(
-                    entry[0], self.config.idle_timeout_s, self._areas, self._hashers
-                )
-                self._assemblies[ticket] = assembly
-                assembly.start_load(self._finish, self._loop)
-            assembly.join(lane)
-        return assembly, lane
+            if ticket in self._assemblies or ticket in self._claiming:
+                return None
+            entry = self._tickets.get(ticket)
+            if entry is None:
+                return None
+            self._claiming.add(ticket)
+        try:
+            return self._areas.take(entry[0].weights_bytes)
+        except BaseException:
+            with self._lock:
+                self._claiming.discard(ticket)
+            raise
 
     def _leave(self, assembly: Assembly) -> None:
         """A lane's thread is done with the push; the last one closes its file
@@ -307,6 +359,11 @@ class PushStreamListener:
                 for ticket, known in list(self._assemblies.items()):
                     if known is assembly:
                         del self._assemblies[ticket]
+                        # a lane still to come answers what the others did
+                        missing = assembly.missing_lanes()
+                        if missing:
+                            until = time.monotonic() + self.config.ticket_ttl_s
+                            self._answered[ticket] = (assembly.reply(), missing, until)
 
     def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
         """Read one lane's chunks into the push's receive area, or into reused

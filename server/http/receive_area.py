@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import threading
+from concurrent.futures import Executor
 from pathlib import Path
 
 from .push import WEIGHTS_FILE
@@ -79,20 +80,27 @@ class ReceiveArea:
 
 
 class ReceiveAreas:
-    """Areas for pushes arriving now, and up to ``keep`` idle ones for the next."""
+    """Areas for pushes arriving now, and up to ``keep`` idle ones for the next.
 
-    def __init__(self, root: Path = SHM_ROOT, keep: int = 2) -> None:
+    ``closer``: where an area given back beyond ``keep`` is unmapped and
+    removed (tens of ms for a large one; the caller may be the event loop).
+    """
+
+    def __init__(
+        self, root: Path = SHM_ROOT, keep: int = 2, closer: Executor | None = None
+    ) -> None:
         self.root = root
         self.keep = keep
+        self._closer = closer
         self._lock = threading.Lock()
         self._idle: list[ReceiveArea] = []
         self._closed = False
 
     @classmethod
-    def available(cls, keep: int) -> ReceiveAreas | None:
+    def available(cls, keep: int, closer: Executor | None = None) -> ReceiveAreas | None:
         """Areas in ``/dev/shm``; None where the host has none (pushes then
         write the weights file in their folder)."""
-        return cls(SHM_ROOT, keep) if keep > 0 and SHM_ROOT.is_dir() else None
+        return cls(SHM_ROOT, keep, closer) if keep > 0 and SHM_ROOT.is_dir() else None
 
     def take(self, size: int) -> ReceiveArea:
         """An area of ``size`` bytes: an idle one of that size, else a new one."""
@@ -111,7 +119,11 @@ class ReceiveAreas:
                 if len(self._idle) <= self.keep:
                     return
                 area = self._idle.pop(0)
-        area.close()
+        close_area(area, self._closer)
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
 
     def close(self) -> None:
         with self._lock:
@@ -119,6 +131,17 @@ class ReceiveAreas:
             idle, self._idle = self._idle, []
         for area in idle:
             area.close()
+
+
+def close_area(area: ReceiveArea, closer: Executor | None) -> None:
+    """Close ``area`` on ``closer``'s threads, or here (no executor, or one shut down)."""
+    if closer is not None:
+        try:
+            closer.submit(area.close)
+            return
+        except RuntimeError:  # shut down with the listener
+            pass
+    area.close()
 
 
 def _allocate(fd: int, size: int) -> None:
