@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest
-from skyrl_lora.errors import BadRequestError, InternalServerError, ServerError
+from skyrl_lora.errors import (
+    AuthenticationError,
+    BadRequestError,
+    InternalServerError,
+    ServerError,
+)
 from skyrl_lora.types import AdapterInfo
 
 from ..observability import log_event
@@ -115,6 +120,10 @@ class LaneTiming:
     wait_s: float = 0.0
 
 
+#: What a lane with a ticket the listener does not take (or no longer) is told.
+UNKNOWN_TICKET = "unknown push stream ticket (used already, expired, or never issued)"
+
+
 class Answered(Exception):
     """A lane of a push that is over: it answers what the push answered."""
 
@@ -161,7 +170,9 @@ class Assembly:
         self._lock = threading.Lock()
         self._joined: set[int] = set()
         self._inside = 0
-        self._closed = False  # every lane that joined has left: no more may join
+        #: When every lane that joined had left: lanes that come later are
+        #: answered, not taken (:meth:`join`).
+        self.closed_at: float | None = None
         self._written: set[int] = set()
         self._prefix = 0  # chunks written from the file's start
         self._head: bytes | None = None  # the file's first bytes to its header's end
@@ -200,11 +211,14 @@ class Assembly:
 
     def join(self, lane: int) -> None:
         """Lane ``lane`` connected (called under the listener's lock). A lane
-        that comes after every other one left (the push failed first) gets
-        the push's answer: :class:`Answered`."""
+        that never came before, after every other one left (the push failed
+        first), gets the push's answer (:class:`Answered`); one sent again
+        is refused as its ticket is."""
         with self._lock:
             check_lane(lane, self.push.lanes)
-            if self._closed:
+            if self.closed_at is not None and lane in self._joined:
+                raise AuthenticationError(UNKNOWN_TICKET)
+            if self.closed_at is not None:
                 assert self._reply is not None  # closed only once answered
                 raise Answered(self._reply)
             if lane in self._joined:
@@ -212,12 +226,13 @@ class Assembly:
             self._joined.add(lane)
             self._inside += 1
 
-    def leave(self) -> bool:
-        """A lane's thread is out; True for the last one (the files are closed then)."""
+    def leave(self) -> None:
+        """A lane's thread is out; the last one closes the push's files."""
         with self._lock:
             self._inside -= 1
-            last = self._inside == 0 and not self._closed
-            self._closed = self._closed or last
+            last = self._inside == 0 and self.closed_at is None
+            if last:
+                self.closed_at = time.monotonic()
         if last:  # the folder went into its snapshot, or goes now
             self.digest.close()
             for fd in (self.fd, self._dir):
@@ -226,7 +241,6 @@ class Assembly:
             self.arrival.close()
             shutil.rmtree(self.push.folder, ignore_errors=True)
             self._release_area()
-        return last
 
     def write(self, index: int, view: memoryview, offset: int) -> None:
         """Write chunk ``index`` at ``offset`` of the folder's file; then as
@@ -321,17 +335,6 @@ class Assembly:
             settled = self._reply
         self._answered.set()
         return settled
-
-    def missing_lanes(self) -> frozenset[int]:
-        """The lanes that never connected."""
-        with self._lock:
-            return frozenset(range(self.push.lanes)) - self._joined
-
-    def reply(self) -> dict[str, Any]:
-        """The push's answer, once it has one."""
-        with self._lock:
-            assert self._reply is not None, "the push is not answered yet"
-            return self._reply
 
     def wait_for_reply(self, poll_s: float) -> dict[str, Any]:
         """The push's answer, once it has one; a push whose other lanes never

@@ -88,6 +88,7 @@ from .push import (
     load_pushed,
 )
 from .push_assembly import (
+    UNKNOWN_TICKET,
     Answered,
     Assembly,
     Finish,
@@ -153,11 +154,10 @@ class PushStreamListener:
         self._loop = loop
         self._lock = threading.Lock()
         self._tickets: dict[str, tuple[OpenedPush, float]] = {}
-        self._assemblies: dict[str, Assembly] = {}  # pushes whose lanes are arriving
+        #: Pushes whose lanes are arriving, and, for a ticket's lifetime after
+        #: they closed, those over (a lane that comes late gets their answer).
+        self._assemblies: dict[str, Assembly] = {}
         self._claiming: set[str] = set()  # tickets whose first lane maps their area
-        #: Pushes over before all their lanes came, by ticket: their answer,
-        #: the lanes still to come (answered that), and until when.
-        self._answered: dict[str, tuple[dict[str, Any], frozenset[int], float]] = {}
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
         self._hashers = ThreadPoolExecutor(
@@ -201,9 +201,10 @@ class PushStreamListener:
                 del self._tickets[ticket]
                 shutil.rmtree(push.folder, ignore_errors=True)
                 logger.info("push stream of %s expired unused", push.lora_name)
-        for ticket, (_, _, deadline) in list(self._answered.items()):
-            if deadline <= now:
-                del self._answered[ticket]
+        closed_before = now - self.config.ticket_ttl_s
+        for ticket, assembly in list(self._assemblies.items()):
+            if assembly.closed_at is not None and assembly.closed_at <= closed_before:
+                del self._assemblies[ticket]  # kept until now to answer late lanes
 
     def close(self) -> None:
         """Stop accepting, and remove the folders of pushes never streamed."""
@@ -265,7 +266,7 @@ class PushStreamListener:
             return self._failed(assembly, error)
         finally:
             if assembly is not None:
-                self._leave(assembly)
+                assembly.leave()
 
     def _failed(self, assembly: Assembly | None, exc: ServerError) -> dict[str, Any]:
         """The answer of a lane that failed: the push fails with it (unless
@@ -297,9 +298,6 @@ class PushStreamListener:
             while True:
                 with self._lock:
                     self._expire_locked()
-                    answered = self._answered.get(ticket)
-                    if answered is not None and lane in answered[1]:
-                        raise Answered(answered[0])  # the others came and went
                     assembly = self._assemblies.get(ticket)
                     if assembly is not None or area is not None or ticket not in self._claiming:
                         if assembly is None:
@@ -320,9 +318,7 @@ class PushStreamListener:
         self._claiming.discard(ticket)
         entry = self._tickets.get(ticket)
         if entry is None:
-            raise AuthenticationError(
-                "unknown push stream ticket (used already, expired, or never issued)"
-            )
+            raise AuthenticationError(UNKNOWN_TICKET)
         check_lane(lane, entry[0].lanes)
         del self._tickets[ticket]
         assembly = Assembly(entry[0], self.config.idle_timeout_s, area, self._areas, self._hashers)
@@ -350,20 +346,6 @@ class PushStreamListener:
             with self._lock:
                 self._claiming.discard(ticket)
             raise
-
-    def _leave(self, assembly: Assembly) -> None:
-        """A lane's thread is done with the push; the last one closes its file
-        and forgets its ticket."""
-        if assembly.leave():
-            with self._lock:
-                for ticket, known in list(self._assemblies.items()):
-                    if known is assembly:
-                        del self._assemblies[ticket]
-                        # a lane still to come answers what the others did
-                        missing = assembly.missing_lanes()
-                        if missing:
-                            until = time.monotonic() + self.config.ticket_ttl_s
-                            self._answered[ticket] = (assembly.reply(), missing, until)
 
     def _receive_lane(self, conn: socket.socket, assembly: Assembly, lane: int) -> None:
         """Read one lane's chunks into the push's receive area, or into reused
