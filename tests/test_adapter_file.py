@@ -12,7 +12,9 @@ replicas' ``skyrl_adapter_reads_total{read="one_buffer"}``).
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import struct
 import threading
 from pathlib import Path
@@ -257,3 +259,29 @@ def test_a_large_read_goes_in_parallel_chunks_and_lands_whole(tmp_path: Path, mo
     with open(path, "rb", buffering=0) as file, pytest.raises(EOFError, match="ended"):
         file.seek(1000)
         tensor_pickle.read_exactly(file, buffer, len(data), str(path))
+
+
+@pytest.mark.parametrize("parallel_bytes", [4096, 1 << 30], ids=["chunked", "one_read"])
+def test_a_twin_is_filled_by_the_same_reads(tmp_path: Path, monkeypatch, parallel_bytes) -> None:
+    """A second buffer of the same bytes (the model's copy beside the
+    snapshot's) is read chunk by chunk with the first, not copied after."""
+    monkeypatch.setattr(chunked, "PARALLEL_BYTES", parallel_bytes)
+    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"head" + data.numpy().tobytes())
+    buffer = torch.empty(len(data), dtype=torch.uint8)
+    twin = torch.empty(len(data), dtype=torch.uint8)
+    offsets: list[int] = []
+    preadv = os.preadv
+
+    def recorded_preadv(fd: int, views: Any, offset: int) -> int:
+        offsets.append(offset)
+        return preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", recorded_preadv)
+    with open(path, "rb", buffering=0) as file:
+        file.seek(4)
+        tensor_pickle.read_exactly(file, buffer, len(data), str(path), twin)
+    assert torch.equal(buffer, data) and torch.equal(twin, data)
+    if parallel_bytes == 4096:  # each chunk read twice (once into each), on its own thread
+        assert sorted(collections.Counter(offsets).values()) == [2] * chunked.THREADS

@@ -88,6 +88,49 @@ def test_a_file_still_arriving_is_read_as_its_bytes_land(
     assert len(reads) > 3 and reads[0] < finished[0]
 
 
+def test_a_twin_is_read_slice_by_slice_as_the_bytes_land(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's copy beside the snapshot's: each slice is read into both
+    once it is there, so nothing is left to copy after the last byte."""
+    data, tensors = _adapter_bytes(tmp_path)
+    target, fd, writer = _arriving(tmp_path, len(data))
+    monkeypatch.setattr(adapter_file, "FOLLOW_BYTES", 4096)
+    reads: list[tuple[int, float]] = []
+    preadv = os.preadv
+
+    def timed_preadv(descriptor: int, views: Any, offset: int) -> int:
+        reads.append((offset, time.monotonic()))
+        return preadv(descriptor, views, offset)
+
+    monkeypatch.setattr(os, "preadv", timed_preadv)
+    finished: list[float] = []
+
+    def write() -> None:
+        for start in range(0, len(data), PIECE):
+            time.sleep(0.01)
+            os.pwrite(fd, data[start : start + PIECE], start)
+            writer.ready(min(start + PIECE, len(data)))
+        finished.append(time.monotonic())
+        writer.complete()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        with OneBufferFile(str(target), _HOST, twin=_HOST) as ours:
+            assert ours.twin is not None and torch.equal(ours.twin, ours.buffer)
+            assert ours.twin.data_ptr() != ours.buffer.data_ptr()
+            for name, tensor in tensors.items():
+                assert torch.equal(ours.get_tensor(name), tensor), name
+    finally:
+        thread.join()
+        os.close(fd)
+        writer.close()
+    data_reads = reads[-2 * -(-len(ours.buffer) // 4096) :]  # after the header's
+    assert [o for o, _ in data_reads[0::2]] == [o for o, _ in data_reads[1::2]]
+    assert data_reads[1][1] < finished[0]  # the first slice's twin, before the end
+
+
 def test_a_push_that_fails_fails_the_read_and_nothing_reads_it_after(tmp_path: Path) -> None:
     data, _ = _adapter_bytes(tmp_path)
     target, fd, writer = _arriving(tmp_path, len(data))

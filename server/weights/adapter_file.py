@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from .arrival import Arrival, note_followed
-from .tensor_pickle import pread_exactly, read_exactly
+from .tensor_pickle import byte_view, pread_each, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {
@@ -76,7 +76,7 @@ class _ArrivingBytes:
         """``nbytes`` from :attr:`position` on, as a file's ``read`` (for the header)."""
         nbytes = max(0, min(nbytes, self._arrival.total_bytes - self.position))
         out = bytearray(nbytes)
-        self.readinto(memoryview(out), self.position)
+        self.readinto([memoryview(out)], self.position)
         self.position += nbytes
         return bytes(out)
 
@@ -86,24 +86,26 @@ class _ArrivingBytes:
     def fileno(self) -> int:
         return self._fd
 
-    def readinto(self, view: memoryview, offset: int) -> None:
-        """Fill ``view`` with the file's bytes from ``offset``, once they are written."""
-        self._arrival.wait_for(offset + len(view))
-        pread_exactly(self._fd, view, offset, self._path)
+    def readinto(self, views: list[memoryview], offset: int) -> None:
+        """Fill each of ``views`` (equal lengths) with the file's bytes from
+        ``offset``, once they are written."""
+        self._arrival.wait_for(offset + len(views[0]))
+        pread_each(self._fd, views, offset, self._path)
 
 
 #: A following read takes the bytes in slices of this size as they land.
 FOLLOW_BYTES = 8 << 20
 
 
-def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
-    """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
-    slice as the writer says each is there."""
-    view = memoryview(buffer.numpy()).cast("B")
+def _read_following(source: _ArrivingBytes, buffers: list[Any], nbytes: int) -> None:
+    """Fill each of ``buffers`` with ``nbytes`` from the source's position,
+    slice by slice as the writer says each is there (a twin's slice is read
+    as it lands, not copied whole once the last one came)."""
+    views = [byte_view(buffer) for buffer in buffers]
     start = source.tell()
     for begin in range(0, nbytes, FOLLOW_BYTES):
         end = min(begin + FOLLOW_BYTES, nbytes)
-        source.readinto(view[begin:end], start + begin)
+        source.readinto([view[begin:end] for view in views], start + begin)
     note_followed()
 
 
@@ -155,17 +157,26 @@ class OneBufferFile:
     read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
     arriving (:mod:`.arrival`) is read as its bytes land. That one's failure
     is :class:`~.arrival.ArrivalFailed`, never :class:`UnsupportedFile`: its
-    bytes are not to be read by anything else either."""
+    bytes are not to be read by anything else either.
 
-    def __init__(self, path: str, allocate: Callable[[int], Any]) -> None:
+    ``twin``: where a second copy of the data is wanted (:attr:`twin`), how
+    to allocate it; it is filled by the same reads, chunk by chunk.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        allocate: Callable[[int], Any],
+        twin: Callable[[int], Any] | None = None,
+    ) -> None:
         with open(path, "rb", buffering=0) as opened:
             arrival = Arrival.beside(path)
             if arrival is None:
-                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
+                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate, twin)
                 return
             with arrival:
                 source = _ArrivingBytes(path, opened.fileno(), arrival)
-                self._read(path, source, arrival.total_bytes, allocate)
+                self._read(path, source, arrival.total_bytes, allocate, twin)
 
     def _read(
         self,
@@ -173,6 +184,7 @@ class OneBufferFile:
         file: io.FileIO | _ArrivingBytes,
         size: int,
         allocate: Callable[[int], Any],
+        twin: Callable[[int], Any] | None,
     ) -> None:
         import torch
 
@@ -187,11 +199,13 @@ class OneBufferFile:
             name: _entry(name, info, data_bytes, torch) for name, info in header.items()
         }
         self._buffer = allocate(data_bytes)
+        self._twin = None if twin is None else twin(data_bytes)
         try:
             if isinstance(file, _ArrivingBytes):
-                _read_following(file, self._buffer, data_bytes)
+                buffers = [self._buffer] if self._twin is None else [self._buffer, self._twin]
+                _read_following(file, buffers, data_bytes)
             else:
-                read_exactly(file, self._buffer, data_bytes, path)
+                read_exactly(file, self._buffer, data_bytes, path, self._twin)
         except EOFError as exc:
             raise UnsupportedFile(str(exc)) from exc
 
@@ -199,6 +213,11 @@ class OneBufferFile:
     def buffer(self) -> Any:
         """The file's data (everything after the header), as read."""
         return self._buffer
+
+    @property
+    def twin(self) -> Any:
+        """A second copy of :attr:`buffer` where one was asked for, else None."""
+        return self._twin
 
     def layout(self) -> dict[str, Any] | None:
         """The tensors' places in :attr:`buffer` in a hand-over's terms

@@ -1,0 +1,133 @@
+"""Where a sync's time goes between the server's processes, from its event log.
+
+``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]`` lines up, for
+each version of ``ADAPTER`` (default: every adapter whose name starts with
+``swap``) staged from a streamed push or a hand-over, the API server's events
+(``pause``, ``push_stream_received``, ``adapter_staged``, ``resume``: log
+time, millisecond resolution) with the engine's ``adapter_staging`` (its
+``at``, the wall clock of the same host). Per push: when the receive began
+after the pause, how long it took, when the engine's staging began after
+the receive began and ended after the receive ended, and the answer's
+tail. Per hand-over: the engine's phases and the API's wait around them.
+Medians close each table. A staging's phases are in ``staging_events.py``;
+this says how they overlap the receive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import statistics
+import sys
+from typing import Any
+
+EVENT = re.compile(r"skyrl_event (\{.*\})")
+LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+Event = tuple[float, dict[str, Any]]
+
+
+def events(path: str, prefix: str) -> list[Event]:
+    found: list[Event] = []
+    with open(path, errors="replace") as log:
+        lines = log.readlines()
+    for line in lines:
+        match = EVENT.search(line)
+        if not match:
+            continue
+        try:
+            event = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not str(event.get("lora_name", "")).startswith(prefix):
+            continue
+        if "at" in event:
+            at = float(event["at"])
+        else:
+            stamp = LOG_TIME.match(line)
+            if stamp is None:
+                continue
+            when = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            at = when.replace(tzinfo=datetime.timezone.utc).timestamp()
+        found.append((at, event))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def _next(found: list[Event], start: int, kind: str, within: int = 10) -> Event | None:
+    return next((e for e in found[start + 1 : start + 1 + within] if e[1]["event"] == kind), None)
+
+
+def _last(found: list[Event], end: int, kind: str) -> Event | None:
+    return next((e for e in reversed(found[:end]) if e[1]["event"] == kind), None)
+
+
+def _ms(later: float, earlier: float) -> float:
+    return round((later - earlier) * 1000, 1)
+
+
+def pushes(found: list[Event]) -> list[dict[str, float]]:
+    rows = []
+    for index, (at, event) in enumerate(found):
+        if event["event"] != "push_stream_received":
+            continue
+        pause, staging = _last(found, index, "pause"), _next(found, index, "adapter_staging")
+        staged, resume = _next(found, index, "adapter_staged"), _next(found, index, "resume")
+        if None in (pause, staging, staged, resume):
+            continue
+        assert pause and staging and staged and resume
+        began = at - event["ms"] / 1000
+        staging_began = staging[0] - staging[1]["ms"] / 1000
+        rows.append(
+            {
+                "pause_to_receive": _ms(began, pause[0]),
+                "receive": event["ms"],
+                "staging_began_after_receive_began": _ms(staging_began, began),
+                "staging_ended_after_receive_ended": _ms(staging[0], at),
+                "slot": staging[1]["slot_ms"] or 0.0,
+                "staged_to_resume": _ms(resume[0], staging[0]),
+                "pause_to_resume": _ms(resume[0], pause[0]),
+            }
+        )
+    return rows
+
+
+def handovers(found: list[Event]) -> list[dict[str, float]]:
+    rows = []
+    for index, (_, event) in enumerate(found):
+        if event["event"] != "adapter_staging" or not str(event["read"]).startswith("handover"):
+            continue
+        staged = _next(found, index, "adapter_staged")
+        if staged is None:
+            continue
+        rows.append(
+            {
+                "staging": event["ms"],
+                "copy": event["handover_copy_ms"] or 0.0,
+                "build": round(event["read_ms"] - (event["handover_copy_ms"] or 0.0), 2),
+                "slot": event["slot_ms"] or 0.0,
+                "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
+            }
+        )
+    return rows
+
+
+def table(title: str, rows: list[dict[str, float]]) -> None:
+    if not rows:
+        return
+    print(f"== {title} ({len(rows)}), ms")
+    columns = list(rows[0])
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(f"{row[c]:.1f}" for c in columns))
+    print("median: " + " | ".join(f"{statistics.median(r[c] for r in rows):.1f}" for c in columns))
+
+
+def main(path: str, prefix: str = "swap") -> None:
+    found = events(path, prefix)
+    table("streamed pushes", pushes(found))
+    table("hand-overs", handovers(found))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
