@@ -88,22 +88,22 @@ def test_a_file_still_arriving_is_read_as_its_bytes_land(
     assert len(reads) > 3 and reads[0] < finished[0]
 
 
-def test_a_twin_is_read_slice_by_slice_as_the_bytes_land(
+def test_a_twin_gets_each_slice_as_it_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model's copy beside the snapshot's: each slice is read into both
-    once it is there, so nothing is left to copy after the last byte."""
+    """The model's copy beside the snapshot's: each slice is copied into it
+    once read, so nothing is left to copy after the last byte."""
     data, tensors = _adapter_bytes(tmp_path)
     target, fd, writer = _arriving(tmp_path, len(data))
     monkeypatch.setattr(adapter_file, "FOLLOW_BYTES", 4096)
-    reads: list[tuple[int, float]] = []
-    preadv = os.preadv
+    copied: list[float] = []
+    copy_to_twin = tensor_pickle.copy_to_twin
 
-    def timed_preadv(descriptor: int, views: Any, offset: int) -> int:
-        reads.append((offset, time.monotonic()))
-        return preadv(descriptor, views, offset)
+    def timed(source: Any, into: Any, begin: int, end: int) -> None:
+        copied.append(time.monotonic())
+        copy_to_twin(source, into, begin, end)
 
-    monkeypatch.setattr(os, "preadv", timed_preadv)
+    monkeypatch.setattr(tensor_pickle, "copy_to_twin", timed)
     finished: list[float] = []
 
     def write() -> None:
@@ -126,9 +126,7 @@ def test_a_twin_is_read_slice_by_slice_as_the_bytes_land(
         thread.join()
         os.close(fd)
         writer.close()
-    data_reads = reads[-2 * -(-len(ours.buffer) // 4096) :]  # after the header's
-    assert [o for o, _ in data_reads[0::2]] == [o for o, _ in data_reads[1::2]]
-    assert data_reads[1][1] < finished[0]  # the first slice's twin, before the end
+    assert len(copied) > 3 and copied[0] < finished[0]  # the first slice's, before the end
 
 
 def test_a_push_that_fails_fails_the_read_and_nothing_reads_it_after(tmp_path: Path) -> None:

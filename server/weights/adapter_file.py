@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from .arrival import Arrival, note_followed
-from .tensor_pickle import byte_view, pread_each, read_exactly
+from .tensor_pickle import pread_exactly, pread_into, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {
@@ -67,7 +67,7 @@ class _ArrivingBytes:
     its bytes are there."""
 
     def __init__(self, path: str, fd: int, arrival: Arrival) -> None:
-        self._path = path
+        self.path = path
         self._fd = fd
         self._arrival = arrival
         self.position = 0
@@ -76,7 +76,7 @@ class _ArrivingBytes:
         """``nbytes`` from :attr:`position` on, as a file's ``read`` (for the header)."""
         nbytes = max(0, min(nbytes, self._arrival.total_bytes - self.position))
         out = bytearray(nbytes)
-        self.readinto([memoryview(out)], self.position)
+        self.readinto(memoryview(out), self.position)
         self.position += nbytes
         return bytes(out)
 
@@ -86,26 +86,36 @@ class _ArrivingBytes:
     def fileno(self) -> int:
         return self._fd
 
-    def readinto(self, views: list[memoryview], offset: int) -> None:
-        """Fill each of ``views`` (equal lengths) with the file's bytes from
-        ``offset``, once they are written."""
-        self._arrival.wait_for(offset + len(views[0]))
-        pread_each(self._fd, views, offset, self._path)
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``, once they are written."""
+        self.wait_for(offset + len(view))
+        pread_exactly(self._fd, view, offset, self.path)
+
+    def wait_for(self, end: int) -> None:
+        """Return once the file's bytes up to ``end`` are written."""
+        self._arrival.wait_for(end)
 
 
 #: A following read takes the bytes in slices of this size as they land.
 FOLLOW_BYTES = 8 << 20
 
 
-def _read_following(source: _ArrivingBytes, buffers: list[Any], nbytes: int) -> None:
-    """Fill each of ``buffers`` with ``nbytes`` from the source's position,
-    slice by slice as the writer says each is there (a twin's slice is read
-    as it lands, not copied whole once the last one came)."""
-    views = [byte_view(buffer) for buffer in buffers]
+def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int, twin: Any) -> None:
+    """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
+    slice as the writer says each is there; each slice is copied into
+    ``twin`` (None: no twin) once read, not the whole buffer after the last.
+
+    A slice is read in a few chunks at once (:func:`.tensor_pickle.pread_into`):
+    one thread's kernel copy out of a push's shared-memory area ran at about
+    5 GB/s on the H200 machine, barely the rate the bytes arrive at, so a
+    twin's copy on the same thread left the read behind the bytes.
+    """
     start = source.tell()
     for begin in range(0, nbytes, FOLLOW_BYTES):
         end = min(begin + FOLLOW_BYTES, nbytes)
-        source.readinto([view[begin:end] for view in views], start + begin)
+        source.wait_for(start + end)
+        slice_twin = None if twin is None else twin[begin:end]
+        pread_into(source.fileno(), buffer[begin:end], start + begin, source.path, slice_twin)
     note_followed()
 
 
@@ -160,7 +170,7 @@ class OneBufferFile:
     bytes are not to be read by anything else either.
 
     ``twin``: where a second copy of the data is wanted (:attr:`twin`), how
-    to allocate it; it is filled by the same reads, chunk by chunk.
+    to allocate it; each chunk is copied into it as soon as it is read.
     """
 
     def __init__(
@@ -202,8 +212,7 @@ class OneBufferFile:
         self._twin = None if twin is None else twin(data_bytes)
         try:
             if isinstance(file, _ArrivingBytes):
-                buffers = [self._buffer] if self._twin is None else [self._buffer, self._twin]
-                _read_following(file, buffers, data_bytes)
+                _read_following(file, self._buffer, data_bytes, self._twin)
             else:
                 read_exactly(file, self._buffer, data_bytes, path, self._twin)
         except EOFError as exc:

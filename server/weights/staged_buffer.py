@@ -168,8 +168,8 @@ class BufferSource:
         opened again through ``/proc/self/fd`` (an offset of this reader's
         own: each worker of the engine reads it), and the snapshot's copy is
         written from the data as read, after the swap; the model is built
-        from a second copy, since the build folds scalings in place. The same
-        reads fill both, chunk by chunk as the bytes land: a copy of the whole
+        from a second copy, since the build folds scalings in place. Each
+        chunk is copied into it as soon as it is read: a copy of the whole
         buffer after the read ended a streamed rank-64 push's staging 41-78
         ms after its last byte (H200, 40c0a68).
 
@@ -181,8 +181,8 @@ class BufferSource:
         if weights_fd is not None:
             weights = Path(f"/proc/self/fd/{weights_fd}")
         # Held open, the file is read into the snapshot's copy, which no GPU
-        # copy reads: a pooled buffer; the model is built from a twin that the
-        # same reads fill (the build folds scalings into it in place).
+        # copy reads: a pooled buffer; the model is built from a twin that each
+        # chunk is copied into as it is read (the build folds scalings into it).
         read_into = self._host_buffers if weights_fd is None else self._snapshot_buffers
         twin = None if weights_fd is None else self._host_buffers
         self._alloc_ms()

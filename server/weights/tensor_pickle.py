@@ -130,32 +130,32 @@ def read_exactly(
     EOFError if the file ends first.
 
     ``twin``: a second uint8 tensor to fill with the same bytes. Each chunk
-    is read into it too, right after ``buffer``'s (from the page cache, the
-    GIL released, on the chunk's thread), rather than copied whole after
-    the read: one thread's ``copy_`` of 336 MB took tens of milliseconds,
-    after the last byte.
+    is copied into it right after it is read (``copy_``: a memory copy with
+    the GIL released, from bytes just read), on the chunk's thread, rather
+    than the whole buffer after the read. Reading each chunk twice from the
+    file instead was slower: a kernel copy out of the page cache or of
+    shared memory runs at a few GB/s a thread, and a streamed push's reads
+    then fell behind its bytes (H200, e391804).
     """
     if nbytes == 0:
         return
-    views = [byte_view(b) for b in (buffer, twin) if b is not None]
     if chunked.large(nbytes):
         try:
             fd, start = file.fileno(), file.tell()
         except (OSError, io.UnsupportedOperation):
             fd = None
         if fd is not None:
-            _read_in_chunks(fd, views, start, nbytes, path)
+            pread_into(fd, buffer[:nbytes], start, path, None if twin is None else twin[:nbytes])
             file.seek(start + nbytes)
             return
-    view = views[0]
+    view = byte_view(buffer)
     done = 0
     while done < nbytes:
         read = file.readinto(view[done:nbytes])
         if not read:
             raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
         done += read
-    for other in views[1:]:
-        other[:nbytes] = view[:nbytes]
+    copy_to_twin(buffer, twin, 0, nbytes)
 
 
 def byte_view(buffer: Any) -> memoryview:
@@ -163,10 +163,10 @@ def byte_view(buffer: Any) -> memoryview:
     return memoryview(buffer.numpy()).cast("B")
 
 
-def pread_each(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """:func:`pread_exactly` into each of ``views`` (equal lengths), the same bytes."""
-    for view in views:
-        pread_exactly(fd, view, offset, path)
+def copy_to_twin(buffer: Any, twin: Any, begin: int, end: int) -> None:
+    """Bytes ``begin:end`` of ``buffer`` into the same place of ``twin`` (None: nothing)."""
+    if twin is not None:
+        twin[begin:end].copy_(buffer[begin:end])
 
 
 def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -180,10 +180,14 @@ def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += read
 
 
-def _read_in_chunks(fd: int, views: list[memoryview], start: int, nbytes: int, path: str) -> None:
-    """``nbytes`` from ``fd`` at ``start`` into each of ``views``, in chunks at once."""
+def pread_into(fd: int, buffer: Any, start: int, path: str, twin: Any = None) -> None:
+    """Fill ``buffer`` (a uint8 tensor) from ``fd`` at ``start`` in a few
+    chunks at once (:mod:`.chunked`); each chunk is copied into ``twin`` (a
+    tensor as long, or None) on its thread as soon as it is read."""
+    view = byte_view(buffer)
 
     def read_chunk(begin: int, end: int) -> None:
-        pread_each(fd, [view[begin:end] for view in views], start + begin, path)
+        pread_exactly(fd, view[begin:end], start + begin, path)
+        copy_to_twin(buffer, twin, begin, end)
 
-    chunked.run_in_chunks(nbytes, read_chunk)
+    chunked.run_in_chunks(len(view), read_chunk)
