@@ -23,6 +23,7 @@ from skyrl_lora.server.weights.arrival import (  # noqa: E402
     Arrival,
     ArrivalFailed,
     ArrivalWriter,
+    take_followed,
     wait_whole,
 )
 
@@ -86,6 +87,8 @@ def test_a_file_still_arriving_is_read_as_its_bytes_land(
         writer.close()
     # It read slices while the writer still wrote: it followed, it did not wait for the end.
     assert len(reads) > 3 and reads[0] < finished[0]
+    followed = take_followed()  # and said how long it waited for the bytes
+    assert followed is not None and followed.waited_ms > 0 and take_followed() is None
 
 
 def test_a_twin_gets_each_slice_as_it_lands(

@@ -26,6 +26,8 @@ FIELDS = {
         "pack_ms",
         "slot_ms",
         "naps",
+        "follow_wait_ms",
+        "follow_after_last_ms",
     ),
     "adapter_staged": ("stage_ms", "polls"),
     # a streamed push's receive, from its first lane to the digest matched

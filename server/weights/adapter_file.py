@@ -32,12 +32,13 @@ import json
 import math
 import os
 import struct
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
-from .arrival import Arrival, note_followed
+from .arrival import Arrival, FollowedRead, note_followed
 from .tensor_pickle import pread_exactly, pread_into, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
@@ -111,12 +112,17 @@ def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int, twin: Any)
     twin's copy on the same thread left the read behind the bytes.
     """
     start = source.tell()
+    waited, there = 0.0, time.perf_counter()
     for begin in range(0, nbytes, FOLLOW_BYTES):
         end = min(begin + FOLLOW_BYTES, nbytes)
+        asked = time.perf_counter()
         source.wait_for(start + end)
+        there = time.perf_counter()
+        waited += there - asked
         slice_twin = None if twin is None else twin[begin:end]
         pread_into(source.fileno(), buffer[begin:end], start + begin, source.path, slice_twin)
-    note_followed()
+    done = time.perf_counter()
+    note_followed(FollowedRead(round(waited * 1000, 2), round((done - there) * 1000, 2)))
 
 
 def _entry(name: str, info: Any, data_bytes: int, torch: Any) -> tuple[Any, list[int], int, int]:

@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 #: The marker's name, beside the weights file it describes.
@@ -51,18 +52,30 @@ class ArrivalFailed(Exception):
     take it for a file to read another way."""
 
 
+@dataclass(frozen=True)
+class FollowedRead:
+    """How a read that followed an arriving file to its end spent its time."""
+
+    #: waiting for bytes not yet written
+    waited_ms: float
+    #: reading after the last bytes were there: what the follow adds to the receive
+    after_last_ms: float
+
+
 _followed = threading.local()
 
 
-def note_followed() -> None:
+def note_followed(read: FollowedRead) -> None:
     """A read on this thread followed an arriving file to its end."""
-    _followed.count = followed_reads() + 1
+    _followed.last = read
 
 
-def followed_reads() -> int:
-    """How many reads on this thread followed an arriving file (a staging
-    compares the count before and after its read)."""
-    return int(getattr(_followed, "count", 0))
+def take_followed() -> FollowedRead | None:
+    """The last read on this thread that followed an arriving file since the
+    last call, if any (a staging takes it before and after its read)."""
+    read: FollowedRead | None = getattr(_followed, "last", None)
+    _followed.last = None
+    return read
 
 
 class ArrivalWriter:

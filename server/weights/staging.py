@@ -528,7 +528,7 @@ class _WorkerStaging:
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
         copy_ms = None
-        followed_before = arrival.followed_reads()
+        arrival.take_followed()  # none of an earlier staging's
         try:
             with self.yield_points.yielding() as naps:
                 handed = self._take(lora_request)
@@ -569,7 +569,8 @@ class _WorkerStaging:
             read = READER
         elif self._staging_thread.one_buffer:
             read = ONE_BUFFER
-        followed = arrival.followed_reads() > followed_before
+        follow = arrival.take_followed()
+        followed = follow is not None
         # An event, not a message: the timeline lines each phase up with the
         # others' stalls (the event's ``at`` is its end; the phases run back to back).
         log_engine_event(
@@ -589,6 +590,10 @@ class _WorkerStaging:
             handover_copy_ms=copy_ms,
             # of which allocating host buffers (pinned ones cost a driver call)
             host_alloc_ms=None if handed is None else handed.alloc_ms,
+            # a read that followed a push's bytes: its waits for them, and
+            # what it read after the last of them were there
+            follow_wait_ms=None if follow is None else follow.waited_ms,
+            follow_after_last_ms=None if follow is None else follow.after_last_ms,
         )
         return _Staged(model, read, naps.count, followed)
 
