@@ -82,6 +82,7 @@ def pushes(found: list[Event]) -> list[dict[str, float]]:
             {
                 "pause_to_receive": _ms(began, pause[0]),
                 "receive": event["ms"],
+                "prefix_whole": event.get("whole_ms") or 0.0,
                 "staging_began_after_receive_began": _ms(staging_began, began),
                 "staging_ended_after_receive_ended": _ms(staging[0], at),
                 "read_after_last_byte": staging[1].get("follow_after_last_ms") or 0.0,

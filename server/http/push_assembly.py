@@ -145,7 +145,7 @@ class Assembly:
         pool: Executor | None = None,
     ) -> None:
         self.push = push
-        self.started = time.perf_counter()
+        self.started = self._prefix_at = time.perf_counter()
         #: Where the lanes receive: an area's map (given back to ``areas``
         #: after the push), else the folder's file (``fd``).
         self.area = area
@@ -270,6 +270,7 @@ class Assembly:
                     self.receipt.head_written(self._head)
                 self._prefix = advanced
                 self.arrival.ready(min(advanced * CHUNK_BYTES, self.push.weights_bytes))
+                self._prefix_at = time.perf_counter()
 
     def lane_done(self, digest_said: str, timing: LaneTiming) -> bool:
         """A lane's bytes and digest are in; True for the push's last lane."""
@@ -300,6 +301,8 @@ class Assembly:
             lanes=push.lanes,
             into="file" if self.area is None else "area",
             ms=_ms(time.perf_counter() - self.started),
+            # when the readers following the bytes were told the last were there
+            whole_ms=_ms(self._prefix_at - self.started),
             recv_ms=[_ms(t.recv_s) for t in self.lane_timings],
             wait_ms=[_ms(t.wait_s) for t in self.lane_timings],
             write_ms=_ms(self._write_s),
