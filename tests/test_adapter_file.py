@@ -12,7 +12,6 @@ replicas' ``skyrl_adapter_reads_total{read="one_buffer"}``).
 
 from __future__ import annotations
 
-import itertools
 import json
 import struct
 import threading
@@ -258,36 +257,3 @@ def test_a_large_read_goes_in_parallel_chunks_and_lands_whole(tmp_path: Path, mo
     with open(path, "rb", buffering=0) as file, pytest.raises(EOFError, match="ended"):
         file.seek(1000)
         tensor_pickle.read_exactly(file, buffer, len(data), str(path))
-
-
-@pytest.mark.parametrize("parallel_bytes", [4096, 1 << 30], ids=["chunked", "one_read"])
-def test_a_twin_is_filled_chunk_by_chunk_as_read(
-    tmp_path: Path, monkeypatch, parallel_bytes
-) -> None:
-    """A second buffer of the same bytes (the model's copy beside the
-    snapshot's) gets each chunk right after it is read, on the chunk's
-    thread; the file is read once."""
-    monkeypatch.setattr(chunked, "PARALLEL_BYTES", parallel_bytes)
-    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
-    path = tmp_path / "big.bin"
-    path.write_bytes(b"head" + data.numpy().tobytes())
-    buffer = torch.empty(len(data), dtype=torch.uint8)
-    twin = torch.empty(len(data), dtype=torch.uint8)
-    copies: list[tuple[int, int, str]] = []
-    copy_to_twin = tensor_pickle.copy_to_twin
-
-    def recorded(source: Any, into: Any, begin: int, end: int) -> None:
-        copies.append((begin, end, threading.current_thread().name))
-        copy_to_twin(source, into, begin, end)
-
-    monkeypatch.setattr(tensor_pickle, "copy_to_twin", recorded)
-    with open(path, "rb", buffering=0) as file:
-        file.seek(4)
-        tensor_pickle.read_exactly(file, buffer, len(data), str(path), twin)
-    assert torch.equal(buffer, data) and torch.equal(twin, data)
-    spans = sorted((begin, end) for begin, end, _ in copies)
-    assert spans[0][0] == 0 and spans[-1][1] == len(data)
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    if parallel_bytes == 4096:
-        assert len(spans) == chunked.THREADS
-        assert all(name.startswith("skyrl-lora-chunk") for _, _, name in copies)

@@ -91,47 +91,6 @@ def test_a_file_still_arriving_is_read_as_its_bytes_land(
     assert followed is not None and followed.waited_ms > 0 and take_followed() is None
 
 
-def test_a_twin_gets_each_slice_as_it_lands(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The model's copy beside the snapshot's: each slice is copied into it
-    once read, so nothing is left to copy after the last byte."""
-    data, tensors = _adapter_bytes(tmp_path)
-    target, fd, writer = _arriving(tmp_path, len(data))
-    monkeypatch.setattr(adapter_file, "FOLLOW_BYTES", 4096)
-    copied: list[float] = []
-    copy_to_twin = tensor_pickle.copy_to_twin
-
-    def timed(source: Any, into: Any, begin: int, end: int) -> None:
-        copied.append(time.monotonic())
-        copy_to_twin(source, into, begin, end)
-
-    monkeypatch.setattr(tensor_pickle, "copy_to_twin", timed)
-    finished: list[float] = []
-
-    def write() -> None:
-        for start in range(0, len(data), PIECE):
-            time.sleep(0.01)
-            os.pwrite(fd, data[start : start + PIECE], start)
-            writer.ready(min(start + PIECE, len(data)))
-        finished.append(time.monotonic())
-        writer.complete()
-
-    thread = threading.Thread(target=write)
-    thread.start()
-    try:
-        with OneBufferFile(str(target), _HOST, twin=_HOST) as ours:
-            assert ours.twin is not None and torch.equal(ours.twin, ours.buffer)
-            assert ours.twin.data_ptr() != ours.buffer.data_ptr()
-            for name, tensor in tensors.items():
-                assert torch.equal(ours.get_tensor(name), tensor), name
-    finally:
-        thread.join()
-        os.close(fd)
-        writer.close()
-    assert len(copied) > 3 and copied[0] < finished[0]  # the first slice's, before the end
-
-
 def test_a_push_that_fails_fails_the_read_and_nothing_reads_it_after(tmp_path: Path) -> None:
     data, _ = _adapter_bytes(tmp_path)
     target, fd, writer = _arriving(tmp_path, len(data))

@@ -147,9 +147,6 @@ def test_a_held_file_is_built_from_a_copy_and_written_as_read(tmp_path: Path) ->
     finally:
         os.close(fd)
     assert taken is not None and taken.writes_snapshot and not taken.is_handover
-    # the model's copy is a twin filled by the same reads, not a view of the snapshot's
-    assert taken.model_buffer.data_ptr() != taken.snapshot_buffer.data_ptr()
-    assert torch.equal(taken.model_buffer, taken.snapshot_buffer)
     taken.model_buffer.fill_(0)  # what a scaling fold does to the model's copy
     snapshot_writer.write_snapshot_file(
         target / WEIGHTS, taken.snapshot_buffer, taken.snapshot_layout()

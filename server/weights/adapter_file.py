@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from .arrival import Arrival, FollowedRead, note_followed
-from .tensor_pickle import pread_exactly, pread_into, read_exactly
+from .tensor_pickle import pread_exactly, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {
@@ -101,16 +101,11 @@ class _ArrivingBytes:
 FOLLOW_BYTES = 8 << 20
 
 
-def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int, twin: Any) -> None:
+def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
     """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
-    slice as the writer says each is there; each slice is copied into
-    ``twin`` (None: no twin) once read, not the whole buffer after the last.
-
-    A slice is read in a few chunks at once (:func:`.tensor_pickle.pread_into`):
-    one thread's kernel copy out of a push's shared-memory area ran at about
-    5 GB/s on the H200 machine, barely the rate the bytes arrive at, so a
-    twin's copy on the same thread left the read behind the bytes.
-    """
+    slice as the writer says each is there; say how long it waited for bytes
+    and how long it read after the last of them were there."""
+    view = memoryview(buffer.numpy()).cast("B")
     start = source.tell()
     waited, there = 0.0, time.perf_counter()
     for begin in range(0, nbytes, FOLLOW_BYTES):
@@ -119,8 +114,7 @@ def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int, twin: Any)
         source.wait_for(start + end)
         there = time.perf_counter()
         waited += there - asked
-        slice_twin = None if twin is None else twin[begin:end]
-        pread_into(source.fileno(), buffer[begin:end], start + begin, source.path, slice_twin)
+        pread_exactly(source.fileno(), view[begin:end], start + begin, source.path)
     done = time.perf_counter()
     note_followed(FollowedRead(round(waited * 1000, 2), round((done - there) * 1000, 2)))
 
@@ -173,26 +167,17 @@ class OneBufferFile:
     read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
     arriving (:mod:`.arrival`) is read as its bytes land. That one's failure
     is :class:`~.arrival.ArrivalFailed`, never :class:`UnsupportedFile`: its
-    bytes are not to be read by anything else either.
+    bytes are not to be read by anything else either."""
 
-    ``twin``: where a second copy of the data is wanted (:attr:`twin`), how
-    to allocate it; each chunk is copied into it as soon as it is read.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        allocate: Callable[[int], Any],
-        twin: Callable[[int], Any] | None = None,
-    ) -> None:
+    def __init__(self, path: str, allocate: Callable[[int], Any]) -> None:
         with open(path, "rb", buffering=0) as opened:
             arrival = Arrival.beside(path)
             if arrival is None:
-                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate, twin)
+                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
                 return
             with arrival:
                 source = _ArrivingBytes(path, opened.fileno(), arrival)
-                self._read(path, source, arrival.total_bytes, allocate, twin)
+                self._read(path, source, arrival.total_bytes, allocate)
 
     def _read(
         self,
@@ -200,7 +185,6 @@ class OneBufferFile:
         file: io.FileIO | _ArrivingBytes,
         size: int,
         allocate: Callable[[int], Any],
-        twin: Callable[[int], Any] | None,
     ) -> None:
         import torch
 
@@ -215,12 +199,11 @@ class OneBufferFile:
             name: _entry(name, info, data_bytes, torch) for name, info in header.items()
         }
         self._buffer = allocate(data_bytes)
-        self._twin = None if twin is None else twin(data_bytes)
         try:
             if isinstance(file, _ArrivingBytes):
-                _read_following(file, self._buffer, data_bytes, self._twin)
+                _read_following(file, self._buffer, data_bytes)
             else:
-                read_exactly(file, self._buffer, data_bytes, path, self._twin)
+                read_exactly(file, self._buffer, data_bytes, path)
         except EOFError as exc:
             raise UnsupportedFile(str(exc)) from exc
 
@@ -228,11 +211,6 @@ class OneBufferFile:
     def buffer(self) -> Any:
         """The file's data (everything after the header), as read."""
         return self._buffer
-
-    @property
-    def twin(self) -> Any:
-        """A second copy of :attr:`buffer` where one was asked for, else None."""
-        return self._twin
 
     def layout(self) -> dict[str, Any] | None:
         """The tensors' places in :attr:`buffer` in a hand-over's terms

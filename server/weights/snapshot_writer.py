@@ -46,7 +46,6 @@ from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from ..observability import log_engine_event
 from .arrival import Arrival
-from .tensor_pickle import byte_view
 
 logger = logging.getLogger("vllm.skyrl_lora.snapshot_writer")
 
@@ -94,7 +93,7 @@ def write_snapshot_file(path: Path, buffer: Any, layout: SnapshotLayout) -> None
     parallel) each write the same snapshot, and the last rename wins.
     """
     head, spans = layout
-    view = byte_view(buffer)
+    view = memoryview(buffer.numpy()).cast("B")
     chunks: list[Any] = [head, *(view[start:end] for start, end in spans)]
     with _partial(path) as fd:
         write_all(fd, chunks)

@@ -168,10 +168,7 @@ class BufferSource:
         opened again through ``/proc/self/fd`` (an offset of this reader's
         own: each worker of the engine reads it), and the snapshot's copy is
         written from the data as read, after the swap; the model is built
-        from a second copy, since the build folds scalings in place. Each
-        chunk is copied into it as soon as it is read: a copy of the whole
-        buffer after the read ended a streamed rank-64 push's staging 41-78
-        ms after its last byte (H200, 40c0a68).
+        from a copy of it, since the build folds scalings in place.
 
         Through vLLM's loader the rank-64 adapter of the 8B model took 241 ms
         to load by path on an idle H100 (08cfe58).
@@ -181,14 +178,12 @@ class BufferSource:
         if weights_fd is not None:
             weights = Path(f"/proc/self/fd/{weights_fd}")
         # Held open, the file is read into the snapshot's copy, which no GPU
-        # copy reads: a pooled buffer; the model is built from a twin that each
-        # chunk is copied into as it is read (the build folds scalings into it).
+        # copy reads: a pooled buffer; the model is built from a copy of it.
         read_into = self._host_buffers if weights_fd is None else self._snapshot_buffers
-        twin = None if weights_fd is None else self._host_buffers
         self._alloc_ms()
         try:
             config = (folder / handover.CONFIG_FILE).read_text()
-            opened: OneBufferFile | None = OneBufferFile(str(weights), read_into, twin)
+            opened: OneBufferFile | None = OneBufferFile(str(weights), read_into)
         except (OSError, UnsupportedFile):
             opened = None
         description = None if opened is None else opened.layout()
@@ -202,10 +197,12 @@ class BufferSource:
             return TakenBuffer(
                 folder, description, as_read, None, layout, alloc_ms=self._alloc_ms()
             )
+        model_buffer = self._host_buffers(as_read.numel())
+        model_buffer.copy_(as_read)
         return TakenBuffer(
             folder,
             description,
-            opened.twin,
+            model_buffer,
             as_read,
             layout,
             file_head=opened.head,

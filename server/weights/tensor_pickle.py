@@ -113,11 +113,7 @@ def read_buffer(path: str, nbytes: int, allocate: Callable[[int], Any]) -> Any:
 
 
 def read_exactly(
-    file: io.RawIOBase | io.BufferedIOBase,
-    buffer: Any,
-    nbytes: int,
-    path: str,
-    twin: Any = None,
+    file: io.RawIOBase | io.BufferedIOBase, buffer: Any, nbytes: int, path: str
 ) -> None:
     """Fill the first ``nbytes`` of ``buffer`` (a uint8 tensor) from ``file``'s position.
 
@@ -128,45 +124,25 @@ def read_exactly(
     GB/s, so a rank-64 adapter of an 8B model (336 MB) took tens of
     milliseconds to read. Leaves the file's position after the read. Raises
     EOFError if the file ends first.
-
-    ``twin``: a second uint8 tensor to fill with the same bytes. Each chunk
-    is copied into it right after it is read (``copy_``: a memory copy with
-    the GIL released, from bytes just read), on the chunk's thread, rather
-    than the whole buffer after the read. Reading each chunk twice from the
-    file instead was slower: a kernel copy out of the page cache or of
-    shared memory runs at a few GB/s a thread, and a streamed push's reads
-    then fell behind its bytes (H200, e391804).
     """
     if nbytes == 0:
         return
+    view = memoryview(buffer.numpy()).cast("B")
     if chunked.large(nbytes):
         try:
             fd, start = file.fileno(), file.tell()
         except (OSError, io.UnsupportedOperation):
             fd = None
         if fd is not None:
-            pread_into(fd, buffer[:nbytes], start, path, None if twin is None else twin[:nbytes])
+            _read_in_chunks(fd, view, start, nbytes, path)
             file.seek(start + nbytes)
             return
-    view = byte_view(buffer)
     done = 0
     while done < nbytes:
         read = file.readinto(view[done:nbytes])
         if not read:
             raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
         done += read
-    copy_to_twin(buffer, twin, 0, nbytes)
-
-
-def byte_view(buffer: Any) -> memoryview:
-    """A uint8 tensor's bytes, writable in place."""
-    return memoryview(buffer.numpy()).cast("B")
-
-
-def copy_to_twin(buffer: Any, twin: Any, begin: int, end: int) -> None:
-    """Bytes ``begin:end`` of ``buffer`` into the same place of ``twin`` (None: nothing)."""
-    if twin is not None:
-        twin[begin:end].copy_(buffer[begin:end])
 
 
 def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -180,14 +156,10 @@ def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += read
 
 
-def pread_into(fd: int, buffer: Any, start: int, path: str, twin: Any = None) -> None:
-    """Fill ``buffer`` (a uint8 tensor) from ``fd`` at ``start`` in a few
-    chunks at once (:mod:`.chunked`); each chunk is copied into ``twin`` (a
-    tensor as long, or None) on its thread as soon as it is read."""
-    view = byte_view(buffer)
+def _read_in_chunks(fd: int, view: memoryview, start: int, nbytes: int, path: str) -> None:
+    """``nbytes`` from ``fd`` at ``start`` into ``view``, in chunks at once."""
 
     def read_chunk(begin: int, end: int) -> None:
         pread_exactly(fd, view[begin:end], start + begin, path)
-        copy_to_twin(buffer, twin, begin, end)
 
-    chunked.run_in_chunks(len(view), read_chunk)
+    chunked.run_in_chunks(nbytes, read_chunk)
