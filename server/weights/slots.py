@@ -179,7 +179,8 @@ class SlotPrefill:
         (default) stream they would queue behind every kernel the step loop
         has launched, and waiting for them would wait for the engine's work
         too (a rank-16 write took up to 72 ms under load). On a side stream
-        they run beside the engine's kernels, and the wait covers them alone.
+        of the highest priority (:mod:`.cuda_streams`) they run beside the
+        engine's kernels, ahead of them, and the wait covers them alone.
         No kernel reads the slot meanwhile: it is reserved, not active. On a
         CPU the copies are synchronous; yields None.
         """
@@ -190,7 +191,9 @@ class SlotPrefill:
             yield None
             return
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
+            from .cuda_streams import urgent_stream
+
+            self._stream = urgent_stream(device)
         with torch.cuda.stream(self._stream):
             yield self._stream
 
