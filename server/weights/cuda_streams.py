@@ -10,15 +10,6 @@ Work that runs after a swap (the host copies of a model staged on the GPU)
 has a stream of its own (:data:`AFTER_SWAP`): on the staging's stream the
 next swap's copies queued behind the last one's device-to-host copies (two
 of 336 MB, about 27 ms, for the 8B model's rank-64 adapter).
-
-The staging's streams have the device's highest priority (:func:`urgent_stream`):
-under load the engine's kernels fill the GPU, and a side stream of the same
-priority had its copies' blocks wait among theirs. A rank-64 hand-over's
-copies and slot write took 9-32 and 8-27 ms under load against 3-5 and 4-10
-ms idle (H200, 56c7119) for about 1 ms of GPU work. The blocks of a
-higher-priority stream are scheduled first as the engine's finish, so a
-step is delayed by about that much, not a whole step. What runs after the
-swap keeps the default priority: it is nobody's wait.
 """
 
 from __future__ import annotations
@@ -32,10 +23,6 @@ import torch
 STAGING = "staging"
 AFTER_SWAP = "after_swap"
 
-#: torch maps a priority below the device's range to the device's highest.
-HIGHEST_PRIORITY = -(1 << 10)
-_PRIORITIES = {STAGING: HIGHEST_PRIORITY, AFTER_SWAP: 0}
-
 _streams: dict[tuple[Any, str], Any] = {}
 _lock = threading.Lock()
 
@@ -48,10 +35,5 @@ def side_stream(device: Any, purpose: str = STAGING) -> Any:
     key = (device, purpose)
     with _lock:
         if key not in _streams:
-            _streams[key] = torch.cuda.Stream(device=device, priority=_PRIORITIES[purpose])
+            _streams[key] = torch.cuda.Stream(device=device)
         return _streams[key]
-
-
-def urgent_stream(device: Any) -> Any:
-    """A new stream of ``device`` at the staging's priority, for a user that keeps its own."""
-    return torch.cuda.Stream(device=device, priority=_PRIORITIES[STAGING])

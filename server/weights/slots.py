@@ -179,8 +179,7 @@ class SlotPrefill:
         (default) stream they would queue behind every kernel the step loop
         has launched, and waiting for them would wait for the engine's work
         too (a rank-16 write took up to 72 ms under load). On a side stream
-        of the highest priority (:mod:`.cuda_streams`) they run beside the
-        engine's kernels, ahead of them, and the wait covers them alone.
+        they run beside the engine's kernels, and the wait covers them alone.
         No kernel reads the slot meanwhile: it is reserved, not active. On a
         CPU the copies are synchronous; yields None.
         """
@@ -191,9 +190,7 @@ class SlotPrefill:
             yield None
             return
         if self._stream is None:
-            from .cuda_streams import urgent_stream
-
-            self._stream = urgent_stream(device)
+            self._stream = torch.cuda.Stream(device=device)
         with torch.cuda.stream(self._stream):
             yield self._stream
 
