@@ -85,7 +85,7 @@ def pushes(found: list[Event]) -> list[dict[str, float]]:
                 "prefix_whole": event.get("whole_ms") or 0.0,
                 "staging_began_after_receive_began": _ms(staging_began, began),
                 "staging_ended_after_receive_ended": _ms(staging[0], at),
-                "read_after_last_byte": staging[1].get("follow_after_last_ms") or 0.0,
+                "read_after_last_wait": staging[1].get("follow_after_last_ms") or 0.0,
                 "slot": staging[1]["slot_ms"] or 0.0,
                 "staged_to_resume": _ms(resume[0], staging[0]),
                 "pause_to_resume": _ms(resume[0], pause[0]),

@@ -104,7 +104,7 @@ FOLLOW_BYTES = 8 << 20
 def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
     """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
     slice as the writer says each is there; say how long it waited for bytes
-    and how long it read after the last of them were there."""
+    and how long it read after its wait for the last slice."""
     view = memoryview(buffer.numpy()).cast("B")
     start = source.tell()
     waited, there = 0.0, time.perf_counter()

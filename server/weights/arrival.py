@@ -56,9 +56,10 @@ class ArrivalFailed(Exception):
 class FollowedRead:
     """How a read that followed an arriving file to its end spent its time."""
 
-    #: waiting for bytes not yet written
+    #: waiting for bytes not yet written (near 0: the read ran behind the bytes)
     waited_ms: float
-    #: reading after the last bytes were there: what the follow adds to the receive
+    #: reading after its wait for the last slice: where it had caught up with
+    #: the bytes, what the follow adds to the receive; else its last slice alone
     after_last_ms: float
 
 

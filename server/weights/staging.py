@@ -591,7 +591,7 @@ class _WorkerStaging:
             # of which allocating host buffers (pinned ones cost a driver call)
             host_alloc_ms=None if handed is None else handed.alloc_ms,
             # a read that followed a push's bytes: its waits for them, and
-            # what it read after the last of them were there
+            # what it read after its wait for the last slice
             follow_wait_ms=None if follow is None else follow.waited_ms,
             follow_after_last_ms=None if follow is None else follow.after_last_ms,
         )
