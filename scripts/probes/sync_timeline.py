@@ -1,11 +1,13 @@
 """Where a sync's time goes between the server's processes, from its event log.
 
-``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]`` lines up, for
-each version of ``ADAPTER`` (default: every adapter whose name starts with
-``swap``) staged from a streamed push or a hand-over, the API server's events
-(``pause``, ``push_stream_received``, ``adapter_staged``, ``resume``: log
-time, millisecond resolution) with the engine's ``adapter_staging`` (its
-``at``, the wall clock of the same host). Per push: when the receive began
+``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]``, from the
+repository's root, lines up, for each version of ``ADAPTER`` (default:
+every adapter whose name starts with ``swap``) staged from a streamed push
+or a hand-over, the API server's events (``pause``,
+``push_stream_received``, ``adapter_staged``, ``resume``: log time,
+millisecond resolution) with the engine's ``adapter_staging`` (its ``at``,
+the wall clock of the same host), read as :mod:`benchmarks.timeline` reads
+them. Per push: when the receive began
 after the pause, how long it took, when the engine's staging began after
 the receive began and ended after the receive ended, and the answer's
 tail. Per hand-over: the engine's phases and the API's wait around them.
@@ -15,43 +17,24 @@ this says how they overlap the receive.
 
 from __future__ import annotations
 
-import datetime
-import json
-import re
+import os
 import statistics
 import sys
 from typing import Any
 
-EVENT = re.compile(r"skyrl_event (\{.*\})")
-LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+sys.path.insert(0, os.getcwd())  # run from the repository's root
+from benchmarks.timeline import read_events  # noqa: E402
 
 Event = tuple[float, dict[str, Any]]
 
 
 def events(path: str, prefix: str) -> list[Event]:
-    found: list[Event] = []
+    """The log's events of adapters named ``prefix``..., on the host's wall
+    clock, in time order."""
     with open(path, errors="replace") as log:
-        lines = log.readlines()
-    for line in lines:
-        match = EVENT.search(line)
-        if not match:
-            continue
-        try:
-            event = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not str(event.get("lora_name", "")).startswith(prefix):
-            continue
-        if "at" in event:
-            at = float(event["at"])
-        else:
-            stamp = LOG_TIME.match(line)
-            if stamp is None:
-                continue
-            when = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
-            at = when.replace(tzinfo=datetime.timezone.utc).timestamp()
-        found.append((at, event))
-    return sorted(found, key=lambda pair: pair[0])
+        found = read_events(log, wall_minus_monotonic_s=0.0)
+    named = [e for e in found if str(e.fields.get("lora_name", "")).startswith(prefix)]
+    return sorted(((e.at, e.fields) for e in named), key=lambda pair: pair[0])
 
 
 def _next(found: list[Event], start: int, kind: str, within: int = 10) -> Event | None:
