@@ -320,15 +320,16 @@ class Assembly:
         """Fail the push (unless it was answered already); its answer. The
         answer is settled before the folder goes, so a load that fails for
         want of it (a race) cannot answer first."""
+        reply = error_reply(exc)
         with self._lock:
             first = self._reply is None
             if first:
-                self._reply = error_reply(exc)
+                self._reply = reply
                 self.arrival.fail()
         self.receipt.failed(exc)
         if first:
             shutil.rmtree(self.push.folder, ignore_errors=True)
-        return self._settle(error_reply(exc))
+        return self._settle(reply)
 
     def _settle(self, reply: dict[str, Any]) -> dict[str, Any]:
         """The push's answer: the first one given, to every lane."""

@@ -183,7 +183,13 @@ def arriving(folder: str | Path) -> bool:
 def wait_whole(folder: str | Path) -> None:
     """For readers that cannot follow the bytes: wait until the weights file
     in the adapter's ``folder`` is whole (at once if nothing arrives there)."""
-    arrival = Arrival.beside(Path(folder) / "weights")
+    wait_whole_file(Path(folder) / "weights")
+
+
+def wait_whole_file(weights_path: str | Path) -> None:
+    """:func:`wait_whole` for the weights file at ``weights_path`` (a link,
+    such as a descriptor's ``/proc/self/fd/N``, followed)."""
+    arrival = Arrival.beside(weights_path)
     if arrival is not None:
         with arrival:
             arrival.wait_whole()

@@ -45,7 +45,7 @@ from typing import Any
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from ..observability import log_engine_event
-from .arrival import Arrival
+from .arrival import wait_whole_file
 
 logger = logging.getLogger("vllm.skyrl_lora.snapshot_writer")
 
@@ -104,10 +104,7 @@ def write_weights_from(fd: int, folder: Path, name: str) -> None:
     to ``folder / name`` and clear :data:`PENDING_FILE`: the snapshot's
     weights for a reader that needs the file itself. A file still arriving
     (:mod:`.arrival`) is copied once it is whole."""
-    arriving = Arrival.beside(f"/proc/self/fd/{fd}")
-    if arriving is not None:
-        with arriving:
-            arriving.wait_whole()
+    wait_whole_file(f"/proc/self/fd/{fd}")
     with _partial(folder / name) as out:
         copy_to_end(fd, out)
     (folder / PENDING_FILE).unlink(missing_ok=True)
