@@ -41,7 +41,7 @@ from typing import Any
 
 from benchmarks.common import current_commit
 from benchmarks.report import spread_row, table
-from benchmarks.stats import Spread, Tail
+from benchmarks.stats import Spread, Tail, median
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.push import adapter_payload
 from skyrl_lora.client.push_stream import stream_weights
@@ -249,17 +249,17 @@ def receive_parts(events: Path) -> dict[str, dict[str, float]]:
             where = f"{event['lanes']} lane(s) into {event.get('into', 'file')}"
             by_lanes.setdefault(where, []).append(event)
 
-    def median(values: list[float]) -> float:
-        return round(sorted(values)[len(values) // 2], 1)
+    def middle(values: list[float]) -> float:
+        return round(median(values), 1)
 
     return {
         lanes: {
             "pushes": len(pushes),
-            "ms": median([e["ms"] for e in pushes]),
-            "slowest_lane_recv_ms": median([max(e["recv_ms"]) for e in pushes]),
-            "slowest_lane_wait_ms": median([max(e["wait_ms"]) for e in pushes]),
-            "write_ms_summed": median([e["write_ms"] for e in pushes]),
-            "digest_wait_ms": median([e["digest_wait_ms"] for e in pushes]),
+            "ms": middle([e["ms"] for e in pushes]),
+            "slowest_lane_recv_ms": middle([max(e["recv_ms"]) for e in pushes]),
+            "slowest_lane_wait_ms": middle([max(e["wait_ms"]) for e in pushes]),
+            "write_ms_summed": middle([e["write_ms"] for e in pushes]),
+            "digest_wait_ms": middle([e["digest_wait_ms"] for e in pushes]),
         }
         for lanes, pushes in sorted(by_lanes.items())
     }
