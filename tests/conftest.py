@@ -6,8 +6,9 @@ start lazily, so the pure unit tests never pay for them.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,14 @@ async def http(engine_server: EngineServer) -> AsyncIterator[aiohttp.ClientSessi
 
 #: How a staging reads an adapter's file in one call (``skyrl_adapter_reads_total``'s labels).
 FILE_READS = ("one_buffer", "file_template")
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Return once ``condition()`` holds; fail the test after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.01)
 
 
 async def counts_by_label(http: aiohttp.ClientSession, url: str, counter: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ from skyrl_lora.errors import (
     PermissionDeniedError,
 )
 from skyrl_lora.types import PUSH_STREAM_HELLO
-from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer, counts_by_label
+from tests.conftest import MAX_ADAPTER_BYTES, TENANT_KEYS, EngineServer, counts_by_label, until
 
 pytestmark = pytest.mark.engine
 
@@ -356,12 +356,7 @@ async def test_a_streamed_push_is_staged_as_it_arrives_and_installed_whole(
     snapshot = engine_server.snapshot_dir / name
     assert not list(snapshot.rglob(".arriving"))  # the marker goes once the file is whole
     # The engine writes the snapshot's weights file from what it read, after the swap.
-    for _ in range(200):
-        pending = list(snapshot.rglob("weights.pending"))
-        if not pending:
-            break
-        await asyncio.sleep(0.05)
-    assert not pending
+    await until(lambda: not list(snapshot.rglob("weights.pending")), timeout_s=10)
     assert (snapshot / "v2" / "adapter_model.safetensors").read_bytes() == weights
 
 

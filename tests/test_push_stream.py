@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
 from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
 from skyrl_lora.types import PUSH_STREAM_HELLO as HELLO
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
+from tests.conftest import until
 
 URL = "http://127.0.0.1:1"  # only its host is used by the stream
 
@@ -402,13 +403,6 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
     finally:
         fake.listener.close()
     assert not [area for area in fake.areas if area is not None and area.exists()]
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_push_maps_one_area_however_many_lanes_connect_at_once(tmp_path: Path) -> None:
