@@ -414,6 +414,11 @@ class ServerInfo(_Wire):
     #: (see ``skyrl_lora.server.weights.staged_buffer``); off on a CPU engine
     #: or with ``serve --no-gpu-staging``.
     adapter_gpu_staging: bool = False
+    #: Pinned host memory the engine's workers took for stagings before
+    #: serving, in bytes (``serve --pinned-reserve-adapters``; see
+    #: ``skyrl_lora.server.weights.pinned_reserve``); 0 where vLLM pins
+    #: nothing (a CPU engine) or the reserve is off.
+    adapter_pinned_reserve_bytes: int = 0
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False

@@ -96,6 +96,8 @@ async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -
     assert info["adapter_slot_prefill"] is True  # and writes engine slots off the loop too
     assert info["adapter_stage_channel"] is True  # asked beside the step loop, not through it
     assert info["adapter_gpu_staging"] is torch.cuda.is_available()  # built on the GPU there
+    # pinned host memory taken before serving where vLLM pins adapters (a GPU), none on a CPU
+    assert (info["adapter_pinned_reserve_bytes"] > 0) is torch.cuda.is_available()
     name = "staged-load"
     await post(
         http,

@@ -9,7 +9,12 @@ ways in turn, each a second apart:
 * ``torch.empty(pin_memory=True)`` from an empty host cache (what a reload
   pays when torch's caching host allocator has no free block: ``cudaHostAlloc``);
 * the same block freed and the host cache emptied (``cudaFreeHost``);
-* ``cudaHostRegister`` of pageable memory already touched, then unregistered.
+* ``cudaHostRegister`` of pageable memory already touched, then unregistered;
+* ``cudaHostRegister`` of a shared map of a ``/dev/shm`` file (where a push's
+  bytes land), then copies of the same bytes to the GPU on a side stream from
+  that registered map, from pageable memory and from a pinned block: what a
+  staging that copied straight out of a kept, registered receive area would
+  pay, and what it would cost the loop.
 
 It prints each one's duration and the longest step-loop iteration during
 it, against the longest outside every window.
@@ -18,10 +23,44 @@ it, against the longest outside every window.
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import threading
 import time
 
 import torch
+
+
+def shm_copies(timed, cudart, nbytes: int, pageable: torch.Tensor) -> None:
+    """Register a /dev/shm file's shared map, and time host-to-GPU copies from it and from others."""
+    path = "/dev/shm/skyrl-pinned-stall-probe"
+    with open(path, "wb") as out:
+        out.truncate(nbytes)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        area = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = torch.frombuffer(area, dtype=torch.uint8)
+        mapped.copy_(pageable)
+        timed("cudaHostRegister(/dev/shm map)", lambda: torch.cuda.check_error(cudart.cudaHostRegister(mapped.data_ptr(), nbytes, 0)))
+        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+
+        def copy_from(source: torch.Tensor) -> None:
+            with torch.cuda.stream(side):
+                device.copy_(source, non_blocking=True)
+            side.synchronize()
+
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(pageable)
+        timed("H2D from registered /dev/shm map", lambda: copy_from(mapped))
+        timed("H2D from pageable", lambda: copy_from(pageable))
+        timed("H2D from pinned", lambda: copy_from(pinned))
+        timed("cudaHostUnregister(/dev/shm map)", lambda: torch.cuda.check_error(cudart.cudaHostUnregister(mapped.data_ptr())))
+        del mapped, pinned, device
+        area.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def main() -> None:
@@ -65,8 +104,9 @@ def main() -> None:
 
             timed("cudaFreeHost", free)
             pageable = torch.ones(nbytes, dtype=torch.uint8)
-            timed("cudaHostRegister", lambda: cudart.cudaHostRegister(pageable.data_ptr(), nbytes, 0))
-            timed("cudaHostUnregister", lambda: cudart.cudaHostUnregister(pageable.data_ptr()))
+            timed("cudaHostRegister", lambda: torch.cuda.check_error(cudart.cudaHostRegister(pageable.data_ptr(), nbytes, 0)))
+            timed("cudaHostUnregister", lambda: torch.cuda.check_error(cudart.cudaHostUnregister(pageable.data_ptr())))
+            shm_copies(timed, cudart, nbytes, pageable)
         time.sleep(1.0)
     finally:
         stop.set()

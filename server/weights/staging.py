@@ -96,6 +96,7 @@ from .adapter_reader import AdapterReader, ReaderRoutedLoader
 from .finite_check import ensure_finite, model_tensors, on_host
 from .handover import HandedOverFile
 from .handover_template import HandoverTemplates
+from .pinned_reserve import PinnedReserve, ReserveReport, reserve, slot_bytes
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
 from .snapshot_writer import SnapshotWriter, write_weights_from
@@ -297,6 +298,18 @@ class _WorkerStaging:
     @property
     def gpu_staging(self) -> bool:
         return self._buffers.on_gpu
+
+    def reserve_pinned(self, config: PinnedReserve) -> ReserveReport:
+        """Take the pinned host blocks this worker's stagings will hold, before
+        it serves (:mod:`.pinned_reserve`); nothing where vLLM does not pin."""
+        if not compat.lora_pin_memory():
+            return ReserveReport(note="vLLM does not pin adapters' host copies here")
+        model_manager = compat.lora_model_manager(self._manager)
+        modules = getattr(model_manager, "modules", {})
+        block_bytes = slot_bytes(modules.values(), config.rank)
+        report = reserve(block_bytes, config.blocks, self._host_buffers)
+        log_engine_event("pinned_reserve", **asdict(report))
+        return report
 
     @property
     def staging_yield(self) -> bool:
@@ -740,6 +753,7 @@ class LoRAStagingExtension:
         staging_yield: dict[str, float] | None = None,
         status_dir: str | None = None,
         gpu_staging: bool = True,
+        pinned_reserve: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Set staging up (once, at the server's start); says which parts are on
         and which GPU the worker drives (``device_uuid``, None on a CPU).
@@ -751,10 +765,15 @@ class LoRAStagingExtension:
         against rows of non-finite logits (:mod:`..logits_guard`), which
         can otherwise kill the engine on vLLM 0.26. ``status_dir``: where to
         publish stagings' statuses (:meth:`_WorkerStaging.publish_statuses_to`).
+        ``pinned_reserve``: :class:`PinnedReserve`'s fields (None: no reserve).
         """
         watch_engine_collections()
         stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
+        reserved = ReserveReport()
+        if pinned_reserve is not None:
+            reserved = stager.reserve_pinned(PinnedReserve(**pinned_reserve))
         return {
+            "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "slot_prefill": stager.slot_prefill,
             "gpu_staging": stager.gpu_staging,
@@ -814,6 +833,10 @@ class StagingConfig:
     #: While the engine steps, the staging thread runs in short slices with
     #: naps between them (:mod:`skyrl_lora.server.weights.staging_yield`); None: it never naps.
     staging_yield: StagingYield | None = DEFAULT_STAGING_YIELD
+    #: Pinned host memory each worker takes before serving, so that no
+    #: staging pins fresh memory while the engine steps
+    #: (:mod:`skyrl_lora.server.weights.pinned_reserve`); None: none.
+    pinned_reserve: PinnedReserve | None = None
 
 
 class StagingError(Exception):
@@ -838,6 +861,8 @@ class StagedLoRAEngine:
         self.reader_process = False
         self.staging_yield = False
         self.logits_guard = False
+        #: Pinned host bytes the workers reserved for stagings before serving.
+        self.pinned_reserve_bytes = 0
         #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
         self.device_uuids: frozenset[str] = frozenset()
         #: Where the workers publish stagings' statuses, and their names
@@ -866,6 +891,8 @@ class StagedLoRAEngine:
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         status_dir = self._make_status_dir()
+        reserve_fields = self._config.pinned_reserve
+        fields = None if reserve_fields is None else asdict(reserve_fields)
         try:
             parts = await compat.collective_rpc(
                 self._engine,
@@ -875,8 +902,12 @@ class StagedLoRAEngine:
                 None if self._config.staging_yield is None else asdict(self._config.staging_yield),
                 str(status_dir),
                 self._config.gpu_staging,
+                fields,
             )
             self.available = True
+            self.pinned_reserve_bytes = sum(
+                ReserveReport(**p.get("pinned_reserve", {})).total_bytes for p in parts
+            )
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.gpu_staging = all(p.get("gpu_staging") for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
