@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with serving(["--no-ray", *argv], out / "scale_server.log") as running:
         result["server_start_s"] = round(time.monotonic() - started, 1)
         print(f"server up in {result['server_start_s']} s", flush=True)
+        result["server"]["info"] = asyncio.run(server_info(running.url))
         save()
         if "tenants" in args.parts:
             result["tenants"] = tenant_points(running.url, model, args.tenants, args.commit)
@@ -201,6 +202,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["swap_cost"] = swap_cost_points(running.url, folders, SWAP_LOAD, args.commit)
             save()
     return result
+
+
+async def server_info(url: str) -> dict[str, Any]:
+    """What the server says it runs with (its staging parts, pinned reserve, step watch)."""
+    async with RemoteInferenceClient(url) as client:
+        return (await client.server_info()).model_dump()
 
 
 def plot(path: Path) -> list[Path]:

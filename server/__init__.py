@@ -9,9 +9,10 @@ Layers, lowest first; each imports only from those below it::
     engine/                     the gate in front of vLLM's ``generate`` and the gated engine
     weights/                    adapter versions: registry, files, staging, engine slots
     compat, observability,      the one door to vLLM, metrics and event lines, the
-    loop_monitor, reaper,       event-loop watch, process cleanup, the sampler's
-    logits_guard,               guard against non-finite logits, and the embedded
-    presets, embedded/          model's flags and builder
+    loop_monitor, step_watch,   event-loop watch, the engine's long-step log,
+    reaper, logits_guard,       process cleanup, the sampler's guard against
+    presets, embedded/          non-finite logits, and the embedded model's flags
+                                and builder
 
 ``tests/test_import_layers.py`` checks the order and that nothing imports in
 a cycle. Importing this package is cheap: the modules that need vLLM import

@@ -198,6 +198,22 @@ def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool
     return _hook_before(model_runner, "execute_model", hook)
 
 
+def watch_model_steps(model_runner: Any, hook: Callable[[Any], None]) -> bool:
+    """Run ``hook(scheduler_output)`` as the worker's model runner begins each
+    step (``execute_model``'s first argument, 0.26 and 0.32), around whatever
+    hooks it has already; False where it has none."""
+    current = getattr(model_runner, "execute_model", None)
+    if current is None:
+        return False
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        hook(args[0] if args else kwargs.get("scheduler_output"))
+        return current(*args, **kwargs)
+
+    model_runner.execute_model = watched
+    return True
+
+
 def fold_lora_scalings(
     lora_model: Any, multiply: Callable[[list[Any], float], None]
 ) -> dict[float, list[Any]] | None:

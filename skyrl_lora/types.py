@@ -419,6 +419,10 @@ class ServerInfo(_Wire):
     #: ``skyrl_lora.server.weights.pinned_reserve``); 0 where vLLM pins
     #: nothing (a CPU engine) or the reserve is off.
     adapter_pinned_reserve_bytes: int = 0
+    #: Engine steps longer than this are logged as ``engine_long_step`` events
+    #: with what they scheduled and what ran beside them (``serve
+    #: --long-step-ms``; see ``skyrl_lora.server.step_watch``); None: not watched.
+    engine_long_step_ms: float | None = None
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False

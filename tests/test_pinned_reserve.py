@@ -120,9 +120,12 @@ def test_nothing_is_taken_for_an_empty_reserve() -> None:
     assert PinnedReserve(adapters=8).blocks == 8 + IN_FLIGHT_BLOCKS
 
 
-def test_serve_sizes_the_reserve_from_max_loras_unless_told() -> None:
+def test_serve_sizes_the_reserve_from_the_host_cache_of_adapters_unless_told() -> None:
     base = ["--model", "unused", "--enable-lora", "--max-loras", "6", "--max-lora-rank", "64"]
-    assert pinned_reserve(parse_server_args(base)) == PinnedReserve(6, None)
+    # serve defaults --max-cpu-loras to twice --max-loras: vLLM may hold that many models
+    assert pinned_reserve(parse_server_args(base)) == PinnedReserve(12, None)
+    cache = [*base, "--max-cpu-loras", "9"]
+    assert pinned_reserve(parse_server_args(cache)) == PinnedReserve(9, None)
     told = [*base, "--pinned-reserve-adapters", "10", "--pinned-reserve-rank", "32"]
     assert pinned_reserve(parse_server_args(told)) == PinnedReserve(10, 32)
     assert pinned_reserve(parse_server_args([*base, "--pinned-reserve-adapters", "0"])) is None

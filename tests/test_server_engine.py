@@ -98,6 +98,7 @@ async def test_adapter_loads_are_staged_off_the_step_loop(engine_server, http) -
     assert info["adapter_gpu_staging"] is torch.cuda.is_available()  # built on the GPU there
     # pinned host memory taken before serving where vLLM pins adapters (a GPU), none on a CPU
     assert (info["adapter_pinned_reserve_bytes"] > 0) is torch.cuda.is_available()
+    assert info["engine_long_step_ms"] == 50  # every worker watches its steps
     name = "staged-load"
     await post(
         http,

@@ -36,6 +36,7 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..reaper import start_reaper
+from ..step_watch import DEFAULT_LONG_STEP_S
 from ..tinker.routes import tinker_surface
 from ..weights import staging
 from ..weights.handover import HandoverAccess
@@ -155,10 +156,10 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="N",
-        help="pin host memory for N resident adapters' stagings (plus those in flight) "
-        "before serving, so that no reload pins fresh memory while the engine steps (on a "
-        "GPU that driver call stalls every tenant: 314 ms for 336 MB on an H200); "
-        "default --max-loras, 0 for none",
+        help="pin host memory for N adapters held in host memory (plus the stagings in "
+        "flight) before serving, so that no load pins fresh memory while the engine steps "
+        "(on a GPU that driver call stalls every tenant: 314 ms for 336 MB on an H200); "
+        "default --max-cpu-loras, 0 for none; at most a quarter of the host's memory",
     )
     group.add_argument(
         "--pinned-reserve-rank",
@@ -182,6 +183,15 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="leave the objects alive at start-up to the API process's garbage collector "
         "instead of freezing them as vLLM's own server does (for measurement: every full "
         "collection then walks them all, pausing every tenant's answers)",
+    )
+    group.add_argument(
+        "--long-step-ms",
+        type=float,
+        default=DEFAULT_LONG_STEP_S * 1000,
+        metavar="MS",
+        help="log engine steps longer than MS, with what they scheduled and what ran beside "
+        "them, as engine_long_step events (every running request waited that long for a "
+        f"token); 0 for none (default {DEFAULT_LONG_STEP_S * 1000:g})",
     )
     group.add_argument(
         "--stall-stacks",
@@ -230,11 +240,12 @@ def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
 
 def pinned_reserve(args: argparse.Namespace) -> PinnedReserve | None:
     """Pinned host memory for stagings, taken before serving: for
-    ``--pinned-reserve-adapters`` resident adapters (default ``--max-loras``)
-    of ``--pinned-reserve-rank`` (default ``--max-lora-rank``); None when 0."""
+    ``--pinned-reserve-adapters`` adapters held in host memory (default
+    ``--max-cpu-loras``, vLLM's cache of them) of ``--pinned-reserve-rank``
+    (default ``--max-lora-rank``); None when 0."""
     adapters = getattr(args, "pinned_reserve_adapters", None)
     if adapters is None:
-        adapters = int(getattr(args, "max_loras", 0) or 0)
+        adapters = int(getattr(args, "max_cpu_loras", None) or getattr(args, "max_loras", 0) or 0)
     if adapters <= 0:
         return None
     return PinnedReserve(adapters, getattr(args, "pinned_reserve_rank", None))
@@ -294,6 +305,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
             reader_process=getattr(args, "adapter_reader", False),
             staging_yield=staging_yield(args),
             pinned_reserve=pinned_reserve(args),
+            long_step_s=args.long_step_ms / 1000 if args.long_step_ms > 0 else None,
         ),
     )
     if getattr(args, "enable_lora", False):
@@ -352,6 +364,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_stage_channel=lora_engine.stage_channel,
         adapter_gpu_staging=lora_engine.gpu_staging,
         adapter_pinned_reserve_bytes=lora_engine.pinned_reserve_bytes,
+        engine_long_step_ms=lora_engine.long_step_ms,
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
         push_stream_port=None if push_stream is None else push_stream.port,

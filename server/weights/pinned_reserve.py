@@ -44,8 +44,9 @@ MAX_HOST_SHARE = 0.25
 class PinnedReserve:
     """How much pinned host memory each worker takes before serving.
 
-    ``adapters``: the models held at once (the adapters resident in engine
-    slots); 0 turns the reserve off. ``rank``: the rank the blocks are sized
+    ``adapters``: the models held at once; vLLM's host cache of adapters
+    (``--max-cpu-loras``) holds at most that many, each in a block of its
+    own. 0 turns the reserve off. ``rank``: the rank the blocks are sized
     for, on every layer the engine's slots hold; None means the server's
     largest (``--max-lora-rank``).
     """

@@ -205,6 +205,11 @@ class SnapshotWriter:
             self._pending[key] = future
         future.add_done_callback(lambda done: self._forget(key, done))
 
+    @property
+    def busy(self) -> bool:
+        """Whether a snapshot is being written or waits to be."""
+        return bool(self._pending)
+
     def wait(self, folder: str | Path) -> None:
         """Return once ``folder``'s file is written (at once if none is pending)."""
         with self._lock:

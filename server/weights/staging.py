@@ -90,6 +90,7 @@ from ..observability import (
     log_engine_event,
     log_event,
 )
+from ..step_watch import DEFAULT_LONG_STEP_S, StepWatch
 from . import arrival, handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
@@ -224,6 +225,8 @@ class _WorkerStaging:
         self._slot_awaits: dict[int, int] = {}
         self._dropped_ids: dict[int, None] = {}
         self.worker_token = uuid.uuid4().hex
+        #: Whether the staging thread is building a model now (read by the step watch).
+        self.loading = False
         #: Models packed on the staging thread; the in-loop packing skips them.
         self._packed: weakref.WeakSet[Any] = weakref.WeakSet()
         model_manager = compat.lora_model_manager(lora_manager)
@@ -310,6 +313,10 @@ class _WorkerStaging:
         report = reserve(block_bytes, config.blocks, self._host_buffers)
         log_engine_event("pinned_reserve", **asdict(report))
         return report
+
+    def busy(self) -> dict[str, bool]:
+        """What of this worker's runs beside the step loop now (:mod:`..step_watch`)."""
+        return {"staging": self.loading, "snapshot_write": self._snapshots.busy}
 
     @property
     def staging_yield(self) -> bool:
@@ -538,6 +545,7 @@ class _WorkerStaging:
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
         self._staging_thread.loading = True
+        self.loading = True
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
         copy_ms = None
@@ -561,6 +569,7 @@ class _WorkerStaging:
             in_slot = self._checked_into_slot(model, lora_request.lora_name)
         finally:
             self._staging_thread.loading = False
+            self.loading = False
             self._staging_thread.handed_over = None
             sys.setswitchinterval(switch_interval)
         if handed is not None and handed.writes_snapshot:  # after the swap: the file
@@ -722,6 +731,7 @@ class LoRAStagingExtension:
     """
 
     _skyrl_staging: _WorkerStaging | None = None
+    _skyrl_step_watch: StepWatch | None = None
 
     def _skyrl_stager(
         self,
@@ -754,6 +764,7 @@ class LoRAStagingExtension:
         status_dir: str | None = None,
         gpu_staging: bool = True,
         pinned_reserve: dict[str, Any] | None = None,
+        long_step_s: float | None = None,
     ) -> dict[str, Any]:
         """Set staging up (once, at the server's start); says which parts are on
         and which GPU the worker drives (``device_uuid``, None on a CPU).
@@ -766,13 +777,16 @@ class LoRAStagingExtension:
         can otherwise kill the engine on vLLM 0.26. ``status_dir``: where to
         publish stagings' statuses (:meth:`_WorkerStaging.publish_statuses_to`).
         ``pinned_reserve``: :class:`PinnedReserve`'s fields (None: no reserve).
+        ``long_step_s``: log steps longer than this (:mod:`..step_watch`; None: none).
         """
         watch_engine_collections()
         stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
+        watching = long_step_s is not None and self._skyrl_watch_steps(stager, long_step_s)
         reserved = ReserveReport()
         if pinned_reserve is not None:
             reserved = stager.reserve_pinned(PinnedReserve(**pinned_reserve))
         return {
+            "long_step_watch": watching,
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "slot_prefill": stager.slot_prefill,
@@ -784,6 +798,15 @@ class LoRAStagingExtension:
             "stage_socket": stager.listen(),
             "worker": stager.worker_token,
         }
+
+    def _skyrl_watch_steps(self, stager: _WorkerStaging, long_step_s: float) -> bool:
+        """Log this worker's long steps (once per worker)."""
+        if self._skyrl_step_watch is None:
+            watch = StepWatch(long_step_s, busy=stager.busy)
+            if not compat.watch_model_steps(getattr(self, "model_runner", None), watch):
+                return False
+            self._skyrl_step_watch = watch
+        return True
 
     def skyrl_stage_lora(self, request: dict[str, Any], replaces: int | None = None) -> None:
         self._skyrl_stager().stage(compat.lora_request_class()(**request), replaces)
@@ -837,6 +860,9 @@ class StagingConfig:
     #: staging pins fresh memory while the engine steps
     #: (:mod:`skyrl_lora.server.weights.pinned_reserve`); None: none.
     pinned_reserve: PinnedReserve | None = None
+    #: Log each worker's engine steps longer than this as ``engine_long_step``
+    #: events (:mod:`skyrl_lora.server.step_watch`); None: none.
+    long_step_s: float | None = DEFAULT_LONG_STEP_S
 
 
 class StagingError(Exception):
@@ -863,6 +889,8 @@ class StagedLoRAEngine:
         self.logits_guard = False
         #: Pinned host bytes the workers reserved for stagings before serving.
         self.pinned_reserve_bytes = 0
+        #: Steps longer than this are logged on every worker (None: not watched).
+        self.long_step_ms: float | None = None
         #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
         self.device_uuids: frozenset[str] = frozenset()
         #: Where the workers publish stagings' statuses, and their names
@@ -903,8 +931,13 @@ class StagedLoRAEngine:
                 str(status_dir),
                 self._config.gpu_staging,
                 fields,
+                self._config.long_step_s,
             )
             self.available = True
+            if self._config.long_step_s is not None and all(
+                p.get("long_step_watch") for p in parts
+            ):
+                self.long_step_ms = self._config.long_step_s * 1000
             self.pinned_reserve_bytes = sum(
                 ReserveReport(**p.get("pinned_reserve", {})).total_bytes for p in parts
             )

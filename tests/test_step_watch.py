@@ -1,0 +1,97 @@
+"""The engine's long-step log (``skyrl_lora.server.step_watch``).
+
+What must hold: a step longer than the threshold, with a request running
+through it, is logged with what that step scheduled (requests, tokens,
+prefill tokens, new requests) and what of ours was busy at its start or
+end; a short step or an idle engine between two steps is not; and the
+shape is read from vLLM's own ``SchedulerOutput``, so a vLLM that renames
+its fields fails here rather than logging zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from skyrl_lora.server.step_watch import StepShape, StepWatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(scheduled: dict[str, int], new: int = 0) -> Any:
+    """A stand-in scheduler output: tokens per request, and how many are new."""
+
+    @dataclasses.dataclass
+    class Output:
+        num_scheduled_tokens: dict[str, int]
+        total_num_scheduled_tokens: int
+        scheduled_new_reqs: list[object]
+
+    return Output(scheduled, sum(scheduled.values()), [object()] * new)
+
+
+def watched(busy: list[dict[str, bool]]) -> tuple[StepWatch, Clock, list[dict[str, Any]]]:
+    clock, logged = Clock(), []
+    watch = StepWatch(
+        0.05,
+        busy=lambda: busy[0],
+        log=lambda event, **fields: logged.append({"event": event, **fields}),
+        clock=clock,
+    )
+    return watch, clock, logged
+
+
+def test_a_long_step_is_logged_with_what_it_scheduled_and_what_ran_beside() -> None:
+    busy = [{"staging": True, "snapshot_write": False}]
+    watch, clock, logged = watched(busy)
+    watch(step({"a": 1, "b": 1}))
+    clock.now = 0.01
+    resumed = {"a": 1, "b": 1, "r1": 300, "r2": 250}  # two resumed requests re-prefill
+    watch(step(resumed, new=2))
+    busy[0] = {"staging": False, "snapshot_write": True}
+    clock.now = 0.09  # that step took 80 ms
+    watch(step({"a": 1, "b": 1, "r1": 1, "r2": 1}))
+    assert logged == [
+        {
+            "event": "engine_long_step",
+            "ms": 80.0,
+            "requests": 4,
+            "tokens": 552,
+            "prefill_tokens": 550,
+            "new_requests": 2,
+            "busy": ["snapshot_write", "staging"],
+        }
+    ]
+    assert watch.long_steps == 1
+
+
+def test_short_steps_and_an_idle_engine_are_not_logged() -> None:
+    watch, clock, logged = watched([{}])
+    watch(step({"a": 1}))
+    clock.now = 0.02
+    watch(step({"a": 1}))
+    clock.now = 5.0  # "a" finished; the engine idled until "b" came
+    watch(step({"b": 40}, new=1))
+    assert logged == [] and watch.long_steps == 0
+
+
+def test_the_shape_is_read_from_vllms_own_scheduler_output() -> None:
+    output = pytest.importorskip("vllm.v1.core.sched.output")
+    real = output.SchedulerOutput.make_empty()
+    real.num_scheduled_tokens = {"a": 1, "b": 17}
+    real.total_num_scheduled_tokens = 18
+    assert StepShape.of(real) == StepShape(
+        requests=2,
+        tokens=18,
+        prefill_tokens=17,
+        new_requests=0,
+        request_ids=frozenset({"a", "b"}),
+    )
