@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "swap_load": SWAP_LOAD.__dict__,
         "model_build_s": round(built_s, 1),
+        # The gaps' times are this process's monotonic clock, the server log's wall time.
+        "wall_minus_monotonic_s": time.time() - time.monotonic(),
     }
     result: dict[str, Any] = {**meta, "swap_cost": [], "tenants": []}
 

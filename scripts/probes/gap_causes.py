@@ -1,0 +1,51 @@
+"""What the engine did during the other tenants' longest gaps of a tenant curve.
+
+``python3 scripts/probes/gap_causes.py scale.json scale_server.log`` (run from
+the repository root) takes each tenant point's ``longest_gaps_during_swaps``
+of a ``benchmarks.scale`` JSON (times on the benchmark's monotonic clock,
+converted with its ``wall_minus_monotonic_s``) and prints, for each, the
+server's events that ended inside it or within 0.1 s after: the engine's
+long steps (``engine_long_step``: what the step scheduled and what of ours
+ran beside it), its garbage collections, stagings, pauses and resumes, in ms
+relative to the gap's start. Then every long step of the run, counted by
+what it scheduled.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.timeline import read_events
+
+SHOWN = {"engine_long_step", "engine_gc_pause", "gc_pause", "adapter_staging", "pause", "resume",
+         "snapshot_written", "event_loop_stall"}
+
+
+def main() -> None:
+    figures = json.loads(Path(sys.argv[1]).read_text())
+    events = read_events(Path(sys.argv[2]).read_text().splitlines(), figures["wall_minus_monotonic_s"])
+    for point in figures["tenants"]:
+        print(f"== {point['tenants']} tenants")
+        for gap in point["longest_gaps_during_swaps"][:6]:
+            end = float(gap["at"])
+            start = end - float(gap["ms"]) / 1000
+            print(f"gap {gap['ms']} ms (round {gap['round']}, {gap['after_resume_ms']} ms after resume):")
+            for e in events:
+                if e.name in SHOWN and start - 0.02 <= e.at <= end + 0.1:
+                    fields = {k: v for k, v in e.fields.items() if k != "event"}
+                    print(f"   {(e.at - start) * 1000:+7.1f} {e.name} {json.dumps(fields)[:200]}")
+    long_steps = [e.fields for e in events if e.name == "engine_long_step"]
+    kinds = collections.Counter(
+        ("prefill" if s["prefill_tokens"] else "decode only", tuple(s["busy"])) for s in long_steps
+    )
+    print(f"== {len(long_steps)} long steps: by what they scheduled and what ran beside")
+    for (kind, busy), count in kinds.most_common():
+        ms = sorted(s["ms"] for s in long_steps if ("prefill" if s["prefill_tokens"] else "decode only") == kind and tuple(s["busy"]) == busy)
+        print(f"   {kind:12s} busy={list(busy)}: {count}, ms p50 {ms[len(ms) // 2]} max {ms[-1]}")
+
+
+if __name__ == "__main__":
+    main()
