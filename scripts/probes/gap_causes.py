@@ -44,7 +44,9 @@ def main() -> None:
     print(f"== {len(long_steps)} long steps: by what they scheduled and what ran beside")
     for (kind, busy), count in kinds.most_common():
         ms = sorted(s["ms"] for s in long_steps if ("prefill" if s["prefill_tokens"] else "decode only") == kind and tuple(s["busy"]) == busy)
-        print(f"   {kind:12s} busy={list(busy)}: {count}, ms p50 {ms[len(ms) // 2]} max {ms[-1]}")
+        prefill = sorted(s["prefill_tokens"] for s in long_steps if ("prefill" if s["prefill_tokens"] else "decode only") == kind and tuple(s["busy"]) == busy)
+        print(f"   {kind:12s} busy={list(busy)}: {count}, ms p50 {ms[len(ms) // 2]} p90 {ms[int(len(ms) * 0.9)]} max {ms[-1]}; "
+              f"prefill tokens p50 {prefill[len(prefill) // 2]} max {prefill[-1]}")
 
 
 if __name__ == "__main__":
