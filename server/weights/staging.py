@@ -938,9 +938,16 @@ class StagedLoRAEngine:
                 p.get("long_step_watch") for p in parts
             ):
                 self.long_step_ms = self._config.long_step_s * 1000
-            self.pinned_reserve_bytes = sum(
-                ReserveReport(**p.get("pinned_reserve", {})).total_bytes for p in parts
-            )
+            reserves = [ReserveReport(**p.get("pinned_reserve", {})) for p in parts]
+            self.pinned_reserve_bytes = sum(r.total_bytes for r in reserves)
+            for report in reserves:
+                logger.info(
+                    "skyrl-lora pinned %d host blocks of %d MiB for stagings in %.0f ms%s",
+                    report.blocks,
+                    report.block_bytes >> 20,
+                    report.ms,
+                    f" ({report.note})" if report.note else "",
+                )
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.gpu_staging = all(p.get("gpu_staging") for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
