@@ -22,12 +22,15 @@ look-ups per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .observability import log_engine_event
+
+logger = logging.getLogger(__name__)
 
 #: A step longer than this is logged (``serve --long-step-ms``).
 DEFAULT_LONG_STEP_S = 0.05
@@ -78,8 +81,19 @@ class StepWatch:
         #: and again as the next one begins.
         self._busy_at_start: dict[str, bool] = {}
         self.long_steps = 0
+        self.failed = False
 
     def __call__(self, scheduler_output: Any) -> None:
+        """Runs in the step loop: a fault here turns the watch off, never fails the step."""
+        if self.failed:
+            return
+        try:
+            self._look(scheduler_output)
+        except Exception:
+            self.failed = True
+            logger.exception("skyrl-lora stops watching engine steps")
+
+    def _look(self, scheduler_output: Any) -> None:
         now = self._clock()
         shape = StepShape.of(scheduler_output)
         long = self._began is not None and now - self._began > self.long_step_s

@@ -95,3 +95,13 @@ def test_the_shape_is_read_from_vllms_own_scheduler_output() -> None:
         new_requests=0,
         request_ids=frozenset({"a", "b"}),
     )
+
+
+def test_a_fault_in_the_watch_turns_it_off_and_never_fails_the_step() -> None:
+    def busy() -> dict[str, bool]:
+        raise RuntimeError("a broken probe")
+
+    watch = StepWatch(0.05, busy=busy, log=lambda *a, **k: None)
+    watch(step({"a": 1}))  # must not raise into vLLM's step loop
+    assert watch.failed
+    watch(step({"a": 1}))  # and stays off
