@@ -114,7 +114,8 @@ def reserve(
     allocate: Callable[[int], Any],
     host_bytes: int | None = None,
 ) -> ReserveReport:
-    """Take ``blocks`` blocks of ``block_bytes`` from ``allocate`` (a pinned
+    """Take ``blocks`` blocks of ``block_bytes`` (rounded up to a power of
+    two, as torch's cache rounds them) from ``allocate`` (a pinned
     allocation through torch's caching host allocator) all at once, then let
     them go back to its cache. All are held together before any goes back:
     allocated one after another, each would be the last one's block again.
@@ -125,6 +126,10 @@ def reserve(
     """
     if blocks <= 0 or block_bytes <= 0:
         return ReserveReport()
+    # torch's cache holds a block of the power of two at or above the size
+    # asked (and hands it out for any size that rounds to it): ask for that,
+    # so the report and the cap count what is pinned.
+    block_bytes = 1 << (block_bytes - 1).bit_length()
     host = host_memory_bytes() if host_bytes is None else host_bytes
     note = ""
     if host > 0 and blocks * block_bytes > host * MAX_HOST_SHARE:
