@@ -17,7 +17,8 @@ event with what that previous step scheduled (requests, tokens, and the
 tokens of requests given more than one: prompts, resumed requests
 re-prefilling after a swap) and what of ours was busy meanwhile
 (``busy``: a staging, a snapshot write). The check is a few dictionary
-look-ups per step.
+look-ups per step, and at most ``max_per_s`` events are written a second
+(each says how many long steps went unwritten before it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class StepWatch:
         busy: Callable[[], dict[str, bool]] = dict,
         log: Callable[..., None] = log_engine_event,
         clock: Callable[[], float] = time.perf_counter,
+        max_per_s: int = 20,
     ) -> None:
         self.long_step_s = long_step_s
         self._busy = busy
@@ -82,6 +84,11 @@ class StepWatch:
         self._busy_at_start: dict[str, bool] = {}
         self.long_steps = 0
         self.failed = False
+        #: At most this many events a second; the rest are counted.
+        self.max_per_s = max_per_s
+        self._second_began = float("-inf")
+        self._logged_this_second = 0
+        self._suppressed = 0
 
     def __call__(self, scheduler_output: Any) -> None:
         """Runs in the step loop: a fault here turns the watch off, never fails the step."""
@@ -101,19 +108,35 @@ class StepWatch:
         if long and self._shape.request_ids & shape.request_ids:
             assert self._began is not None
             self.long_steps += 1
-            busy_now = self._busy()
-            self._log(
-                "engine_long_step",
-                ms=round((now - self._began) * 1000, 1),
-                requests=self._shape.requests,
-                tokens=self._shape.tokens,
-                prefill_tokens=self._shape.prefill_tokens,
-                new_requests=self._shape.new_requests,
-                busy=sorted(
-                    name
-                    for name in {**self._busy_at_start, **busy_now}
-                    if self._busy_at_start.get(name) or busy_now.get(name)
-                ),
-            )
+            if self._over_rate(now):
+                self._suppressed += 1
+            else:
+                self._log_step(now - self._began)
         self._began, self._shape = now, shape
         self._busy_at_start = self._busy()
+
+    def _over_rate(self, now: float) -> bool:
+        """Whether this second's events are spent (a slow engine, say a large
+        model on CPUs, would otherwise log every step)."""
+        if now - self._second_began >= 1.0:
+            self._second_began, self._logged_this_second = now, 0
+        self._logged_this_second += 1
+        return self._logged_this_second > self.max_per_s
+
+    def _log_step(self, step_s: float) -> None:
+        busy_now = self._busy()
+        suppressed, self._suppressed = self._suppressed, 0
+        self._log(
+            "engine_long_step",
+            ms=round(step_s * 1000, 1),
+            requests=self._shape.requests,
+            tokens=self._shape.tokens,
+            prefill_tokens=self._shape.prefill_tokens,
+            new_requests=self._shape.new_requests,
+            busy=sorted(
+                name
+                for name in {**self._busy_at_start, **busy_now}
+                if self._busy_at_start.get(name) or busy_now.get(name)
+            ),
+            suppressed=suppressed,  # long steps left unwritten since the last event
+        )

@@ -68,6 +68,7 @@ def test_a_long_step_is_logged_with_what_it_scheduled_and_what_ran_beside() -> N
             "prefill_tokens": 550,
             "new_requests": 2,
             "busy": ["snapshot_write", "staging"],
+            "suppressed": 0,
         }
     ]
     assert watch.long_steps == 1
@@ -81,6 +82,19 @@ def test_short_steps_and_an_idle_engine_are_not_logged() -> None:
     clock.now = 5.0  # "a" finished; the engine idled until "b" came
     watch(step({"b": 40}, new=1))
     assert logged == [] and watch.long_steps == 0
+
+
+def test_at_most_max_per_s_events_a_second_and_the_rest_are_counted() -> None:
+    clock, logged = Clock(), []
+    watch = StepWatch(
+        0.05, log=lambda event, **fields: logged.append(fields), clock=clock, max_per_s=3
+    )
+    for i in range(13):  # a slow engine: every step takes 100 ms
+        clock.now = i * 0.1
+        watch(step({"a": 1}))
+    assert watch.long_steps == 12
+    # three in the first second (from 0.1 s), seven counted, then the next second's
+    assert [f["suppressed"] for f in logged] == [0, 0, 0, 7, 0]
 
 
 def test_the_shape_is_read_from_vllms_own_scheduler_output() -> None:
