@@ -134,3 +134,19 @@ def test_serve_sizes_the_reserve_from_the_host_cache_of_adapters_unless_told() -
     told = [*base, "--pinned-reserve-adapters", "10", "--pinned-reserve-rank", "32"]
     assert pinned_reserve(parse_server_args(told)) == PinnedReserve(10, 32)
     assert pinned_reserve(parse_server_args([*base, "--pinned-reserve-adapters", "0"])) is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pinned-reserve-adapters", "-1"], "--pinned-reserve-adapters must be 0"),
+        (["--pinned-reserve-rank", "0"], "--pinned-reserve-rank must be a LoRA rank"),
+    ],
+)
+def test_serve_refuses_a_bad_reserve_flag_with_a_message(
+    flags: list[str], message: str, capsys: Any
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_server_args(["--model", "unused", "--enable-lora", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

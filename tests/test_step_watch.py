@@ -119,3 +119,16 @@ def test_a_fault_in_the_watch_turns_it_off_and_never_fails_the_step() -> None:
     watch(step({"a": 1}))  # must not raise into vLLM's step loop
     assert watch.failed
     watch(step({"a": 1}))  # and stays off
+
+
+def test_serve_takes_the_threshold_and_refuses_a_negative_one(capsys: Any) -> None:
+    pytest.importorskip("vllm")
+    from skyrl_lora.server.http.app import parse_server_args
+
+    base = ["--model", "unused", "--enable-lora"]
+    assert parse_server_args(base).long_step_ms == 50
+    assert parse_server_args([*base, "--long-step-ms", "0"]).long_step_ms == 0  # off
+    with pytest.raises(SystemExit) as exited:
+        parse_server_args([*base, "--long-step-ms", "-5"])
+    assert exited.value.code == 2
+    assert "--long-step-ms must be 0 (no step log) or more" in capsys.readouterr().err

@@ -203,6 +203,12 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     if args.max_versions_per_adapter < 1:
         parser.error("--max-versions-per-adapter must be at least 1 (the current version)")
+    if args.pinned_reserve_adapters is not None and args.pinned_reserve_adapters < 0:
+        parser.error("--pinned-reserve-adapters must be 0 (no reserve) or more")
+    if args.pinned_reserve_rank is not None and args.pinned_reserve_rank < 1:
+        parser.error("--pinned-reserve-rank must be a LoRA rank, at least 1")
+    if args.long_step_ms < 0:
+        parser.error("--long-step-ms must be 0 (no step log) or more")
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
