@@ -406,10 +406,23 @@ def forget_orphaned_parents(engine_client: Any) -> int:
 
 async def abort_all_requests(engine_client: Any) -> int:
     """Abort every request the engine tracks (a stopping server); returns how many."""
-    processor = getattr(engine_client, "output_processor", None)
-    request_ids = list(getattr(processor, "request_states", {}))
+    request_ids = submitted_request_ids(getattr(engine_client, "output_processor", None))
     await abort_requests(engine_client, request_ids)
     return len(request_ids)
+
+
+def submitted_request_ids(processor: Any) -> list[str]:
+    """The ids the output processor's requests were submitted with: what
+    ``abort`` takes. 0.32 keys its request states by an internal id (the
+    submitted one plus 8 random characters) and maps the submitted ids in
+    ``external_req_ids``; aborting by the internal keys aborted nothing, so
+    a stopping server let its requests run until the grace ran out and they
+    were cut off with a 500. Older builds key the states by the submitted id.
+    """
+    external = getattr(processor, "external_req_ids", None)
+    if external is not None:
+        return list(external)
+    return list(getattr(processor, "request_states", {}))
 
 
 async def resume_engine(engine_client: Any) -> None:
