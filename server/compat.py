@@ -154,26 +154,38 @@ def route_lora_file_opens(open_file: Callable[[str], Any | None]) -> None:
 
 
 class _HookedCall:
-    """``original``, with ``hook()`` run before each call (placed again, the hook is replaced)."""
+    """``original``, with each of ``hooks`` given the call's arguments before it runs.
 
-    def __init__(self, original: Callable[..., Any], hook: Callable[[], None]) -> None:
+    Hooks are kept by name: placing one again replaces it, and any number of
+    concerns hook one method without wrapping each other's wrappers.
+    """
+
+    def __init__(self, original: Callable[..., Any]) -> None:
         self.original = original
-        self.hook = hook
+        self.hooks: dict[str, Callable[..., None]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.hook()
+        for hook in self.hooks.values():
+            hook(*args, **kwargs)
         return self.original(*args, **kwargs)
 
 
-def _hook_before(owner: Any, name: str, hook: Callable[[], None]) -> bool:
-    """Run ``hook`` before every call of ``owner.name`` (a module's function or
-    an instance's method); False where ``owner`` has no such attribute."""
+def _hook_before(owner: Any, name: str, key: str, hook: Callable[..., None]) -> bool:
+    """Run ``hook(*args, **kwargs)`` before every call of ``owner.name`` (a
+    module's function or an instance's method), as the hook named ``key``;
+    False where ``owner`` has no such attribute."""
     current = getattr(owner, name, None)
     if current is None:
         return False
-    original = current.original if isinstance(current, _HookedCall) else current
-    setattr(owner, name, _HookedCall(original, hook))
+    if not isinstance(current, _HookedCall):
+        current = _HookedCall(current)
+        setattr(owner, name, current)
+    current.hooks[key] = hook
     return True
+
+
+def _without_arguments(hook: Callable[[], None]) -> Callable[..., None]:
+    return lambda *_args, **_kwargs: hook()
 
 
 def call_before_lora_name_parses(hook: Callable[[], None]) -> None:
@@ -182,36 +194,59 @@ def call_before_lora_name_parses(hook: Callable[[], None]) -> None:
     0.26 and 0.32 call ``parse_fine_tuned_lora_name``, imported into
     :data:`_LORA_MODEL_MODULE`, once or twice per tensor of the adapter read.
     """
-    _hook_before(importlib.import_module(_LORA_MODEL_MODULE), "parse_fine_tuned_lora_name", hook)
+    module = importlib.import_module(_LORA_MODEL_MODULE)
+    _hook_before(module, "parse_fine_tuned_lora_name", "staging_yield", _without_arguments(hook))
 
 
 def call_before_lora_layer_lookups(model_manager: Any, hook: Callable[[], None]) -> None:
     """Run ``hook`` before each layer the model manager looks up in an adapter:
     its packing (:data:`LORA_PACKING_METHOD`) does once per sub-layer it fuses
     (0.26 and 0.32: ``_get_lora_layer_weights``)."""
-    _hook_before(model_manager, "_get_lora_layer_weights", hook)
+    _hook_before(
+        model_manager, "_get_lora_layer_weights", "staging_yield", _without_arguments(hook)
+    )
 
 
 def call_before_model_steps(model_runner: Any, hook: Callable[[], None]) -> bool:
     """Run ``hook`` as the worker's model runner begins each step
     (``execute_model``, 0.26 and 0.32); False where it has none."""
-    return _hook_before(model_runner, "execute_model", hook)
+    return _hook_before(model_runner, "execute_model", "staging_yield", _without_arguments(hook))
 
 
 def watch_model_steps(model_runner: Any, hook: Callable[[Any], None]) -> bool:
     """Run ``hook(scheduler_output)`` as the worker's model runner begins each
-    step (``execute_model``'s first argument, 0.26 and 0.32), around whatever
-    hooks it has already; False where it has none."""
-    current = getattr(model_runner, "execute_model", None)
-    if current is None:
-        return False
+    step (``execute_model``'s first argument, 0.26 and 0.32); False where it
+    has none."""
 
-    def watched(*args: Any, **kwargs: Any) -> Any:
+    def watch(*args: Any, **kwargs: Any) -> None:
         hook(args[0] if args else kwargs.get("scheduler_output"))
-        return current(*args, **kwargs)
 
-    model_runner.execute_model = watched
-    return True
+    return _hook_before(model_runner, "execute_model", "step_watch", watch)
+
+
+def call_after_engine_steps(engine_client: Any, hook: Callable[[], None]) -> bool:
+    """Run ``hook`` on the API server's event loop as each engine step's
+    outputs have been handed to their requests; False where the client has
+    no output processor.
+
+    0.26 and 0.32's output handler calls ``update_scheduler_stats`` once per
+    batch of outputs the engine core sends, after handing them out: one
+    batch per step that produced any token.
+    """
+    processor = getattr(engine_client, "output_processor", None)
+    return processor is not None and _hook_before(
+        processor, "update_scheduler_stats", "engine_steps", _without_arguments(hook)
+    )
+
+
+def prompt_token_count(prompt: Any) -> int | None:
+    """How many tokens a prompt handed to ``generate`` holds, where it says
+    (token prompts, and 0.32's pre-processed requests); None for text."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+    else:
+        ids = getattr(prompt, "prompt_token_ids", None)
+    return len(ids) if ids is not None else None
 
 
 def fold_lora_scalings(

@@ -16,8 +16,8 @@ previous step began exceeds ``long_step_s`` and some request ran in both
 event with what that previous step scheduled (requests, tokens, and the
 tokens of requests given more than one: prompts, resumed requests
 re-prefilling after a swap) and what of ours was busy meanwhile
-(``busy``: a staging, a snapshot write). The check is a few dictionary
-look-ups per step, and at most ``max_per_s`` events are written a second
+(``busy``: a staging, a snapshot write). The check is a few attribute
+reads per step, and at most ``max_per_s`` events are written a second
 (each says how many long steps went unwritten before it).
 """
 
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 #: A step longer than this is logged (``serve --long-step-ms``).
 DEFAULT_LONG_STEP_S = 0.05
+
+#: What a ``busy`` callable answers when nothing of ours runs beside the steps.
+NOTHING_BUSY: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class StepWatch:
     def __init__(
         self,
         long_step_s: float = DEFAULT_LONG_STEP_S,
-        busy: Callable[[], dict[str, bool]] = dict,
+        busy: Callable[[], frozenset[str]] = lambda: NOTHING_BUSY,
         log: Callable[..., None] = log_engine_event,
         clock: Callable[[], float] = time.perf_counter,
         max_per_s: int = 20,
@@ -81,7 +84,7 @@ class StepWatch:
         self._shape = StepShape()
         #: What was busy while the step in flight ran, sampled as it began
         #: and again as the next one begins.
-        self._busy_at_start: dict[str, bool] = {}
+        self._busy_at_start = NOTHING_BUSY
         self.long_steps = 0
         self.failed = False
         #: At most this many events a second; the rest are counted.
@@ -133,10 +136,6 @@ class StepWatch:
             tokens=self._shape.tokens,
             prefill_tokens=self._shape.prefill_tokens,
             new_requests=self._shape.new_requests,
-            busy=sorted(
-                name
-                for name in {**self._busy_at_start, **busy_now}
-                if self._busy_at_start.get(name) or busy_now.get(name)
-            ),
+            busy=sorted(self._busy_at_start | busy_now),
             suppressed=suppressed,  # long steps left unwritten since the last event
         )

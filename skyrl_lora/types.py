@@ -423,6 +423,14 @@ class ServerInfo(_Wire):
     #: with what they scheduled and what ran beside them (``serve
     #: --long-step-ms``; see ``skyrl_lora.server.step_watch``); None: not watched.
     engine_long_step_ms: float | None = None
+    #: Prefill tokens a resumed adapter's requests may bring into one engine
+    #: step while they come back after a swap (``serve
+    #: --resume-tokens-per-step``; see ``skyrl_lora.server.engine.gate``);
+    #: None: let in all at once (``--no-resume-pacing``).
+    resume_tokens_per_step: int | None = None
+    #: Whether that pace counts the engine's own steps; False where the
+    #: server cannot see them and counts one per 50 ms instead.
+    resume_pacing_sees_steps: bool = False
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False

@@ -231,14 +231,14 @@ def test_staging_reads_in_one_call_and_the_step_loop_by_safetensors(
         odd = tmp_path / "odd.safetensors"  # a dtype the one-call read leaves to safetensors
         save_file({"x": torch.zeros(2, dtype=torch.float8_e4m3fn)}, str(odd))
         assert staging._open_in_one_buffer(meow_file) is None  # not the staging thread
-        staging._staging_thread.loading = True  # this thread, as if it were staging
+        staging._loading_thread = threading.get_ident()  # this thread, as if it were staging
         try:
             assert isinstance(staging._open_in_one_buffer(meow_file), OneBufferFile)
             assert staging._open_in_one_buffer(str(odd)) is None
             with module.safetensors.safe_open(str(odd), framework="pt") as opened:
                 assert opened.get_tensor("x").dtype == torch.float8_e4m3fn
         finally:
-            staging._staging_thread.loading = False
+            staging._loading_thread = None
     finally:
         module.safetensors = original
 

@@ -9,6 +9,7 @@ import pytest
 from skyrl_lora.server.engine.gate import (
     DEFAULT_RESUME_PACING,
     AdapterGate,
+    Admission,
     AnswerPacing,
     ResumePacing,
 )
@@ -188,32 +189,84 @@ async def _admission_times(gate: AdapterGate, lora: str, n: int) -> list[float]:
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def test_a_resumed_backlog_is_let_in_spaced_out() -> None:
-    """The requests a pause held (the retries of what it aborted) re-enter
-    the engine a few at a time, so their re-prefill is not one long step."""
-    pacing = ResumePacing(per_interval=2, interval_s=0.02, window_s=1.0)
-    gate, engine = make(pacing)
-    await gate.pause("a", engine.abort)
-    held = asyncio.gather(*(gate.admit("a", f"a{i}") for i in range(6)))
-    await asyncio.sleep(0.01)
-    assert gate.held("a") == 6
+async def _settle() -> None:
+    """Let every task woken so far run to its next wait."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def _held_backlog(
+    gate: AdapterGate, engine: FakeEngine, lora: str, tokens: list[int]
+) -> list[asyncio.Task[Admission]]:
+    """Pause ``lora`` and queue one request per entry of ``tokens`` behind it."""
+    await gate.pause(lora, engine.abort)
+    backlog = []
+    for i, n in enumerate(tokens):
+        backlog.append(asyncio.create_task(gate.admit(lora, f"{lora}{i}", prefill_tokens=n)))
+        await _settle()  # they queue in this order
+    assert gate.held(lora) == len(tokens)
+    return backlog
+
+
+def _admitted(tasks: list[asyncio.Task[Admission]]) -> list[bool]:
+    return [t.done() for t in tasks]
+
+
+async def test_a_resumed_backlog_enters_a_steps_room_at_a_time() -> None:
+    """The requests a pause held (the retries of what it aborted) re-enter the
+    engine only as far as each step has room for their prefill tokens, in the
+    order they came; one that does not fit waits for the next step, which it
+    enters however long it is; newcomers queue behind; no other adapter waits."""
+    gate, engine = make(ResumePacing(tokens_per_step=250, step_wait_s=10.0, window_s=10.0))
+    backlog = await _held_backlog(gate, engine, "a", [100, 100, 100, 400, 50])
+    gate.resume("a")
+    await _settle()
+    assert _admitted(backlog) == [True, True, False, False, False]  # 200 of 250 taken
+    late = asyncio.create_task(gate.admit("a", "late", prefill_tokens=10))
+    other = await _admission_times(gate, "b", 6)  # never paced
+    assert max(other) - min(other) < 0.005
+    await _settle()
+    assert not late.done(), "a newcomer went ahead of the queue"
+    gate.engine_stepped()
+    await _settle()
+    # a2 (100), then a3 does not fit (400 > 150 left), a4 (50) and the newcomer (10) do
+    assert _admitted(backlog) == [True, True, True, False, True] and late.done()
+    gate.engine_stepped()
+    await _settle()
+    assert all(_admitted(backlog))  # a3 first in its step, however long
+    assert gate.counters.paced_requests == 4  # a2, a3, a4 and the newcomer waited
+
+
+async def test_without_step_signals_the_waiters_count_one_per_step_wait() -> None:
+    """An idle engine has no steps (and a server may not see them): a waiter
+    then takes ``step_wait_s`` without one as a step, so pacing never hangs."""
+    gate, engine = make(ResumePacing(tokens_per_step=100, step_wait_s=0.02, window_s=10.0))
+    backlog = await _held_backlog(gate, engine, "a", [100] * 4)
     loop = asyncio.get_running_loop()
     resumed_at = loop.time()
     gate.resume("a")
-    admissions = await held
-    admitted_at = loop.time()
-    # 6 requests 10 ms apart, the first at once: the last after ~50 ms.
-    assert admitted_at - resumed_at >= 0.045
-    assert gate.counters.paced_requests == 5
-    for admission in admissions:
-        gate.release(admission)
-    # Another adapter is never paced, and this one not once its window is over.
-    other = await _admission_times(gate, "b", 6)
-    assert max(other) - min(other) < 0.005
+    await asyncio.gather(*backlog)
+    assert 0.055 <= loop.time() - resumed_at < 0.5  # three waits of 20 ms
+
+
+async def test_two_resumed_adapters_share_one_steps_room() -> None:
+    gate, engine = make(ResumePacing(tokens_per_step=100, step_wait_s=10.0, window_s=10.0))
+    a = await _held_backlog(gate, engine, "a", [60, 60])
+    b = await _held_backlog(gate, engine, "b", [30, 60])
+    gate.resume("a")
+    gate.resume("b")
+    await _settle()
+    assert _admitted(a) + _admitted(b) == [True, False, False, False]
+    gate.engine_stepped()
+    await _settle()
+    assert _admitted(a) + _admitted(b) == [True, True, True, False]  # 60 + 30
+    gate.engine_stepped()
+    await _settle()
+    assert all(_admitted(a) + _admitted(b))
 
 
 async def test_pacing_ends_with_its_window_and_is_optional() -> None:
-    gate, engine = make(ResumePacing(per_interval=1, interval_s=0.05, window_s=0.02))
+    gate, engine = make(ResumePacing(tokens_per_step=1, step_wait_s=10.0, window_s=0.02))
     await gate.pause("a", engine.abort)
     gate.resume("a")
     await asyncio.sleep(0.03)  # past the window
@@ -225,28 +278,30 @@ async def test_pacing_ends_with_its_window_and_is_optional() -> None:
     times = await _admission_times(unpaced, "a", 5)
     assert max(times) - min(times) < 0.005
     assert unpaced.counters.paced_requests == 0
+    unpaced.engine_stepped()  # harmless without pacing
+    with pytest.raises(ValueError, match="at least 1"):
+        ResumePacing(tokens_per_step=0)
 
 
 async def test_a_pause_during_pacing_holds_the_waiting_requests() -> None:
-    """A request waiting for its pacing slot is not admitted while a new pause
+    """A request waiting for room in a step is not admitted while a new pause
     is on: it is held again and admitted on the next resume, on that version."""
     versions = {"a": 1}
-    pacing = ResumePacing(per_interval=1, interval_s=0.05, window_s=1.0)
+    pacing = ResumePacing(tokens_per_step=10, step_wait_s=0.05, window_s=1.0)
     gate = AdapterGate(version_of=lambda name: versions[name], pacing=pacing)
     engine = FakeEngine(gate)
-    await gate.pause("a", engine.abort)
-    waiting = [asyncio.create_task(gate.admit("a", f"a{i}")) for i in range(3)]
-    await asyncio.sleep(0.01)
+    waiting = await _held_backlog(gate, engine, "a", [10, 10, 10])
     gate.resume("a")
-    await asyncio.sleep(0.01)  # a0 is in, a1 and a2 wait for their slots
+    await _settle()  # a0 is in, a1 and a2 wait for later steps
     assert gate.in_flight("a") == 1 and gate.held("a") == 2
     gate.forget("a")  # an unload meanwhile must not drop the waiters' state
     assert gate.held("a") == 2
-    for admission in [waiting[0].result()]:
-        gate.release(admission)
+    gate.release(waiting[0].result())
     await gate.pause("a", engine.abort)
     versions["a"] = 2
-    await asyncio.sleep(0.15)  # their slots pass while paused
+    for _ in range(3):
+        gate.engine_stepped()  # steps pass while paused
+    await asyncio.sleep(0.15)  # and so do the waits without one
     assert gate.in_flight("a") == 0 and not any(t.done() for t in waiting[1:])
     gate.resume("a")
     rest = await asyncio.gather(*waiting[1:])

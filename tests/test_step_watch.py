@@ -38,7 +38,7 @@ def step(scheduled: dict[str, int], new: int = 0) -> Any:
     return Output(scheduled, sum(scheduled.values()), [object()] * new)
 
 
-def watched(busy: list[dict[str, bool]]) -> tuple[StepWatch, Clock, list[dict[str, Any]]]:
+def watched(busy: list[frozenset[str]]) -> tuple[StepWatch, Clock, list[dict[str, Any]]]:
     clock, logged = Clock(), []
     watch = StepWatch(
         0.05,
@@ -50,13 +50,13 @@ def watched(busy: list[dict[str, bool]]) -> tuple[StepWatch, Clock, list[dict[st
 
 
 def test_a_long_step_is_logged_with_what_it_scheduled_and_what_ran_beside() -> None:
-    busy = [{"staging": True, "snapshot_write": False}]
+    busy = [frozenset({"staging"})]
     watch, clock, logged = watched(busy)
     watch(step({"a": 1, "b": 1}))
     clock.now = 0.01
     resumed = {"a": 1, "b": 1, "r1": 300, "r2": 250}  # two resumed requests re-prefill
     watch(step(resumed, new=2))
-    busy[0] = {"staging": False, "snapshot_write": True}
+    busy[0] = frozenset({"snapshot_write"})
     clock.now = 0.09  # that step took 80 ms
     watch(step({"a": 1, "b": 1, "r1": 1, "r2": 1}))
     assert logged == [
@@ -75,7 +75,7 @@ def test_a_long_step_is_logged_with_what_it_scheduled_and_what_ran_beside() -> N
 
 
 def test_short_steps_and_an_idle_engine_are_not_logged() -> None:
-    watch, clock, logged = watched([{}])
+    watch, clock, logged = watched([frozenset()])
     watch(step({"a": 1}))
     clock.now = 0.02
     watch(step({"a": 1}))
@@ -112,7 +112,7 @@ def test_the_shape_is_read_from_vllms_own_scheduler_output() -> None:
 
 
 def test_a_fault_in_the_watch_turns_it_off_and_never_fails_the_step() -> None:
-    def busy() -> dict[str, bool]:
+    def busy() -> frozenset[str]:
         raise RuntimeError("a broken probe")
 
     watch = StepWatch(0.05, busy=busy, log=lambda *a, **k: None)

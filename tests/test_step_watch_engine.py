@@ -1,47 +1,121 @@
-"""The engine's long-step log on the real engine (``skyrl_lora.server.step_watch``).
+"""The engine's steps on the real engine, as the step watch and the resume pacing see them.
 
-A ``--no-ray`` server on the embedded model with ``--long-step-ms 1``: on
-two CPU cores nearly every decode step takes longer than that, so one
-sample of 64 tokens must leave ``engine_long_step`` events in the server's
-log, each with the step's shape read from vLLM's own scheduler output (one
-request, one token a step once decoding), and the server must say it
-watches.
+One ``--no-ray`` server on the embedded model with ``--long-step-ms 1``: on
+two CPU cores nearly every step takes longer than that, so the server's log
+holds an ``engine_long_step`` event for each step with the step's shape read
+from vLLM's own scheduler output.
+
+- One sample of 64 tokens must leave such events (one request, one token a
+  step once decoding), and the server must say it watches.
+- With ``--resume-tokens-per-step 1`` a resumed adapter's held requests must
+  enter the engine one per step: the gate counts vLLM's steps by their
+  outputs (``compat.call_after_engine_steps``), and no step after the resume
+  may take two of them in. Let in all at once (``--no-resume-pacing``), the
+  same four requests enter two or more in one step.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from skyrl_lora.server.cluster.process import serving
+from skyrl_lora.server.cluster.process import ServeProcess, serving
 
 pytestmark = pytest.mark.engine
 
-_EVENT = re.compile(r'skyrl_event (\{"event": "engine_long_step".*\})')
+_EVENT = re.compile(r'skyrl_event (\{"event": "(?:engine_long_step|resume)".*\})')
 
 
-def test_a_real_engines_long_steps_are_logged_with_their_shape(
-    embedded_model: Any, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def server(embedded_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    log = tmp_path_factory.mktemp("step_watch") / "serve.log"
     argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1"]
-    with serving(argv, tmp_path / "serve.log") as server:
-        info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
-        assert info["engine_long_step_ms"] == 1
-        body = {
-            "prompt_token_ids": [1, 2, 3],
-            "sampling_params": {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True},
-        }
-        reply = requests.post(f"{server.url}/skyrl/v1/sample", json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
-    steps = [json.loads(m.group(1)) for m in _EVENT.finditer(server.log_path.read_text())]
+    with serving([*argv, "--resume-tokens-per-step", "1"], log) as serve:
+        yield serve
+
+
+def _events(server: ServeProcess) -> list[dict[str, Any]]:
+    return [json.loads(m.group(1)) for m in _EVENT.finditer(server.log_path.read_text())]
+
+
+def _sample(url: str, prompt: list[int], max_tokens: int, lora: str | None = None) -> Any:
+    body: dict[str, Any] = {
+        "prompt_token_ids": prompt,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+    if lora is not None:
+        body["lora_name"] = lora
+    reply = requests.post(f"{url}/skyrl/v1/sample", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_real_engines_long_steps_are_logged_with_their_shape(server: ServeProcess) -> None:
+    info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
+    assert info["engine_long_step_ms"] == 1
+    _sample(server.url, [1, 2, 3], 64)
+    steps = [e for e in _events(server) if e["event"] == "engine_long_step"]
     assert len(steps) > 10, f"too few long steps logged; see {server.log_path}"
     decoding = [s for s in steps if s["prefill_tokens"] == 0]
     assert decoding, steps[:5]
     for step in decoding:
         assert step["requests"] == 1 and step["tokens"] == 1 and step["new_requests"] == 0
         assert step["ms"] > 1 and step["busy"] == []
+
+
+def _held(url: str, lora: str) -> int:
+    listing = requests.get(f"{url}/skyrl/v1/adapters", timeout=30).json()["adapters"]
+    return int(next(a["held"] for a in listing if a["lora_name"] == lora))
+
+
+def _resumed_backlog_entries(server: ServeProcess, lora: str) -> list[int]:
+    """Hold four requests of ``lora`` behind a pause, resume, and return how
+    many new requests each logged step after the resume took in.
+
+    Nothing else runs, so the engine's steps are those four requests' (a
+    dozen or so: under the step watch's 20 events a second).
+    """
+    url = server.url
+    time.sleep(1.1)  # a new second of events: an earlier sample's may have spent this one's
+    with ThreadPoolExecutor(4) as pool:
+        reply = requests.post(f"{url}/skyrl/v1/pause", json={"lora_name": lora}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        held = [pool.submit(_sample, url, [4 + i] * 40, 8, lora) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while _held(url, lora) < 4:
+            assert time.monotonic() < deadline, "the requests were never held"
+            time.sleep(0.02)
+        reply = requests.post(f"{url}/skyrl/v1/resume", json={"lora_name": lora}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        for done in held:
+            assert len(done.result()["sequences"][0]["tokens"]) == 8
+    events = _events(server)
+    resumed_at = max(i for i, e in enumerate(events) if e["event"] == "resume")
+    return [e["new_requests"] for e in events[resumed_at:] if e["event"] == "engine_long_step"]
+
+
+def test_a_resumed_backlog_enters_one_request_per_step(server: ServeProcess) -> None:
+    info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
+    assert info["resume_tokens_per_step"] == 1 and info["resume_pacing_sees_steps"]
+    entries = _resumed_backlog_entries(server, "meow")
+    assert entries.count(1) >= 3, f"the backlog's entries were not logged: {entries}"
+    assert max(entries) == 1, f"a step took in several resumed requests: {entries}"
+
+
+def test_unpaced_the_same_backlog_enters_together(embedded_model: Any, tmp_path: Path) -> None:
+    """The other side of the test above: without pacing, one step takes in
+    two or more of the same requests, so the test above can fail."""
+    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1", "--no-resume-pacing"]
+    with serving(argv, tmp_path / "serve.log") as unpaced:
+        info = requests.get(f"{unpaced.url}/skyrl/v1/server_info", timeout=30).json()
+        assert info["resume_tokens_per_step"] is None
+        entries = _resumed_backlog_entries(unpaced, "meow")
+    assert max(entries) >= 2, entries

@@ -8,7 +8,9 @@ server's events that ended inside it or within 0.1 s after: the engine's
 long steps (``engine_long_step``: what the step scheduled and what of ours
 ran beside it), its garbage collections, stagings, pauses and resumes, in ms
 relative to the gap's start. Then every long step of the run, counted by
-what it scheduled.
+what it scheduled, and by how many tokens it scheduled in all (vLLM runs a
+step of more tokens than its largest CUDA graph, 512 by default, eagerly),
+and the long steps that ended within 0.3 s after a resume.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def main() -> None:
         prefill = sorted(s["prefill_tokens"] for s in long_steps if ("prefill" if s["prefill_tokens"] else "decode only") == kind and tuple(s["busy"]) == busy)
         print(f"   {kind:12s} busy={list(busy)}: {count}, ms p50 {ms[len(ms) // 2]} p90 {ms[int(len(ms) * 0.9)]} max {ms[-1]}; "
               f"prefill tokens p50 {prefill[len(prefill) // 2]} max {prefill[-1]}")
+
+    print("== long steps by the tokens they scheduled in all")
+    for low, high in ((0, 256), (257, 512), (513, 768), (769, 1 << 30)):
+        ms = sorted(s["ms"] for s in long_steps if low <= s["tokens"] <= high)
+        if ms:
+            print(f"   {low:4d}-{min(high, 99999):5d}: {len(ms)}, ms p50 {ms[len(ms) // 2]} max {ms[-1]}")
+    resumes = [e.at for e in events if e.name == "resume"]
+    after = [e.fields for e in events if e.name == "engine_long_step"
+             and any(0 <= e.at - r <= 0.3 for r in resumes)]
+    if after:
+        print(f"== {len(after)} long steps within 0.3 s after the {len(resumes)} resumes: "
+              f"ms max {max(s['ms'] for s in after)}, prefill tokens max "
+              f"{max(s['prefill_tokens'] for s in after)}, tokens max {max(s['tokens'] for s in after)}")
 
 
 if __name__ == "__main__":

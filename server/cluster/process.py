@@ -66,7 +66,8 @@ def start_serve(
     env: dict[str, str] | None = None,
 ) -> ServeProcess:
     """Start ``skyrl-lora serve ARGV`` and wait for its ready line."""
-    log = open(log_path, "w")  # noqa: SIM115 (lives with the process)
+    # Line-buffered, so a test can read the log while the server runs.
+    log = open(log_path, "w", buffering=1)  # noqa: SIM115 (lives with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyrl_lora.server", "serve", *argv],
         stdout=subprocess.PIPE,

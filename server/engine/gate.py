@@ -17,10 +17,12 @@ The answers of the requests a pause ends are let go at a pace
 event loop all at once. After a resume the gate also paces the adapter's backlog back in
 (:class:`ResumePacing`): the requests a pause aborted all come back at once
 and must re-prefill under the new weights, and let in together they make one
-long engine step in which no other tenant gets a token.
+long engine step in which no other tenant gets a token. The pace is counted
+in prefill tokens per engine step: whoever wires the gate calls
+:meth:`AdapterGate.engine_stepped` as each step's outputs arrive.
 
-The gate knows nothing about vLLM: aborting is a callback, so it is tested
-on its own.
+The gate knows nothing about vLLM: aborting is a callback and a step is a
+call, so it is tested on its own.
 """
 
 from __future__ import annotations
@@ -51,20 +53,31 @@ class ResumePacing:
     partial completion under the new weights, since the old version's KV
     cache is not theirs. Admitted together they make one engine step that
     stalls every other tenant: 52 ms at the median on an H100 with 16 such
-    requests, against 6-8 ms steps otherwise. For ``window_s`` after a resume
-    the gate lets at most ``per_interval`` of the adapter's requests through
-    per ``interval_s`` (evenly spaced, the first at once), so the re-prefill
-    spreads over several steps with everyone's decodes in each; 16 requests
-    take 75 ms longer to get back in, next to a weight swap of 0.3 s or more.
+    requests of the 0.8B model, against 6-8 ms steps otherwise; 59-75 ms on
+    an H200 with 465-530 tokens of the 8B model, against 16-22 ms.
+
+    For ``window_s`` after a resume the gate lets the adapter's requests in
+    while the engine's current step has room: at most ``tokens_per_step``
+    prefill tokens (prompt and resumed prefix, times samples) per step across
+    every paced adapter, and always one request per step, however long its
+    prompt. Counting steps, not milliseconds, keeps the pace right for a
+    small model's 6 ms steps and a large one's 25 ms ones alike. 256 keeps a
+    step with 64 decodes in it under vLLM's largest CUDA graph (512 tokens
+    by default); a step beyond it runs eagerly, several times slower.
+
+    A step is signalled by :meth:`AdapterGate.engine_stepped`. When none
+    comes for ``step_wait_s`` (an idle engine has no steps; a server that
+    cannot see them), the waiters take it as one, so pacing never holds a
+    request for long.
     """
 
-    per_interval: int = 2
-    interval_s: float = 0.01
+    tokens_per_step: int = 256
+    step_wait_s: float = 0.05
     window_s: float = 0.25
 
-    @property
-    def spacing_s(self) -> float:
-        return self.interval_s / self.per_interval
+    def __post_init__(self) -> None:
+        if self.tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be at least 1, not {self.tokens_per_step}")
 
 
 DEFAULT_RESUME_PACING = ResumePacing()
@@ -119,10 +132,9 @@ class _AdapterState:
     released: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: dict[str, Admission] = field(default_factory=dict)
     held: int = 0
-    #: Pacing after the last resume: admissions are spaced until ``paced_until``,
-    #: the next one no earlier than ``next_slot`` (``time.monotonic``).
+    #: Admissions wait for room in the engine's step until ``paced_until``
+    #: (``time.monotonic``), after the last resume.
     paced_until: float = 0.0
-    next_slot: float = 0.0
 
     def __post_init__(self) -> None:
         self.resumed.set()
@@ -145,6 +157,48 @@ class GateCounters:
     paced_requests: int = 0
 
 
+class StepBudget:
+    """The prefill tokens paced requests may still bring into the engine's current step.
+
+    Shared by every adapter, so two tenants resuming together share one
+    step's room. The first request of a step always fits.
+    """
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.left = tokens_per_step
+        self.taken = 0
+        self.steps = 0
+        #: Requests queued for a later step; newcomers queue behind them.
+        self.waiting = 0
+        self._stepped = asyncio.Event()
+
+    def take(self, tokens: int) -> bool:
+        if self.taken and tokens > self.left:
+            return False
+        self.left -= tokens
+        self.taken += 1
+        return True
+
+    def stepped(self) -> None:
+        """A new step: its room is whole again, and every waiter looks."""
+        self.steps += 1
+        self.left = self.tokens_per_step
+        self.taken = 0
+        if self.waiting:
+            self._stepped.set()
+            self._stepped = asyncio.Event()
+
+    async def next_step(self, timeout_s: float) -> None:
+        """Wait for the next step; after ``timeout_s`` without one, count one."""
+        seen, stepped = self.steps, self._stepped
+        try:
+            await asyncio.wait_for(stepped.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            if self.steps == seen:
+                self.stepped()
+
+
 class AdapterGate:
     """Pause state and in-flight requests of every adapter on one server.
 
@@ -162,8 +216,13 @@ class AdapterGate:
         self._version_of = version_of
         self._pacing = pacing
         self._answer_pacing = answer_pacing
+        self._budget = StepBudget(pacing.tokens_per_step if pacing is not None else 1)
         self._states: dict[str, _AdapterState] = {}
         self.counters = GateCounters()
+
+    @property
+    def pacing(self) -> ResumePacing | None:
+        return self._pacing
 
     def _state(self, lora_name: str) -> _AdapterState:
         state = self._states.get(lora_name)
@@ -196,30 +255,29 @@ class AdapterGate:
     def held_by_adapter(self) -> dict[str, int]:
         return {name: s.held for name, s in self._states.items() if s.held}
 
-    async def admit(self, lora_name: str, request_id: str, version: int | None = None) -> Admission:
-        """Wait while the adapter is paused (and for its slot while it is
-        paced after a resume), then register the request.
+    async def admit(
+        self,
+        lora_name: str,
+        request_id: str,
+        version: int | None = None,
+        prefill_tokens: int | None = None,
+    ) -> Admission:
+        """Wait while the adapter is paused (and for room in the engine's step
+        while it is paced after a resume), then register the request.
 
-        The version is read at admission: the pause guarantees it cannot
-        change until this admission is released. A request pinned to a
-        ``version`` is registered on that one (the caller checks it is still
-        held once admitted).
+        ``prefill_tokens``: what the request brings to the engine's next step
+        (prompt, resumed prefix, times samples); unknown counts as a whole
+        step's room. The version is read at admission: the pause guarantees
+        it cannot change until this admission is released. A request pinned
+        to a ``version`` is registered on that one (the caller checks it is
+        still held once admitted).
         """
         state = self._state(lora_name)
         while True:
             if state.paused:
                 await self._hold(state)
                 continue
-            wait = self._pace(state)
-            if wait <= 0:
-                break
-            self.counters.paced_requests += 1
-            state.held += 1  # waiting at the gate too: ``forget`` must keep the state
-            try:
-                await asyncio.sleep(wait)
-            finally:
-                state.held -= 1
-            if not state.paused:
+            if not self._paced(state) or await self._room_in_step(state, prefill_tokens):
                 break
         # No await between the paused check above and the registration below.
         pinned = self._version_of(lora_name) if version is None else version
@@ -236,14 +294,35 @@ class AdapterGate:
         finally:
             state.held -= 1
 
-    def _pace(self, state: _AdapterState) -> float:
-        """Reserve the next admission slot; returns how long to wait for it."""
-        now = time.monotonic()
-        if self._pacing is None or now >= state.paced_until:
-            return 0.0
-        slot = max(now, state.next_slot)
-        state.next_slot = slot + self._pacing.spacing_s
-        return slot - now
+    def _paced(self, state: _AdapterState) -> bool:
+        return self._pacing is not None and time.monotonic() < state.paced_until
+
+    async def _room_in_step(self, state: _AdapterState, prefill_tokens: int | None) -> bool:
+        """Take room in the engine's step, waiting for later steps while there
+        is none; False when a pause came meanwhile (no room is taken then)."""
+        assert self._pacing is not None
+        budget = self._budget
+        tokens = self._pacing.tokens_per_step if prefill_tokens is None else prefill_tokens
+        if not budget.waiting and budget.take(tokens):
+            return True
+        self.counters.paced_requests += 1
+        state.held += 1  # waiting at the gate too: ``forget`` must keep the state
+        budget.waiting += 1
+        try:
+            while True:
+                await budget.next_step(self._pacing.step_wait_s)
+                if state.paused:
+                    return False
+                if budget.take(tokens):
+                    return True
+        finally:
+            budget.waiting -= 1
+            state.held -= 1
+
+    def engine_stepped(self) -> None:
+        """The engine finished a step (its outputs arrived): paced requests
+        may fill the next one."""
+        self._budget.stepped()
 
     def release(self, admission: Admission) -> None:
         state = self._state(admission.lora_name)
@@ -277,8 +356,7 @@ class AdapterGate:
         state.paused = False
         state.resumed.set()
         if was_paused and self._pacing is not None:
-            state.next_slot = now = time.monotonic()
-            state.paced_until = now + self._pacing.window_s
+            state.paced_until = time.monotonic() + self._pacing.window_s
         return was_paused
 
     def forget(self, lora_name: str) -> None:

@@ -81,7 +81,11 @@ class GatedEngine:
 
     @asynccontextmanager
     async def admitted(
-        self, lora_name: str, request_id: str, version: int | None = None
+        self,
+        lora_name: str,
+        request_id: str,
+        version: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> AsyncIterator[AdapterRecord]:
         """Hold the adapter's gate for one request; yields the version to run on.
 
@@ -97,14 +101,15 @@ class GatedEngine:
         is current, draining, or leased; else it fails with HTTP 410, also
         when the version went away while it was held. A name that is not
         loaded is held while it is paused (a trainer paused it before its
-        first load) and fails with 404 otherwise.
+        first load) and fails with 404 otherwise. ``prefill_tokens`` paces it
+        after a resume (:class:`~skyrl_lora.server.engine.gate.ResumePacing`).
         """
         if version is not None:
             self.registry.servable(lora_name, version)
         elif not self.gate.is_paused(lora_name):
             self.registry.get(lora_name)
         try:
-            admission = await self.gate.admit(lora_name, request_id, version)
+            admission = await self.gate.admit(lora_name, request_id, version, prefill_tokens)
         except AdapterNotFoundError:  # paused before a load that never came
             self.gate.forget(lora_name)
             raise
@@ -139,7 +144,10 @@ class GatedEngine:
             ):
                 yield output
             return
-        async with self.admitted(lora_request.lora_name, request_id) as record:
+        tokens = compat.prompt_token_count(prompt)
+        if tokens is not None:
+            tokens *= getattr(sampling_params, "n", 1) or 1
+        async with self.admitted(lora_request.lora_name, request_id, None, tokens) as record:
             async for output in self.raw_generate(
                 prompt,
                 sampling_params,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -116,11 +117,20 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         f"{DEFAULT_MAX_VERSIONS_PER_ADAPTER})",
     )
     group.add_argument(
+        "--resume-tokens-per-step",
+        type=int,
+        default=DEFAULT_RESUME_PACING.tokens_per_step,
+        help="for 0.25 s after a swap, let the swapped adapter's requests into each engine "
+        "step up to this many prefill tokens (prompt and resumed prefix; always one "
+        "request), so their re-prefill does not make one long step for every tenant "
+        f"(default {DEFAULT_RESUME_PACING.tokens_per_step})",
+    )
+    group.add_argument(
         "--no-resume-pacing",
         dest="resume_pacing",
         action="store_false",
-        help="let a resumed adapter's requests back in all at once instead of 2 per 10 ms "
-        "for 0.25 s (their re-prefill then stalls the other tenants for one long step)",
+        help="let a resumed adapter's requests back in all at once (their re-prefill then "
+        "stalls the other tenants for one long step)",
     )
     group.add_argument(
         "--no-answer-pacing",
@@ -209,6 +219,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--pinned-reserve-rank must be a LoRA rank, at least 1")
     if args.long_step_ms < 0:
         parser.error("--long-step-ms must be 0 (no step log) or more")
+    if args.resume_tokens_per_step < 1:
+        parser.error("--resume-tokens-per-step must be at least 1 (or use --no-resume-pacing)")
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
@@ -235,8 +247,12 @@ def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
 
 
 def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:
-    """The gate's pacing after a resume (``--no-resume-pacing`` turns it off)."""
-    return DEFAULT_RESUME_PACING if getattr(args, "resume_pacing", True) else None
+    """The gate's pacing after a resume (``--resume-tokens-per-step``;
+    ``--no-resume-pacing`` turns it off)."""
+    if not getattr(args, "resume_pacing", True):
+        return None
+    tokens = getattr(args, "resume_tokens_per_step", DEFAULT_RESUME_PACING.tokens_per_step)
+    return dataclasses.replace(DEFAULT_RESUME_PACING, tokens_per_step=tokens)
 
 
 def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
@@ -338,6 +354,15 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         ),
     )
     gated.install()
+    pacing = gated.gate.pacing
+    pacing_sees_steps = pacing is not None and compat.call_after_engine_steps(
+        engine_client, gated.gate.engine_stepped
+    )
+    if pacing is not None and not pacing_sees_steps:
+        logger.warning(
+            "skyrl-lora cannot see this engine's steps: resume pacing counts one per %.0f ms",
+            pacing.step_wait_s * 1000,
+        )
     observability.register(gated.gate)
     max_model_len = int(engine_client.model_config.max_model_len)
     tokenizer = await compat.get_tokenizer(engine_client)
@@ -371,6 +396,8 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_gpu_staging=lora_engine.gpu_staging,
         adapter_pinned_reserve_bytes=lora_engine.pinned_reserve_bytes,
         engine_long_step_ms=lora_engine.long_step_ms,
+        resume_tokens_per_step=pacing.tokens_per_step if pacing is not None else None,
+        resume_pacing_sees_steps=pacing_sees_steps,
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
         push_stream_port=None if push_stream is None else push_stream.port,

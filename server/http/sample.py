@@ -92,7 +92,10 @@ class Sampler:
         if request.lora_name is None:
             return await self._engine.final_output(prompt, params, request_id, None), None
         async with self._engine.admitted(
-            request.lora_name, request_id, request.lora_version
+            request.lora_name,
+            request_id,
+            request.lora_version,
+            prefill_tokens=len(request.prompt_token_ids) * request.num_samples,
         ) as record:
             final = await self._engine.final_output(prompt, params, request_id, record.lora_request)
             return final, record.version

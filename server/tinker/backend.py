@@ -101,7 +101,7 @@ class EngineBackend:
         tokens = compat.tokens_prompt(list(prompt))
         if lora_name is None:
             return await self._engine.final_output(tokens, params, request_id, None)
-        async with self._engine.admitted(lora_name, request_id, version) as record:
+        async with self._engine.admitted(lora_name, request_id, version, len(prompt)) as record:
             return await self._engine.final_output(tokens, params, request_id, record.lora_request)
 
 

@@ -90,7 +90,7 @@ from ..observability import (
     log_engine_event,
     log_event,
 )
-from ..step_watch import DEFAULT_LONG_STEP_S, StepWatch
+from ..step_watch import DEFAULT_LONG_STEP_S, NOTHING_BUSY, StepWatch
 from . import arrival, handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
@@ -188,8 +188,11 @@ class _WorkerStaging:
             max_workers=1, thread_name_prefix="skyrl-lora-stage"
         )
         self._lock = threading.Lock()
-        #: Set on the staging thread while it loads: its reads go to the reader process.
+        #: The staging thread's own state while it loads (its reads go to the
+        #: reader process, or come from a hand-over's tensors).
         self._staging_thread = threading.local()
+        #: The thread building a model now (None: none is); read by the step watch.
+        self._loading_thread: int | None = None
         self._routed_reads = self._route_reads_to_reader(lora_manager) if reader_process else None
         #: Buffers for the staging thread's one-call reads, pinned where vLLM pins.
         self._host_buffers = tensor_pickle.host_buffers(compat.lora_pin_memory())
@@ -225,8 +228,6 @@ class _WorkerStaging:
         self._slot_awaits: dict[int, int] = {}
         self._dropped_ids: dict[int, None] = {}
         self.worker_token = uuid.uuid4().hex
-        #: Whether the staging thread is building a model now (read by the step watch).
-        self.loading = False
         #: Models packed on the staging thread; the in-loop packing skips them.
         self._packed: weakref.WeakSet[Any] = weakref.WeakSet()
         model_manager = compat.lora_model_manager(lora_manager)
@@ -263,8 +264,7 @@ class _WorkerStaging:
             model_cls,
             reader,
             lambda: (
-                getattr(self._staging_thread, "loading", False)
-                and getattr(self._staging_thread, "handed_over", None) is None
+                self._loading_here() and getattr(self._staging_thread, "handed_over", None) is None
             ),
         )
         setattr(lora_manager, compat.LORA_MODEL_CLASS_ATTR, routed)
@@ -275,7 +275,7 @@ class _WorkerStaging:
         hand-over, or one read into one buffer
         (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere, and for
         a file that reader leaves to safetensors."""
-        if not getattr(self._staging_thread, "loading", False):
+        if not self._loading_here():
             arrival.wait_whole(Path(path).parent)
             return None
         handed_over = getattr(self._staging_thread, "handed_over", None)
@@ -314,9 +314,25 @@ class _WorkerStaging:
         log_engine_event("pinned_reserve", **asdict(report))
         return report
 
-    def busy(self) -> dict[str, bool]:
-        """What of this worker's runs beside the step loop now (:mod:`..step_watch`)."""
-        return {"staging": self.loading, "snapshot_write": self._snapshots.busy}
+    @property
+    def loading(self) -> bool:
+        """Whether a model is being built now (on the staging thread)."""
+        return self._loading_thread is not None
+
+    def _loading_here(self) -> bool:
+        return self._loading_thread == threading.get_ident()
+
+    def busy(self) -> frozenset[str]:
+        """What of this worker's runs beside the step loop now (:mod:`..step_watch`).
+
+        Called as every step begins: nothing busy, the usual case, costs two reads.
+        """
+        staging, writing = self._loading_thread is not None, self._snapshots.busy
+        if not (staging or writing):
+            return NOTHING_BUSY
+        return frozenset(
+            name for name, on in (("staging", staging), ("snapshot_write", writing)) if on
+        )
 
     @property
     def staging_yield(self) -> bool:
@@ -544,8 +560,7 @@ class _WorkerStaging:
         started = time.perf_counter()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
-        self._staging_thread.loading = True
-        self.loading = True
+        self._loading_thread = threading.get_ident()
         self._staging_thread.one_buffer = False
         self._staging_thread.handed_over = None
         copy_ms = None
@@ -568,8 +583,7 @@ class _WorkerStaging:
                     packed = time.perf_counter()
             in_slot = self._checked_into_slot(model, lora_request.lora_name)
         finally:
-            self._staging_thread.loading = False
-            self.loading = False
+            self._loading_thread = None
             self._staging_thread.handed_over = None
             sys.setswitchinterval(switch_interval)
         if handed is not None and handed.writes_snapshot:  # after the swap: the file
@@ -919,19 +933,18 @@ class StagedLoRAEngine:
     async def probe(self) -> bool:
         """Whether the workers carry the extension (checked once at start-up)."""
         status_dir = self._make_status_dir()
-        reserve_fields = self._config.pinned_reserve
-        fields = None if reserve_fields is None else asdict(reserve_fields)
+        config = self._config
         try:
             parts = await compat.collective_rpc(
                 self._engine,
                 "skyrl_start_staging",
-                self._config.slot_prefill,
-                self._config.reader_process,
-                None if self._config.staging_yield is None else asdict(self._config.staging_yield),
+                config.slot_prefill,
+                config.reader_process,
+                None if config.staging_yield is None else asdict(config.staging_yield),
                 str(status_dir),
-                self._config.gpu_staging,
-                fields,
-                self._config.long_step_s,
+                config.gpu_staging,
+                None if config.pinned_reserve is None else asdict(config.pinned_reserve),
+                config.long_step_s,
             )
             self.available = True
             if self._config.long_step_s is not None and all(
