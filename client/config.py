@@ -26,9 +26,10 @@ class ClientConfig:
     recheck_after: float = 1.0
     #: After this client resumes an adapter, its retries held by the client's
     #: gate go out one per ``resume_spacing_s``, the rest at
-    #: ``resume_window_s``: the server's own pacing of a resumed adapter
-    #: (``ResumePacing``: 2 per 10 ms for 0.25 s), so each arrives when the
-    #: server would admit it. On an H100 the server's event loop, which
+    #: ``resume_window_s``: about the server's own pacing of a resumed
+    #: adapter (``ResumePacing``: up to 256 prefill tokens per engine step
+    #: for 0.25 s), so they arrive spread out rather than all in one turn of
+    #: the server's event loop. On an H100 that loop, which
     #: streams every tenant's tokens, stalled 13-20 ms right after each
     #: resume, when 16 such retries all arrived at once.
     #: ``resume_spacing_s=0`` sends them at once.
