@@ -1,0 +1,85 @@
+"""Hooks on vLLM's methods (``compat._hook_before``) and the prompt counts the gate paces by.
+
+Several concerns hook one method (the staging naps and the step watch both
+hook the model runner's ``execute_model``): each hook is kept by name, sees
+the call's arguments, and placing it again replaces it instead of wrapping
+the wrapper. The gate's step signal hooks the API server's output
+processor the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_lora.server import compat
+
+
+class ModelRunner:
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+
+    def execute_model(self, scheduler_output: Any, intermediate: Any = None) -> str:
+        self.steps.append(scheduler_output)
+        return "output"
+
+
+def test_hooks_on_one_method_are_kept_by_name_and_see_the_calls_arguments() -> None:
+    runner = ModelRunner()
+    naps: list[int] = []
+    watched: list[Any] = []
+    assert compat.call_before_model_steps(runner, lambda: naps.append(1))
+    assert compat.watch_model_steps(runner, watched.append)
+    assert runner.execute_model("step-1") == "output"
+    assert runner.execute_model(scheduler_output="step-2") == "output"
+    assert runner.steps == ["step-1", "step-2"]
+    assert naps == [1, 1] and watched == ["step-1", "step-2"]
+    # Placed again, a hook replaces its earlier self: the method is wrapped once.
+    again: list[Any] = []
+    assert compat.watch_model_steps(runner, again.append)
+    runner.execute_model("step-3")
+    assert watched == ["step-1", "step-2"] and again == ["step-3"] and naps == [1, 1, 1]
+    assert isinstance(runner.execute_model, compat._HookedCall)
+    assert runner.execute_model.original.__self__ is runner  # the bound method itself
+
+
+def test_nothing_to_hook_is_said_not_raised() -> None:
+    assert not compat.call_before_model_steps(None, lambda: None)
+    assert not compat.watch_model_steps(object(), lambda output: None)
+    assert not compat.call_after_engine_steps(object(), lambda: None)
+
+
+def test_the_gates_step_signal_runs_as_each_batch_of_outputs_is_handed_out() -> None:
+    class OutputProcessor:
+        def __init__(self) -> None:
+            self.stats: list[Any] = []
+
+        def update_scheduler_stats(self, scheduler_stats: Any) -> None:
+            self.stats.append(scheduler_stats)
+
+    class EngineClient:
+        output_processor = OutputProcessor()
+
+    client = EngineClient()
+    steps: list[int] = []
+    assert compat.call_after_engine_steps(client, lambda: steps.append(1))
+    client.output_processor.update_scheduler_stats(None)
+    client.output_processor.update_scheduler_stats({"running": 3})
+    assert steps == [1, 1] and client.output_processor.stats == [None, {"running": 3}]
+
+
+def test_the_real_output_processor_has_the_method_the_step_signal_hooks() -> None:
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    assert callable(getattr(OutputProcessor, "update_scheduler_stats", None))
+
+
+def test_prompt_token_counts() -> None:
+    assert compat.prompt_token_count({"prompt_token_ids": [1, 2, 3]}) == 3
+    assert compat.prompt_token_count(compat.tokens_prompt([4, 5])) == 2
+
+    class Processed:
+        prompt_token_ids = [7] * 9
+
+    assert compat.prompt_token_count(Processed()) == 9
+    assert compat.prompt_token_count("a text prompt") is None
+    assert compat.prompt_token_count({"prompt": "text"}) is None
