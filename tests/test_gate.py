@@ -332,3 +332,17 @@ async def test_the_requests_a_pause_ends_are_answered_at_a_pace() -> None:
 
 async def _release(gate: AdapterGate, admission) -> None:
     gate.release(admission)
+
+
+def test_serve_takes_the_room_per_step_and_refuses_less_than_one_token(capsys) -> None:
+    from skyrl_lora.server.http.app import parse_server_args, resume_pacing
+
+    base = ["--model", "unused", "--enable-lora"]
+    assert resume_pacing(parse_server_args(base)) == DEFAULT_RESUME_PACING
+    assert resume_pacing(parse_server_args([*base, "--resume-tokens-per-step", "64"])) == (
+        ResumePacing(tokens_per_step=64)
+    )
+    assert resume_pacing(parse_server_args([*base, "--no-resume-pacing"])) is None
+    with pytest.raises(SystemExit):
+        parse_server_args([*base, "--resume-tokens-per-step", "0"])
+    assert "--resume-tokens-per-step must be at least 1" in capsys.readouterr().err

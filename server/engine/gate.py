@@ -63,7 +63,8 @@ class ResumePacing:
     prompt. Counting steps, not milliseconds, keeps the pace right for a
     small model's 6 ms steps and a large one's 25 ms ones alike. 256 keeps a
     step with 64 decodes in it under vLLM's largest CUDA graph (512 tokens
-    by default); a step beyond it runs eagerly, several times slower.
+    by default); a step beyond it runs eagerly: 75-101 ms against at most
+    38 ms for the 8B model on an H100 (d33a58d against 53132fa, 2026-11-26).
 
     A step is signalled by :meth:`AdapterGate.engine_stepped`. When none
     comes for ``step_wait_s`` (an idle engine has no steps; a server that
