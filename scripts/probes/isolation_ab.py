@@ -2,7 +2,8 @@
 summarised as one JSON row (used by staging_yield_ab.py)."""
 import asyncio, json, sys
 sys.path.insert(0, ".")
-from benchmarks.__main__ import _prompt, cpu_shape
+from benchmarks.__main__ import cpu_shape
+from benchmarks.common import greeting_prompt
 from skyrl_lora.server.cluster.local import embedded_server
 from benchmarks import isolation
 
@@ -11,7 +12,7 @@ def isolation_row(label: str, flags: list[str], placed_by: str) -> None:
     """Serve with ``flags``, run the part, print its row; ``placed_by`` is the
     longest gaps' placement to list (``after_pause_ms`` or ``after_resume_ms``)."""
     with embedded_server(extra=["--max-loras", "8", *flags]) as (url, model):
-        res = asyncio.run(isolation.run(url, model, _prompt(model), cpu_shape(False).isolation))
+        res = asyncio.run(isolation.run(url, model, greeting_prompt(model), cpu_shape(False).isolation))
     j = res.to_json()
     st = j["stall_ms"]
     row = dict(label=label, ratio=round(j["others_ratio"]["per_adapter"]["median"], 3),
