@@ -81,5 +81,9 @@ def test_prompt_token_counts() -> None:
         prompt_token_ids = [7] * 9
 
     assert compat.prompt_token_count(Processed()) == 9
+    # What 0.32's OpenAI routes hand ``generate`` for a token or rendered text prompt.
+    from vllm.inputs.engine import tokens_input
+
+    assert compat.prompt_token_count(tokens_input([1, 2, 3, 4])) == 4
     assert compat.prompt_token_count("a text prompt") is None
     assert compat.prompt_token_count({"prompt": "text"}) is None
