@@ -314,11 +314,6 @@ class _WorkerStaging:
         log_engine_event("pinned_reserve", **asdict(report))
         return report
 
-    @property
-    def loading(self) -> bool:
-        """Whether a model is being built now (on the staging thread)."""
-        return self._loading_thread is not None
-
     def _loading_here(self) -> bool:
         return self._loading_thread == threading.get_ident()
 
