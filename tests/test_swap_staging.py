@@ -209,3 +209,31 @@ async def test_a_reload_answers_before_the_requests_it_aborted_come_back(loaded)
     await asyncio.sleep(0.01)  # the retire runs in the background
     assert engine.registry.draining("a") == []
     assert v1.lora_request.lora_int_id in fake.removed
+
+
+async def test_a_failed_re_send_of_a_swaps_abort_is_logged_not_raised(loaded, caplog) -> None:
+    """The engine may stop while a swap's aborted requests drain: the
+    background drain logs that once and ends (its requests end with the engine)."""
+    engine, fake, tmp_path = loaded
+    fake.staging_may_finish.set()
+    sends: list[list[str]] = []
+    engine_gone = asyncio.Event()
+
+    async def abort(request_ids: list[str]) -> None:
+        sends.append(list(request_ids))
+        if len(sends) > 1:
+            raise RuntimeError("the engine is dead")
+
+    fake.abort = abort  # type: ignore[method-assign]
+
+    async def request() -> None:
+        async with engine.admitted("a", "old"):
+            await engine_gone.wait()
+
+    old = asyncio.create_task(request())
+    await asyncio.sleep(0.01)
+    await engine.load("a", _adapter(tmp_path / "v2"))
+    await asyncio.sleep(0.02)  # the first re-send fails
+    assert len(sends) == 2 and "re-sending a swap's abort for a failed" in caplog.text
+    engine_gone.set()
+    await old

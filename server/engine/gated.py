@@ -9,6 +9,7 @@ route it came from, without forking any of vLLM's serving code.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -28,6 +29,8 @@ from ..observability import PAUSE_TO_ABORTED, log_event
 from ..weights.leases import Lease, LeaseTable
 from ..weights.registry import AdapterRecord, AdapterRegistry, PreparedVersion
 from .gate import AdapterGate, Drain, DrainResult
+
+logger = logging.getLogger(__name__)
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
 #: its argument is the ``replaces`` id the registry passes on to the engine. It
@@ -311,7 +314,12 @@ class GatedEngine:
             self._in_background(self._log_drain(lora_name, drain))
 
     async def _log_drain(self, lora_name: str, drain: Drain) -> None:
-        _record_drain("swap_drain", lora_name, await drain.wait())
+        try:
+            result = await drain.wait()
+        except Exception:  # the engine stopped meanwhile: its requests end with it
+            logger.warning("re-sending a swap's abort for %s failed", lora_name, exc_info=True)
+            return
+        _record_drain("swap_drain", lora_name, result)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
