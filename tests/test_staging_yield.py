@@ -7,21 +7,12 @@ That a real server's staging naps under load and not when idle is checked in
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from skyrl_lora.server import compat
-from skyrl_lora.server.weights.staging_yield import (
-    SWITCH_INTERVAL_ENV,
-    StagingYield,
-    YieldPoints,
-    apply_switch_interval,
-    install_yield_points,
-)
+from skyrl_lora.server.weights.staging_yield import StagingYield, YieldPoints, install_yield_points
 
 #: Every pass through a yield point ends a slice; naps are short.
 EVERY_PASS = StagingYield(slice_s=0.0, nap_s=0.0005, busy_within_s=60.0)
@@ -124,19 +115,3 @@ def test_vllms_adapter_read_passes_a_yield_point_per_tensor_name(embedded_model:
     assert model.loras
     assert len(passes) >= 2 * len(model.loras)  # A and B of every layer, at least
     assert torch.is_tensor(next(iter(model.loras.values())).lora_a)
-
-
-def test_the_engine_switch_interval_comes_from_the_environment(monkeypatch) -> None:
-    before = sys.getswitchinterval()
-    try:
-        monkeypatch.delenv(SWITCH_INTERVAL_ENV, raising=False)
-        assert apply_switch_interval() == pytest.approx(before * 1000)
-        monkeypatch.setenv(SWITCH_INTERVAL_ENV, "0.5")
-        assert apply_switch_interval() == pytest.approx(0.5)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        for bad in ("0", "-1", "fast", "5000"):
-            monkeypatch.setenv(SWITCH_INTERVAL_ENV, bad)
-            with pytest.raises(ValueError, match=SWITCH_INTERVAL_ENV):
-                apply_switch_interval()
-    finally:
-        sys.setswitchinterval(before)

@@ -332,9 +332,6 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     )
     if getattr(args, "enable_lora", False):
         await lora_engine.probe()
-        if lora_engine.switch_interval_ms != 5.0:
-            interval = lora_engine.switch_interval_ms
-            logger.info("skyrl-lora engine GIL switch interval: %g ms", interval)
     registry = AdapterRegistry(
         engine=lora_engine,
         published=app.state.openai_serving_models.lora_requests,

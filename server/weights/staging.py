@@ -108,7 +108,6 @@ from .staging_yield import (
     DEFAULT_STAGING_YIELD,
     StagingYield,
     YieldPoints,
-    apply_switch_interval,
     install_yield_points,
 )
 
@@ -790,14 +789,12 @@ class LoRAStagingExtension:
         ``long_step_s``: log steps longer than this (:mod:`..step_watch`; None: none).
         """
         watch_engine_collections()
-        switch_interval_ms = apply_switch_interval()
         stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
         watching = long_step_s is not None and self._skyrl_watch_steps(stager, long_step_s)
         reserved = ReserveReport()
         if pinned_reserve is not None:
             reserved = stager.reserve_pinned(PinnedReserve(**pinned_reserve))
         return {
-            "switch_interval_ms": switch_interval_ms,
             "long_step_watch": watching,
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
@@ -903,8 +900,6 @@ class StagedLoRAEngine:
         self.pinned_reserve_bytes = 0
         #: Steps longer than this are logged on every worker (None: not watched).
         self.long_step_ms: float | None = None
-        #: The engine processes' GIL switch interval (``SKYRL_ENGINE_SWITCH_INTERVAL_MS``).
-        self.switch_interval_ms = 5.0
         #: The workers' GPUs (UUIDs): a CUDA hand-over must come from one of them.
         self.device_uuids: frozenset[str] = frozenset()
         #: Where the workers publish stagings' statuses, and their names
@@ -961,7 +956,6 @@ class StagedLoRAEngine:
                     report.ms,
                     f" ({report.note})" if report.note else "",
                 )
-            self.switch_interval_ms = max(p.get("switch_interval_ms", 5.0) for p in parts)
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.gpu_staging = all(p.get("gpu_staging") for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)

@@ -23,8 +23,6 @@ so an idle swap costs what it did.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -56,33 +54,6 @@ class StagingYield:
 
 #: What ``serve`` stages with unless ``--no-staging-yield``.
 DEFAULT_STAGING_YIELD = StagingYield()
-
-#: The engine process's GIL switch interval in ms, for A/Bs (Python's default is 5).
-SWITCH_INTERVAL_ENV = "SKYRL_ENGINE_SWITCH_INTERVAL_MS"
-
-
-def apply_switch_interval() -> float:
-    """Set this process's GIL switch interval from :data:`SWITCH_INTERVAL_ENV`
-    where it is set; returns the interval in force, in ms.
-
-    A thread that wants the GIL while another runs Python waits up to the
-    interval before the holder is asked to let go. The staging thread and
-    the step loop hand the GIL back and forth at every tensor call, so under
-    load each of the staging's few hundred calls may wait up to 5 ms. The
-    knob measures what a shorter wait buys; it is not a default.
-    """
-    text = os.environ.get(SWITCH_INTERVAL_ENV)
-    if text:
-        try:
-            ms = float(text)
-        except ValueError:
-            ms = 0.0
-        if not 0.0 < ms <= 1000.0:
-            raise ValueError(
-                f"{SWITCH_INTERVAL_ENV} must be a number of ms in (0, 1000], not {text!r}"
-            )
-        sys.setswitchinterval(ms / 1000)
-    return sys.getswitchinterval() * 1000
 
 
 @dataclass
