@@ -12,6 +12,9 @@ from vLLM's own scheduler output.
   outputs (``compat.call_after_engine_steps``), and no step after the resume
   may take two of them in. Let in all at once (``--no-resume-pacing``), the
   same four requests enter two or more in one step.
+- A reload's answer leaves a ``weights_answered`` event: its time in the
+  route holds the staging's (``adapter_staged``), so a sync's timeline can
+  split the API's own work from the engine's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from skyrl_lora.server.cluster.process import ServeProcess, serving
 
 pytestmark = pytest.mark.engine
 
-_EVENT = re.compile(r'skyrl_event (\{"event": "(?:engine_long_step|resume)".*\})')
+_EVENT = re.compile(
+    r'skyrl_event (\{"event": "(?:engine_long_step|resume|adapter_staged|weights_answered)".*\})'
+)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +124,19 @@ def test_unpaced_the_same_backlog_enters_together(embedded_model: Any, tmp_path:
         assert info["resume_tokens_per_step"] is None
         entries = _resumed_backlog_entries(unpaced, "meow")
     assert max(entries) >= 2, entries
+
+
+def test_a_reload_leaves_its_time_in_the_route(server: ServeProcess, embedded_model: Any) -> None:
+    body = {"lora_name": "woof", "lora_path": str(embedded_model.adapters["moo"])}
+    reply = requests.post(f"{server.url}/skyrl/v1/adapters/load", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    version = reply.json()["version"]
+    events = _events(server)
+    (answered,) = [
+        e for e in events if e["event"] == "weights_answered" and e["version"] == version
+    ]
+    (staged,) = [
+        e for e in events if e["event"] == "adapter_staged" and e["lora_name"] == f"woof@v{version}"
+    ]
+    assert answered["route"] == "load" and answered["lora_name"] == "woof"
+    assert staged["stage_ms"] <= answered["ms"] < 60_000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -33,12 +34,14 @@ from skyrl_lora.types import (
     SampleResponse,
     ServerInfo,
     SettleResponse,
+    SwapPolicy,
     VersionRef,
 )
 
 from .. import compat
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
+from ..observability import log_event
 from ..weights.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from ..weights.leases import Lease
 from .auth import ApiKey, request_key
@@ -102,6 +105,19 @@ def build_router(
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
     adapter_info = engine.adapter_info
+
+    def answered(
+        route: str, lora_name: str, applied: SwapPolicy | None, started: float
+    ) -> AdapterInfo:
+        """A weights call's answer, and its time in the route as a
+        ``weights_answered`` event: with the ``adapter_staged`` event's
+        ``stage_ms`` it splits a sync into the API's work before the
+        staging, the staging, and the answer after it."""
+        info = adapter_info(lora_name, applied=applied)
+        ms = round((time.perf_counter() - started) * 1000, 2)
+        log_event("weights_answered", route=route, lora_name=lora_name, version=info.version, ms=ms)
+        return info
+
     global_pause = GlobalPause(
         pause_engine=lambda: compat.pause_engine_keep(engine.engine_client),
         resume_engine=lambda: compat.resume_engine(engine.engine_client),
@@ -170,11 +186,12 @@ def build_router(
 
         With API keys, only an admin key may bring in a name not loaded yet.
         """
+        started = time.perf_counter()
         _check_may_load(request_key(request.scope), body.lora_name, engine.registry.names())
         applied = await engine.load(
             body.lora_name, body.lora_path, body.version, body.swap_policy, body.keep_previous_s
         )
-        return adapter_info(body.lora_name, applied=applied)
+        return answered("load", body.lora_name, applied, started)
 
     @router.post(
         "/adapters/push",
@@ -191,6 +208,7 @@ def build_router(
 
         Same rules as a load: a tenant key may push only its own existing names.
         """
+        started = time.perf_counter()
         pushed = await receive_push(
             request.headers, request.stream(), engine.registry.upload_dir(), max_adapter_bytes
         )
@@ -200,7 +218,7 @@ def build_router(
             shutil.rmtree(pushed.folder, ignore_errors=True)
             raise
         applied = await load_pushed(engine, pushed)
-        return adapter_info(pushed.lora_name, applied=applied)
+        return answered("push", pushed.lora_name, applied, started)
 
     @router.post(
         "/adapters/push/stream",
@@ -249,6 +267,7 @@ def build_router(
         Same rules as a push; 422 where hand-overs are off or the memory is out
         of this server's reach (the client then pushes the bytes).
         """
+        started = time.perf_counter()
         handovers.check(body, max_adapter_bytes)
         names = engine.registry.names()
         _check_may_load(request_key(request.scope), body.lora_name, names)
@@ -273,7 +292,7 @@ def build_router(
             source=f"handover:{body.buffer.kind}",
         )
         applied = await load_pushed(engine, pushed)
-        return adapter_info(body.lora_name, applied=applied)
+        return answered("handover", body.lora_name, applied, started)
 
     @router.post("/adapters/unload")
     async def unload_adapter(body: AdapterRef) -> AdapterRef:
