@@ -10,7 +10,9 @@ the wall clock of the same host), read as :mod:`benchmarks.timeline` reads
 them. Per push: when the receive began
 after the pause, how long it took, when the engine's staging began after
 the receive began and ended after the receive ended, and the answer's
-tail. Per hand-over: the engine's phases and the API's wait around them.
+tail. Per hand-over: the engine's phases and the API's wait around them,
+and (``weights_answered``, servers from 128e394 on) the route's own time
+before the staging and after it.
 Medians close each table. A staging's phases are in ``staging_events.py``;
 this says how they overlap the receive.
 """
@@ -85,15 +87,20 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
         staged = _next(found, index, "adapter_staged")
         if staged is None:
             continue
-        rows.append(
-            {
-                "staging": event["ms"],
-                "copy": event["handover_copy_ms"] or 0.0,
-                "build": round(event["read_ms"] - (event["handover_copy_ms"] or 0.0), 2),
-                "slot": event["slot_ms"] or 0.0,
-                "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
-            }
-        )
+        row = {
+            "staging": event["ms"],
+            "copy": event["handover_copy_ms"] or 0.0,
+            "build": round(event["read_ms"] - (event["handover_copy_ms"] or 0.0), 2),
+            "slot": event["slot_ms"] or 0.0,
+            "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
+        }
+        answered = _next(found, index, "weights_answered")
+        if answered is not None:  # servers from 128e394 on
+            entered = answered[0] - answered[1]["ms"] / 1000
+            row["route"] = answered[1]["ms"]
+            row["route_before_stage"] = _ms(staged[0] - staged[1]["stage_ms"] / 1000, entered)
+            row["route_after_staged"] = _ms(answered[0], staged[0])
+        rows.append(row)
     return rows
 
 
