@@ -92,6 +92,7 @@ def swap_cost_points(
                     {
                         "commit": commit,
                         "greedy_same_tokens": result["greedy_same_tokens"],
+                        "resumed_segments": result["resumed_segments"],
                         "rank": rank,
                         "adapter_bytes": adapter_bytes,
                         "load": load_kind,
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_loras": max(args.tenants),
             "flags": args.serve_flags,
         },
-        "swap_load": SWAP_LOAD.__dict__,
+        "swap_load": swap_load(args).__dict__,
         "model_build_s": round(built_s, 1),
         # The gaps' times are this process's monotonic clock, the server log's wall time.
         "wall_minus_monotonic_s": time.time() - time.monotonic(),
@@ -201,7 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["tenants"] = tenant_points(running.url, model, args.tenants, args.commit)
             save()
         if "swap_cost" in args.parts:
-            result["swap_cost"] = swap_cost_points(running.url, folders, SWAP_LOAD, args.commit)
+            load = swap_load(args)
+            result["swap_cost"] = swap_cost_points(running.url, folders, load, args.commit)
             save()
     return result
 
@@ -308,6 +310,15 @@ def plot(path: Path) -> list[Path]:
     return made
 
 
+def swap_load(args: argparse.Namespace) -> transport_swap.TransportConfig:
+    """The swap-cost part's load, narrowed by ``--transports`` and ``--swapper-samples``."""
+    return replace(
+        SWAP_LOAD,
+        transports=tuple(args.transports.split(",")),
+        swapper_samples=args.swapper_samples,
+    )
+
+
 def isolation_title(mode: str) -> str:
     return {"per_adapter": "per-adapter pause", "global": "global keep pause"}[mode]
 
@@ -326,6 +337,16 @@ def main() -> int:
         "--tenants", type=lambda s: [int(t) for t in s.split(",")], default=[8, 16, 32]
     )
     parser.add_argument("--parts", default="tenants,swap_cost")
+    parser.add_argument(
+        "--transports",
+        default=",".join(transport_swap.TRANSPORTS),
+        help="the swap-cost part's transports (path always among them)",
+    )
+    parser.add_argument(
+        "--swapper-samples",
+        action="store_true",
+        help="under load the swapper samples too, so its syncs abort and resume its own requests",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--work", help="where the model and adapters are built (reused)")
     parser.add_argument(

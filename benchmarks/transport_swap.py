@@ -55,6 +55,23 @@ class TransportConfig:
     streams: int = 16  # per other tenant
     max_tokens: int = 256
     swapper: str = "swapper"
+    #: The transports measured (``path`` always: the ratios are against it).
+    transports: tuple[str, ...] = TRANSPORTS
+    #: Under load, the swapper samples too (as many streams as each other
+    #: tenant), so every sync aborts requests of its own and resumes them:
+    #: a trainer that syncs while its rollouts run.
+    swapper_samples: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.transports) - set(TRANSPORTS)
+        if unknown or "path" not in self.transports:
+            raise ValueError(f"transports must include path and come from {TRANSPORTS}")
+
+    @property
+    def samplers(self) -> list[str]:
+        """The tenants sampling under load."""
+        others = [f"other{i}" for i in range(self.others)]
+        return [*others, self.swapper] if self.swapper_samples else others
 
 
 @contextlib.contextmanager
@@ -167,10 +184,10 @@ async def sync_once(
     return SyncTimes(clock.total(), pause, update, weights, clock.lap())
 
 
-async def others_sampling(
+async def tenants_sampling(
     client: RemoteInferenceClient, names: list[str], cfg: TransportConfig, stop: asyncio.Event
 ) -> int:
-    """Other tenants' streams until ``stop``; returns their tokens."""
+    """The ``names`` tenants' streams until ``stop``; returns their tokens."""
     tokens = 0
 
     async def stream(name: str) -> None:
@@ -189,7 +206,11 @@ async def others_sampling(
 
 
 async def measure(
-    url: str, folders: list[Path], cfg: TransportConfig, strict: bool = True
+    url: str,
+    folders: list[Path],
+    cfg: TransportConfig,
+    strict: bool = True,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Every transport's syncs, idle and under load, in rotating order.
 
@@ -200,18 +221,19 @@ async def measure(
     a few tokens even between two loads of one file by path.
     """
     others = [f"other{i}" for i in range(cfg.others)]
+    transports = cfg.transports
     tensors = [device_tensors(f) for f in folders]
     config = json.loads((folders[0] / "adapter_config.json").read_text())
     # {load: {transport: [per-round syncs]}}
     times: dict[str, dict[str, list[list[SyncTimes]]]] = {
-        load: {t: [] for t in TRANSPORTS} for load in ("idle", "under_load")
+        load: {t: [] for t in transports} for load in ("idle", "under_load")
     }
-    async with RemoteInferenceClient(url) as client:
+    async with RemoteInferenceClient(url, api_key=api_key) as client:
         for i, name in enumerate([cfg.swapper, *others]):
             await client.load_lora_adapter(name, str(folders[i % 2]))
         with AdapterHandover(config) as handover:
             greedy = {}
-            for transport in TRANSPORTS:  # warm every path once; the same weights, the same text
+            for transport in transports:  # warm every path once; the same weights, the same text
                 await sync_once(client, cfg.swapper, transport, folders[0], handover, tensors[0])
                 params = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
                 out = await client.sample([1, 2, 3], sampling_params=params, lora_name=cfg.swapper)
@@ -220,12 +242,12 @@ async def measure(
             if strict and not same:
                 raise RuntimeError(f"the transports' weights answer differently: {greedy}")
             for round_ in range(cfg.rounds):
-                turn = round_ % len(TRANSPORTS)
-                order = TRANSPORTS[turn:] + TRANSPORTS[:turn]
+                turn = round_ % len(transports)
+                order = transports[turn:] + transports[:turn]
                 for load in ("idle", "under_load"):
                     stop = asyncio.Event()
                     sampling = (
-                        asyncio.create_task(others_sampling(client, others, cfg, stop))
+                        asyncio.create_task(tenants_sampling(client, cfg.samplers, cfg, stop))
                         if load == "under_load"
                         else None
                     )
@@ -254,6 +276,8 @@ async def measure(
     return {
         "greedy_same_tokens": same,
         "greedy_tokens": greedy,
+        # Samples a sync aborted and the client resumed (the swapper's own, under load).
+        "resumed_segments": metrics.resumed_segments,
         **{load: summarise(by_transport) for load, by_transport in times.items()},
     }
 

@@ -14,8 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.transport_swap import TRANSPORTS, SyncTimes, device_tensors, summarise, sync_once
-from skyrl_lora.client import AdapterHandover
+from benchmarks.transport_swap import (
+    TRANSPORTS,
+    SyncTimes,
+    TransportConfig,
+    device_tensors,
+    measure,
+    summarise,
+    sync_once,
+)
+from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 from tests.conftest import EngineServer
 from tests.test_push_engine import admin
 
@@ -53,3 +61,38 @@ async def test_every_transports_sync_splits_into_parts_that_add_up(
     listing = {a.lora_name: a for a in (await admin.list_adapters()).adapters}
     assert listing["transport-swap"].version == 1 + len(TRANSPORTS)
     await admin.unload_lora_adapter("transport-swap")
+
+
+async def test_with_the_swapper_sampling_every_loaded_sync_resumes_its_own_requests(
+    engine_server: EngineServer,
+) -> None:
+    """``swapper_samples``: under load the swapper's own streams run too, so
+    its syncs abort requests (the client resumes them) and the figures say
+    what a trainer pays that syncs while its rollouts run. Two transports."""
+    folders = [Path(engine_server.model.adapters[n]) for n in ("meow", "woof")]
+    cfg = TransportConfig(
+        rounds=1,
+        swaps=2,
+        others=1,
+        streams=2,
+        max_tokens=64,
+        swapper="transport-own",
+        transports=("path", "handover_swap"),
+        swapper_samples=True,
+    )
+    assert cfg.samplers == ["other0", "transport-own"]
+    key = engine_server.admin_key
+    result = await measure(engine_server.url, folders, cfg, strict=False, api_key=key)
+    assert set(result["under_load"]) == {"path", "handover_swap"}
+    assert result["resumed_segments"] > 0
+    async with RemoteInferenceClient(engine_server.url, api_key=key) as client:
+        for name in ("transport-own", "other0"):
+            await client.unload_lora_adapter(name)
+
+
+def test_a_transport_load_keeps_path_and_known_transports() -> None:
+    assert TransportConfig(others=2).samplers == ["other0", "other1"]
+    with pytest.raises(ValueError, match="path"):
+        TransportConfig(transports=("handover",))
+    with pytest.raises(ValueError, match="path"):
+        TransportConfig(transports=("path", "carrier_pigeon"))

@@ -39,8 +39,20 @@ def events(path: str, prefix: str) -> list[Event]:
     return sorted(((e.at, e.fields) for e in named), key=lambda pair: pair[0])
 
 
-def _next(found: list[Event], start: int, kind: str, within: int = 10) -> Event | None:
-    return next((e for e in found[start + 1 : start + 1 + within] if e[1]["event"] == kind), None)
+def _next(
+    found: list[Event], start: int, kind: str, within: int = 10, name: str | None = None
+) -> Event | None:
+    """The next ``kind`` event within ``within`` events (of ``name`` only, where
+    given: several tenants' syncs interleave in one log)."""
+    later = found[start + 1 :] if name is not None else found[start + 1 : start + 1 + within]
+    return next(
+        (
+            e
+            for e in later
+            if e[1]["event"] == kind and (name is None or e[1].get("lora_name") == name)
+        ),
+        None,
+    )
 
 
 def _last(found: list[Event], end: int, kind: str) -> Event | None:
@@ -84,7 +96,7 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
     for index, (_, event) in enumerate(found):
         if event["event"] != "adapter_staging" or not str(event["read"]).startswith("handover"):
             continue
-        staged = _next(found, index, "adapter_staged")
+        staged = _next(found, index, "adapter_staged", name=event["lora_name"])
         if staged is None:
             continue
         row = {
@@ -94,7 +106,17 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
             "slot": event["slot_ms"] or 0.0,
             "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
         }
-        answered = _next(found, index, "weights_answered")
+        public, _, version = str(event["lora_name"]).rpartition("@v")
+        answered = next(
+            (
+                e
+                for e in found[index + 1 :]
+                if e[1]["event"] == "weights_answered"
+                and e[1]["lora_name"] == public
+                and str(e[1]["version"]) == version
+            ),
+            None,
+        )
         if answered is not None:  # servers from 128e394 on
             entered = answered[0] - answered[1]["ms"] / 1000
             row["route"] = answered[1]["ms"]
