@@ -39,7 +39,6 @@ class _Engine:
         self.paused_while: dict[str, bool] = {}
         self.discarded: list[int] = []
         self.replaced: list[int | None] = []
-        self.removed: list[int] = []
 
     def _paused(self) -> bool:
         assert self.gate is not None
@@ -63,7 +62,6 @@ class _Engine:
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
-        self.removed.append(lora_id)
         return True
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -167,73 +165,3 @@ async def test_the_requests_a_pause_ends_answer_at_a_pace_after_the_drain(loaded
     spacing = DEFAULT_ANSWER_PACING.spacing_s
     assert answered["r0"] <= paused < answered["r2"]
     assert answered["r2"] - answered["r0"] >= 2 * spacing * 0.9
-
-
-async def test_a_reload_answers_before_the_requests_it_aborted_come_back(loaded) -> None:
-    """The engine serves an abort between two steps and hands the partial
-    output back with the next one: the swap does not wait for that. The
-    aborted request ends on the old version, which retires after it; a
-    request admitted after the answer runs on the new one, and the late
-    abort's re-sends never touch it."""
-    engine, fake, tmp_path = loaded
-    fake.staging_may_finish.set()
-    aborts: list[list[str]] = []
-    next_step = asyncio.Event()
-
-    async def abort(request_ids: list[str]) -> None:
-        aborts.append(list(request_ids))
-
-    fake.abort = abort  # type: ignore[method-assign]
-    ran_on: dict[str, int] = {}
-
-    async def request(rid: str) -> None:
-        async with engine.admitted("a", rid) as record:
-            ran_on[rid] = record.version
-            await next_step.wait()  # the engine drops it at the next step boundary
-
-    old = asyncio.create_task(request("old"))
-    await asyncio.sleep(0.01)
-    v1 = engine.registry.get("a")
-    await asyncio.wait_for(engine.load("a", _adapter(tmp_path / "v2")), 1)
-    assert aborts[0] == ["old"] and not old.done()  # answered, the abort sent, not drained
-    assert engine.registry.version("a") == 2 and not engine.gate.is_paused("a")
-    assert [r.version for r in engine.registry.draining("a")] == [1]
-    assert fake.removed == []  # v1 still runs
-    assert fake.paused_while["install"] is True  # nothing admitted between abort and install
-    new = asyncio.create_task(request("new"))
-    await asyncio.sleep(0.02)  # several re-send intervals
-    assert all(ids == ["old"] for ids in aborts) and len(aborts) >= 2
-    next_step.set()
-    await asyncio.gather(old, new)
-    assert ran_on == {"old": 1, "new": 2}
-    await asyncio.sleep(0.01)  # the retire runs in the background
-    assert engine.registry.draining("a") == []
-    assert v1.lora_request.lora_int_id in fake.removed
-
-
-async def test_a_failed_re_send_of_a_swaps_abort_is_logged_not_raised(loaded, caplog) -> None:
-    """The engine may stop while a swap's aborted requests drain: the
-    background drain logs that once and ends (its requests end with the engine)."""
-    engine, fake, tmp_path = loaded
-    fake.staging_may_finish.set()
-    sends: list[list[str]] = []
-    engine_gone = asyncio.Event()
-
-    async def abort(request_ids: list[str]) -> None:
-        sends.append(list(request_ids))
-        if len(sends) > 1:
-            raise RuntimeError("the engine is dead")
-
-    fake.abort = abort  # type: ignore[method-assign]
-
-    async def request() -> None:
-        async with engine.admitted("a", "old"):
-            await engine_gone.wait()
-
-    old = asyncio.create_task(request())
-    await asyncio.sleep(0.01)
-    await engine.load("a", _adapter(tmp_path / "v2"))
-    await asyncio.sleep(0.02)  # the first re-send fails
-    assert len(sends) == 2 and "re-sending a swap's abort for a failed" in caplog.text
-    engine_gone.set()
-    await old

@@ -148,44 +148,6 @@ class DrainResult:
 
 
 @dataclass
-class Drain:
-    """Requests an abort was sent to, until every one of them has ended.
-
-    The abort is re-sent only when ``ABORT_RETRY_INTERVAL_S`` passes without
-    the drain finishing, not on every release: while 64 requests come back
-    one by one, re-aborting the rest each time would flood the engine.
-    """
-
-    state: _AdapterState
-    targets: list[Admission]
-    abort: AbortFn
-    # time.monotonic, not loop.time(): uvloop's loop clock (vLLM runs on
-    # uvloop) has 1 ms steps, so a drain read 0 or 1 ms, too coarse for
-    # the few-ms targets and the 5 ms re-abort timer.
-    started: float
-    resend_at: float = 0.0
-
-    async def send(self) -> None:
-        """Send the abort to the targets still running."""
-        await self.abort([a.request_id for a in self.targets if not a.ended])
-        self.resend_at = time.monotonic() + ABORT_RETRY_INTERVAL_S
-
-    async def wait(self) -> DrainResult:
-        """Wait until every target has ended; what the abort took, from its first send."""
-        while not all(a.ended for a in self.targets):
-            now = time.monotonic()
-            if now >= self.resend_at:
-                await self.send()
-                continue
-            self.state.released.clear()
-            try:
-                await asyncio.wait_for(self.state.released.wait(), self.resend_at - now)
-            except asyncio.TimeoutError:
-                pass
-        return DrainResult(aborted=len(self.targets), seconds=time.monotonic() - self.started)
-
-
-@dataclass
 class GateCounters:
     """Monotonic counters, exported as metrics."""
 
@@ -376,43 +338,17 @@ class AdapterGate:
         Returns whether the adapter was already paused (pausing twice is
         harmless) and what the drain took.
         """
-        was_paused = self.close(lora_name)
-        drain = await self.abort_in_flight(lora_name, abort)
-        return was_paused, await drain.wait()
-
-    def close(self, lora_name: str) -> bool:
-        """Close the gate without aborting anything: new requests are held
-        until :meth:`resume`. Returns whether it was closed already."""
         state = self._state(lora_name)
         was_paused = state.paused
         state.paused = True
         state.resumed.clear()
         if not was_paused:
             self.counters.pauses += 1
-        return was_paused
+        return was_paused, await self._abort_and_drain(state, abort)
 
     async def abort(self, lora_name: str, abort: AbortFn) -> DrainResult:
         """Abort the adapter's in-flight requests without closing the gate."""
-        drain = await self.abort_in_flight(lora_name, abort)
-        return await drain.wait()
-
-    async def abort_in_flight(self, lora_name: str, abort: AbortFn) -> Drain:
-        """Send the abort to the adapter's requests in flight now and return
-        their :class:`Drain`, without waiting for them to end.
-
-        Only the requests in flight at the call are its business: a plain
-        abort leaves the gate open, and a swap opens it again before the drain
-        ends, so requests admitted later are never aborted by it.
-        """
-        state = self._state(lora_name)
-        drain = Drain(state, list(state.in_flight.values()), abort, time.monotonic())
-        if self._answer_pacing is not None:
-            for place, admission in enumerate(drain.targets):
-                admission.answer_after_s = self._answer_pacing.delay_s(place)
-        if drain.targets:
-            await drain.send()
-        self.counters.aborted_requests += len(drain.targets)
-        return drain
+        return await self._abort_and_drain(self._state(lora_name), abort)
 
     def resume(self, lora_name: str) -> bool:
         """Open the gate; returns whether it was closed."""
@@ -429,3 +365,39 @@ class AdapterGate:
         state = self._states.get(lora_name)
         if state is not None and not state.paused and not state.in_flight and not state.held:
             del self._states[lora_name]
+
+    async def _abort_and_drain(self, state: _AdapterState, abort: AbortFn) -> DrainResult:
+        """Abort what is in flight now and wait until all of it has ended.
+
+        Only the requests in flight at the call are waited for: a plain abort
+        leaves the gate open, and requests admitted after it are not its
+        business (under a pause nothing new is admitted anyway). The abort is
+        re-sent only when ``ABORT_RETRY_INTERVAL_S`` passes without the drain
+        finishing, not on every release: while 64 requests come back one by
+        one, re-aborting the rest each time would flood the engine.
+        """
+        # time.monotonic, not loop.time(): uvloop's loop clock (vLLM runs on
+        # uvloop) has 1 ms steps, so a drain read 0 or 1 ms, too coarse for
+        # the few-ms targets and the 5 ms re-abort timer.
+        started = time.monotonic()
+        targets = list(state.in_flight.values())
+        if self._answer_pacing is not None:
+            for place, admission in enumerate(targets):
+                admission.answer_after_s = self._answer_pacing.delay_s(place)
+        remaining = targets
+        resend_at = started
+        while remaining:
+            now = time.monotonic()
+            if now >= resend_at:
+                await abort([a.request_id for a in remaining])
+                resend_at = time.monotonic() + ABORT_RETRY_INTERVAL_S
+                remaining = [a for a in remaining if not a.ended]
+                continue
+            state.released.clear()
+            try:
+                await asyncio.wait_for(state.released.wait(), resend_at - now)
+            except asyncio.TimeoutError:
+                pass
+            remaining = [a for a in remaining if not a.ended]
+        self.counters.aborted_requests += len(targets)
+        return DrainResult(aborted=len(targets), seconds=time.monotonic() - started)

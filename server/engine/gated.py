@@ -9,8 +9,7 @@ route it came from, without forking any of vLLM's serving code.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -28,9 +27,7 @@ from .. import compat
 from ..observability import PAUSE_TO_ABORTED, log_event
 from ..weights.leases import Lease, LeaseTable
 from ..weights.registry import AdapterRecord, AdapterRegistry, PreparedVersion
-from .gate import AdapterGate, Drain, DrainResult
-
-logger = logging.getLogger(__name__)
+from .gate import AdapterGate, DrainResult
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
 #: its argument is the ``replaces`` id the registry passes on to the engine. It
@@ -236,16 +233,11 @@ class GatedEngine:
         reload, resume), the engine may drop the current version as staging
         starts (:meth:`_replaceable`), so the new one takes its engine slot.
 
-        ``abort_resume``: then close the adapter's gate and send the abort to
-        its in-flight requests (unless the caller paused it), install, open
-        the gate, and retire every older version in the background once
-        nothing of it runs (listed as draining until its slot and snapshot
-        are gone). The aborted requests are resumed by their clients on the
-        new version. The answer does not wait for them to come back
-        (:meth:`_close_and_abort`). The abort goes out before the install,
-        so the engine drops them before it can schedule a request of the new
-        version (one still on its way into the engine is caught by the
-        re-sent abort, within 5 ms).
+        ``abort_resume``: then pause the adapter (unless the caller did),
+        install, resume, and retire every older version in the background
+        (listed as draining with nothing in flight until its slot and
+        snapshot are gone). In-flight requests are aborted and resumed by the
+        client on the new version.
 
         ``finish_old``: no pause. Requests admitted from now on run on the new
         version; those in flight finish on the old one, which is retired when
@@ -280,51 +272,23 @@ class GatedEngine:
                 self._retire_if_drained(lora_name, previous.version)
                 return policy
             paused_here = not self.gate.is_paused(lora_name)
-            if paused_here:
-                await self._close_and_abort(lora_name)
+            try:
+                if paused_here:
+                    await self.pause(lora_name)
+            except BaseException:
+                await self.registry.abandon(prepared)
+                raise
             try:
                 await self.registry.install(prepared)
                 self._installed(lora_name, prepared.version, previous, last_before, keep_previous_s)
             finally:
                 if paused_here:
                     self.resume(lora_name)
-            # Older versions are retired once nothing of them runs: now, or
-            # when the last aborted request has ended (``admitted``).
+            # Nothing of an older version runs (the adapter was paused): free
+            # their slots and snapshots after answering, off the swap's path.
             for old in self.registry.draining(lora_name):
                 self._retire_if_drained(lora_name, old.version)
             return policy
-
-    async def _close_and_abort(self, lora_name: str) -> None:
-        """The pause of a swap: close the gate for the install and abort what
-        runs, without waiting for the aborted requests to come back.
-
-        Waiting would cost the swap one engine step (the abort is served
-        between two steps, and the partial outputs come with the next step's
-        outputs): 20-25 ms of the 8B model under load on an H100, most of a
-        hand-over's sync. Nothing needs it: the new version is staged in a
-        slot of its own, the requests aborted here run on the old version
-        (their tokens carry it) until the engine drops them, and their
-        clients' resumptions come in after the gate opens again, on the new
-        version. The drain goes on in the background and is logged as
-        ``swap_drain``.
-        """
-        self.gate.close(lora_name)
-        drain = await self.gate.abort_in_flight(lora_name, self.abort_requests)
-        if drain.targets:
-            self._in_background(self._log_drain(lora_name, drain))
-
-    async def _log_drain(self, lora_name: str, drain: Drain) -> None:
-        try:
-            result = await drain.wait()
-        except Exception:  # the engine stopped meanwhile: its requests end with it
-            logger.warning("re-sending a swap's abort for %s failed", lora_name, exc_info=True)
-            return
-        _record_drain("swap_drain", lora_name, result)
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     # -- group swaps ---------------------------------------------------------
     def _installed(
@@ -485,7 +449,9 @@ class GatedEngine:
             return
         for record in self.registry.draining(lora_name):
             if record.version == version and self.registry.begin_retire(record):
-                self._in_background(self.registry.retire(record, begun=True))
+                task = asyncio.create_task(self.registry.retire(record, begun=True))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     # -- leases --------------------------------------------------------------
     def lease(self, lora_name: str, version: int | None, ttl_s: float) -> Lease:
