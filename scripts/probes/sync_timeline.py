@@ -93,18 +93,22 @@ def pushes(found: list[Event]) -> list[dict[str, float]]:
 
 def handovers(found: list[Event]) -> list[dict[str, float]]:
     rows = []
-    for index, (_, event) in enumerate(found):
+    for index, (at, event) in enumerate(found):
         if event["event"] != "adapter_staging" or not str(event["read"]).startswith("handover"):
             continue
         staged = _next(found, index, "adapter_staged", name=event["lora_name"])
         if staged is None:
             continue
+        sent = staged[0] - staged[1]["stage_ms"] / 1000
         row = {
             "staging": event["ms"],
             "copy": event["handover_copy_ms"] or 0.0,
             "build": round(event["read_ms"] - (event["handover_copy_ms"] or 0.0), 2),
             "slot": event["slot_ms"] or 0.0,
             "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
+            # of which before the staging began: behind another adapter's
+            # staging on the worker's one staging thread, or a drop's wait
+            "queued": max(0.0, _ms(at - event["ms"] / 1000, sent)),
         }
         public, _, version = str(event["lora_name"]).rpartition("@v")
         answered = next(
