@@ -39,20 +39,8 @@ def events(path: str, prefix: str) -> list[Event]:
     return sorted(((e.at, e.fields) for e in named), key=lambda pair: pair[0])
 
 
-def _next(
-    found: list[Event], start: int, kind: str, within: int = 10, name: str | None = None
-) -> Event | None:
-    """The next ``kind`` event within ``within`` events (of ``name`` only, where
-    given: several tenants' syncs interleave in one log)."""
-    later = found[start + 1 :] if name is not None else found[start + 1 : start + 1 + within]
-    return next(
-        (
-            e
-            for e in later
-            if e[1]["event"] == kind and (name is None or e[1].get("lora_name") == name)
-        ),
-        None,
-    )
+def _next(found: list[Event], start: int, kind: str, within: int = 10) -> Event | None:
+    return next((e for e in found[start + 1 : start + 1 + within] if e[1]["event"] == kind), None)
 
 
 def _last(found: list[Event], end: int, kind: str) -> Event | None:
@@ -92,11 +80,20 @@ def pushes(found: list[Event]) -> list[dict[str, float]]:
 
 
 def handovers(found: list[Event]) -> list[dict[str, float]]:
+    # A version's events by its engine name (``name@vN``): several tenants'
+    # syncs interleave in one log, and an API event's millisecond stamp may
+    # sort it just before the engine event it follows.
+    staged_of = {e["lora_name"]: (at, e) for at, e in found if e["event"] == "adapter_staged"}
+    answered_of = {
+        f"{e['lora_name']}@v{e['version']}": (at, e)
+        for at, e in found
+        if e["event"] == "weights_answered"
+    }
     rows = []
-    for index, (at, event) in enumerate(found):
+    for at, event in found:
         if event["event"] != "adapter_staging" or not str(event["read"]).startswith("handover"):
             continue
-        staged = _next(found, index, "adapter_staged", name=event["lora_name"])
+        staged = staged_of.get(event["lora_name"])
         if staged is None:
             continue
         sent = staged[0] - staged[1]["stage_ms"] / 1000
@@ -110,21 +107,11 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
             # staging on the worker's one staging thread, or a drop's wait
             "queued": max(0.0, _ms(at - event["ms"] / 1000, sent)),
         }
-        public, _, version = str(event["lora_name"]).rpartition("@v")
-        answered = next(
-            (
-                e
-                for e in found[index + 1 :]
-                if e[1]["event"] == "weights_answered"
-                and e[1]["lora_name"] == public
-                and str(e[1]["version"]) == version
-            ),
-            None,
-        )
+        answered = answered_of.get(event["lora_name"])
         if answered is not None:  # servers from 128e394 on
             entered = answered[0] - answered[1]["ms"] / 1000
             row["route"] = answered[1]["ms"]
-            row["route_before_stage"] = _ms(staged[0] - staged[1]["stage_ms"] / 1000, entered)
+            row["route_before_stage"] = _ms(sent, entered)
             row["route_after_staged"] = _ms(answered[0], staged[0])
         rows.append(row)
     return rows
