@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         extra=[*transport_swap.SERVER_FLAGS, *shlex.split(args.serve_flags)],
     )
+    load = swap_load(args)
     meta: dict[str, Any] = {
         "commit": args.commit,
         "date": time.strftime("%Y-%m-%d"),
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_loras": max(args.tenants),
             "flags": args.serve_flags,
         },
-        "swap_load": swap_load(args).__dict__,
+        "swap_load": load.__dict__,
         "model_build_s": round(built_s, 1),
         # The gaps' times are this process's monotonic clock, the server log's wall time.
         "wall_minus_monotonic_s": time.time() - time.monotonic(),
@@ -202,7 +203,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["tenants"] = tenant_points(running.url, model, args.tenants, args.commit)
             save()
         if "swap_cost" in args.parts:
-            load = swap_load(args)
             result["swap_cost"] = swap_cost_points(running.url, folders, load, args.commit)
             save()
     return result

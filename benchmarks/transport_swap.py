@@ -68,9 +68,14 @@ class TransportConfig:
             raise ValueError(f"transports must include path and come from {TRANSPORTS}")
 
     @property
+    def other_names(self) -> list[str]:
+        """The tenants other than the swapper."""
+        return [f"other{i}" for i in range(self.others)]
+
+    @property
     def samplers(self) -> list[str]:
         """The tenants sampling under load."""
-        others = [f"other{i}" for i in range(self.others)]
+        others = self.other_names
         return [*others, self.swapper] if self.swapper_samples else others
 
 
@@ -220,7 +225,7 @@ async def measure(
     do not add in a fixed order, so the 8B model's answers can part after
     a few tokens even between two loads of one file by path.
     """
-    others = [f"other{i}" for i in range(cfg.others)]
+    others = cfg.other_names
     transports = cfg.transports
     tensors = [device_tensors(f) for f in folders]
     config = json.loads((folders[0] / "adapter_config.json").read_text())

@@ -111,7 +111,7 @@ def _resumed_backlog_entries(server: ServeProcess, lora: str) -> list[int]:
     return [e["new_requests"] for e in events[resumed_at:] if e["event"] == "engine_long_step"]
 
 
-def test_a_resumed_backlog_enters_one_request_per_step(server: ServeProcess) -> None:
+def test_a_resumed_backlog_enters_spread_over_steps(server: ServeProcess) -> None:
     info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
     assert info["resume_tokens_per_step"] == 1 and info["resume_pacing_sees_steps"]
     entries = _resumed_backlog_entries(server, "meow")
