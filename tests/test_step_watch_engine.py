@@ -19,6 +19,9 @@ from vLLM's own scheduler output.
 - A reload's answer leaves a ``weights_answered`` event: its time in the
   route holds the staging's (``adapter_staged``), so a sync's timeline can
   split the API's own work from the engine's.
+- A staging's event holds its thread's CPU time beside its wall time, whole
+  and for the slot write, so a slow staging under load says whether it
+  waited off the CPU (for the GIL) or on it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from skyrl_lora.server.cluster.process import ServeProcess, serving
 pytestmark = pytest.mark.engine
 
 _EVENT = re.compile(
-    r'skyrl_event (\{"event": "(?:engine_long_step|resume|adapter_staged|weights_answered)".*\})'
+    r'skyrl_event (\{"event": "(?:engine_long_step|resume|adapter_stag(?:ed|ing)|weights_answered)"'
+    r".*\})"
 )
 
 
@@ -144,3 +148,19 @@ def test_a_reload_leaves_its_time_in_the_route(server: ServeProcess, embedded_mo
     ]
     assert answered["route"] == "load" and answered["lora_name"] == "woof"
     assert staged["stage_ms"] <= answered["ms"] < 60_000
+
+
+def test_a_staging_reports_its_thread_cpu_time(server: ServeProcess, embedded_model: Any) -> None:
+    body = {"lora_name": "quack", "lora_path": str(embedded_model.adapters["quack"])}
+    reply = requests.post(f"{server.url}/skyrl/v1/adapters/load", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    name = f"quack@v{reply.json()['version']}"
+    (staging,) = [
+        e for e in _events(server) if e["event"] == "adapter_staging" and e["lora_name"] == name
+    ]
+    # measured around the same span as ``ms``, a few microseconds apart
+    assert 0 < staging["cpu_ms"] <= staging["ms"] + 0.5, staging
+    for phase in ("slot", "handover_copy"):  # each beside its wall time, and within the whole
+        cpu = staging[f"{phase}_cpu_ms"]
+        assert (cpu is None) == (staging[f"{phase}_ms"] is None), staging
+        assert cpu is None or cpu <= staging["cpu_ms"], staging

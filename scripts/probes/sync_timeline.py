@@ -107,6 +107,15 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
             # staging on the worker's one staging thread, or a drop's wait
             "queued": max(0.0, _ms(at - event["ms"] / 1000, sent)),
         }
+        if event.get("cpu_ms") is not None:
+            # the staging thread's CPU time by phase: the wall time beyond
+            # it was spent off the CPU (waiting for the GIL, mostly)
+            copy_cpu = event["handover_copy_cpu_ms"] or 0.0
+            slot_cpu = event["slot_cpu_ms"] or 0.0
+            row["staging_cpu"] = event["cpu_ms"]
+            row["copy_cpu"] = copy_cpu
+            row["build_cpu"] = round(event["cpu_ms"] - copy_cpu - slot_cpu, 2)
+            row["slot_cpu"] = slot_cpu
         answered = answered_of.get(event["lora_name"])
         if answered is not None:  # servers from 128e394 on
             entered = answered[0] - answered[1]["ms"] / 1000

@@ -553,6 +553,12 @@ class _WorkerStaging:
     def _timed_load(self, lora_request: Any) -> _Staged:
         """Read, validate and pack one adapter (on the staging thread)."""
         started = time.perf_counter()
+        # The thread's CPU clock beside the wall clock: a phase that waits
+        # for the GIL burns none of it, one that waits for the GPU spins
+        # (CUDA's default schedule with one context), so under load the
+        # two clocks tell which wait a slow phase is.
+        cpu_started = time.thread_time()
+        copy_cpu = None
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, STAGING_SWITCH_INTERVAL_S))
         self._loading_thread = threading.get_ident()
@@ -565,6 +571,7 @@ class _WorkerStaging:
                 handed = self._take(lora_request)
                 if handed is not None:
                     copy_ms = round((time.perf_counter() - started) * 1000, 2)
+                    copy_cpu = time.thread_time()
                 template = None if handed is None else self._templates.get(handed.layout)
                 if template is not None:
                     assert handed is not None
@@ -576,6 +583,7 @@ class _WorkerStaging:
                 else:
                     model, loaded = self._build(lora_request, handed)
                     packed = time.perf_counter()
+            packed_cpu = time.thread_time()
             in_slot = self._checked_into_slot(model, lora_request.lora_name)
         finally:
             self._loading_thread = None
@@ -588,6 +596,7 @@ class _WorkerStaging:
                 snapshot = functools.partial(self._buffers.settle_on_host, model, template, handed)
             self._snapshots.submit(handed.folder, snapshot, handed.snapshot_layout)
         done = time.perf_counter()
+        done_cpu = time.thread_time()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
         read = SAFETENSORS
         if handed is not None and not handed.is_handover:
@@ -616,6 +625,12 @@ class _WorkerStaging:
             slot_ms=round((done - packed) * 1000, 2) if in_slot else None,
             naps=naps.count,
             nap_ms=naps.slept_ms,
+            # the staging thread's CPU time, whole and in the copy and slot phases
+            cpu_ms=round((done_cpu - cpu_started) * 1000, 2),
+            handover_copy_cpu_ms=(
+                None if copy_cpu is None else round((copy_cpu - cpu_started) * 1000, 2)
+            ),
+            slot_cpu_ms=round((done_cpu - packed_cpu) * 1000, 2) if in_slot else None,
             # a hand-over's copies out of the trainer's memory (or a file's
             # read, and a held file's copy for the build), within read_ms
             handover_copy_ms=copy_ms,
