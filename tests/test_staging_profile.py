@@ -1,7 +1,9 @@
-"""The opt-in staging profiler: off by default, the first N stagings' op tables when asked."""
+"""The opt-in staging profiler: off by default, and when asked the first N
+stagings' op tables and traces."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -30,3 +32,8 @@ def test_profiles_the_first_n_stagings_only(tmp_path: Path) -> None:
     tables = sorted(tmp_path.glob("*.txt"))
     assert [t.name.split("-", 2)[2] for t in tables] == ["1-tenant@0_x.txt", "2-tenant@1_x.txt"]
     assert "aten::mul_" in tables[0].read_text()
+    deadline = time.monotonic() + 30  # the trace is written after the table
+    while not tables[1].with_suffix(".json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    trace = json.loads(tables[1].with_suffix(".json").read_text())
+    assert any(e.get("name") == "aten::mul_" for e in trace["traceEvents"])

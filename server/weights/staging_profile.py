@@ -7,10 +7,13 @@ profile of the real path says. Set ``SKYRL_STAGING_PROFILE=DIR`` (or
 ``DIR,N``; N defaults to 8) in the server's environment, which vLLM's
 workers inherit: each worker runs its first N stagings under
 ``torch.profiler`` and writes each one's op table (CPU and CUDA times, by
-CPU total) to ``DIR/staging-<pid>-<k>-<adapter>.txt``, on a thread of its
-own after the staging. A profiled staging runs slower than one that is
-not: its figures in the events and in a benchmark are not the ones to
-report.
+CPU total) to ``DIR/staging-<pid>-<k>-<adapter>.txt``, and its trace (the
+staging thread's calls, and every kernel and copy the GPU ran meanwhile,
+the engine's too) to ``.json`` beside it, on a thread of its own after the
+staging: the table says what a phase calls, the trace when the GPU ran what
+it queued, and what ran before it (``scripts/probes/staging_trace.py``).
+A profiled staging runs slower than one that is not: its figures in the
+events and in a benchmark are not the ones to report.
 """
 
 from __future__ import annotations
@@ -76,3 +79,6 @@ def _write_table(profile: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     averages = profile.key_averages()
     path.write_text(averages.table(sort_by="cpu_time_total", row_limit=ROWS))
+    part = path.with_suffix(".json.part")  # a reader never sees half a trace
+    profile.export_chrome_trace(str(part))
+    part.rename(path.with_suffix(".json"))
