@@ -32,7 +32,7 @@ def test_a_model_built_on_the_gpu_and_settled_on_the_host_equals_vllms() -> None
     second, second_host = pinned_handover(1)
     expected, _ = vllm_build(second, second_host.clone(), lora_id=7)
     on_device = second_host.to("cuda:0")
-    built = template.instantiate(on_device, lora_model_id=7, device="cuda:0")
+    built = template.instantiate(on_device, lora_model_id=7, device="cuda:0").model
     torch.cuda.synchronize()
 
     assert built.loras.keys() == expected.loras.keys()

@@ -74,7 +74,7 @@ def test_a_held_file_built_on_a_gpu_worker_equals_vllms_and_its_snapshot_the_fil
     template = templates.get(second.layout)
     assert template is not None
     expected, _ = vllm_build(second.description, second.snapshot_buffer.clone(), lora_id=7)
-    built = template.instantiate(second.model_buffer, lora_model_id=7, device="cuda:0")
+    built = template.instantiate(second.model_buffer, lora_model_id=7, device="cuda:0").model
     torch.cuda.synchronize()
     for name, weights in expected.loras.items():
         for got, want in zip(flat(built.loras[name]), flat(weights), strict=True):

@@ -30,7 +30,9 @@ def test_ensure_finite_says_how_many_and_what() -> None:
     bad = torch.ones(4)
     bad[1] = float("nan")
     ensure_finite([torch.ones(3)], "adapter t@v1")
-    with pytest.raises(NonFiniteWeights, match=r"1 of the 2 weight tensors of adapter t@v2"):
+    with pytest.raises(
+        NonFiniteWeights, match=r"1 of the 2 weight tensors checked of adapter t@v2"
+    ):
         ensure_finite([torch.ones(3), bad], "adapter t@v2")
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from skyrl_lora.client import AdapterHandover
 from skyrl_lora.errors import BadRequestError
-from tests.conftest import EngineServer
+from tests.conftest import EngineServer, counts_by_label
 from tests.test_push_engine import admin, sample, words
 
 pytestmark = pytest.mark.engine
@@ -55,7 +55,7 @@ async def good_tenant(admin, server: EngineServer, name: str):
 
 
 async def test_non_finite_weights_are_refused_and_the_others_keep_serving(
-    engine_server, admin
+    engine_server, admin, http
 ) -> None:
     before = await good_tenant(admin, engine_server, "finite-meow")
 
@@ -78,6 +78,16 @@ async def test_non_finite_weights_are_refused_and_the_others_keep_serving(
         good = load_file(str(woof / "adapter_model.safetensors"))
         adapter.update(good)
         (info,) = await admin.push_lora_adapter("finite-handed", adapter)
+        # Its layout known now, a bad update is built from the layout's
+        # template and checked by the template's runs: refused all the same.
+        adapter.update(load_file(str(inf_folder / "adapter_model.safetensors")))
+        reads = "skyrl_adapter_reads_total"
+        counted = await counts_by_label(http, engine_server.url, reads)
+        with pytest.raises(BadRequestError, match="NaN or infinite"):
+            await admin.push_lora_adapter("finite-handed", adapter)
+        # the good update was built from the template (only finished reads count)
+        assert counted.get("handover_template", 0) >= 1
+        assert await counts_by_label(http, engine_server.url, reads) == counted
     assert info.version == 1
 
     listing = {a.lora_name: a for a in (await admin.list_adapters()).adapters}

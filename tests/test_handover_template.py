@@ -19,6 +19,7 @@ from vllm.lora.peft_helper import PEFTHelper
 from skyrl_lora.client import AdapterHandover
 from skyrl_lora.server import compat
 from skyrl_lora.server.weights import handover
+from skyrl_lora.server.weights.finite_check import nonfinite_count
 from skyrl_lora.server.weights.handover_template import (
     HandoverTemplate,
     HandoverTemplates,
@@ -90,7 +91,7 @@ def test_a_template_builds_what_vllm_builds_from_the_next_buffer() -> None:
     template = HandoverTemplate.of(model, first_host, folded)
 
     second, second_host = handed_over(1)
-    built = template.instantiate(second_host.clone(), lora_model_id=7)
+    built = template.instantiate(second_host.clone(), lora_model_id=7).model
     expected, _ = vllm_build(second, second_host, lora_id=7)
 
     assert built.id == 7 and built.rank == expected.rank
@@ -137,7 +138,7 @@ def test_repoint_moves_a_built_model_onto_a_copy_of_its_buffer_unscaled() -> Non
     template = HandoverTemplate.of(model, first_host, folded)
     second, second_host = handed_over(1)
     buffer = second_host.clone()
-    built = template.instantiate(buffer, lora_model_id=7)
+    built = template.instantiate(buffer, lora_model_id=7).model
     copy = buffer.clone()  # after the fold: repoint must not fold again
     buffer.zero_()
     template.repoint(built, copy)
@@ -147,3 +148,23 @@ def test_repoint_moves_a_built_model_onto_a_copy_of_its_buffer_unscaled() -> Non
         for got, want in zip(flat(built.loras[name]), flat(weights), strict=True):
             assert got.untyped_storage().data_ptr() == storage, name
             assert torch.equal(got, want), name
+
+
+def test_a_template_views_a_run_at_once_and_its_cover_holds_every_weight() -> None:
+    first, first_host = handed_over(0)
+    model, folded = vllm_build(first, first_host, lora_id=1)
+    template = HandoverTemplate.of(model, first_host, folded)
+    _, second_host = handed_over(1)
+    instance = template.instantiate(second_host.clone(), lora_model_id=7)
+    weights = [t for w in instance.model.loras.values() for t in flat(w)]
+    # one run per place in a layer (q, k, v and o_proj's A and B), across both layers
+    assert len(instance.cover) == 8 and len(weights) == 16
+    assert sum(t.numel() for t in instance.cover) == sum(t.numel() for t in weights)
+    covered = {(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in weights}
+    for run in instance.cover:  # each run's rows are weights, and nothing else
+        rows = {(r.data_ptr(), r.data_ptr() + r.numel() * r.element_size()) for r in run}
+        assert rows <= covered
+    assert nonfinite_count(instance.cover) == 0
+    weights[-1].view(-1)[0] = float("inf")  # a bad weight anywhere is in the cover
+    weights[0].view(-1)[-1] = float("nan")
+    assert nonfinite_count(instance.cover) == 2

@@ -265,7 +265,7 @@ def test_a_held_file_built_from_its_template_equals_vllms_build_and_the_snapshot
     template = templates.get(second.layout)
     assert template is not None
     expected, _ = vllm_build(second.description, second.snapshot_buffer.clone(), lora_id=2)
-    built = template.instantiate(second.model_buffer, lora_model_id=2, device=None)
+    built = template.instantiate(second.model_buffer, lora_model_id=2, device=None).model
     for name, weights in expected.loras.items():
         for got_tensor, want in zip(flat(built.loras[name]), flat(weights), strict=True):
             assert torch.equal(got_tensor, want), name

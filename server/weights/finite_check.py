@@ -68,7 +68,7 @@ def ensure_finite(tensors: Iterable[Any], what: str) -> None:
     bad = nonfinite_count(listed)
     if bad:
         raise NonFiniteWeights(
-            f"{bad} of the {len(listed)} weight tensors of {what} hold NaN or infinite "
+            f"{bad} of the {len(listed)} weight tensors checked of {what} hold NaN or infinite "
             "values; refused, since one such adapter in the engine's batch spoils "
             "other tenants' outputs"
         )

@@ -573,18 +573,20 @@ class _WorkerStaging:
                     copy_ms = round((time.perf_counter() - started) * 1000, 2)
                     copy_cpu = time.thread_time()
                 template = None if handed is None else self._templates.get(handed.layout)
+                cover: tuple[Any, ...] = ()
                 if template is not None:
                     assert handed is not None
-                    model = template.instantiate(
+                    instance = template.instantiate(
                         handed.model_buffer, lora_request.lora_int_id, self._device
                     )
+                    model, cover = instance.model, instance.cover
                     self._packed.add(model)
                     loaded = packed = time.perf_counter()
                 else:
                     model, loaded = self._build(lora_request, handed)
                     packed = time.perf_counter()
             packed_cpu = time.thread_time()
-            in_slot = self._checked_into_slot(model, lora_request.lora_name)
+            in_slot = self._checked_into_slot(model, lora_request.lora_name, cover)
         finally:
             self._loading_thread = None
             self._staging_thread.handed_over = None
@@ -647,12 +649,13 @@ class _WorkerStaging:
     def _on_gpu(self) -> bool:
         return str(self._device).startswith("cuda")
 
-    def _checked_into_slot(self, model: Any, name: str) -> bool:
+    def _checked_into_slot(self, model: Any, name: str, cover: tuple[Any, ...] = ()) -> bool:
         """Write ``model`` into a slot, its weights checked finite first
         (:mod:`.finite_check`): where they are computed with, so a host
         model on a GPU worker is checked in its GPU slot; one that found
-        no slot on the host after all."""
-        tensors = list(model_tensors(model))
+        no slot on the host after all. ``cover``: fewer tensors that hold
+        every weight of ``model`` (a template's runs), checked in its place."""
+        tensors = list(cover) if cover else list(model_tensors(model))
         in_gpu_slot = on_host(tensors) and self._on_gpu
         if not in_gpu_slot:
             ensure_finite(tensors, f"adapter {name}")
