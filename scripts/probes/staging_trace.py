@@ -34,7 +34,7 @@ def _load(path: Path) -> list[dict[str, Any]]:
 
 
 def analyse(path: Path) -> dict[str, Any]:
-    events = _load(path)
+    events = [e for e in _load(path) if e.get("ts", 0) > 0]  # a few come stamped 0
     # the staging thread: where the profiler recorded torch's ops (CUPTI
     # records every thread's runtime calls, the step loop's launches too)
     ops = [e["tid"] for e in events if e.get("cat") == "cpu_op"]

@@ -116,6 +116,9 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
             row["copy_cpu"] = copy_cpu
             row["build_cpu"] = round(event["cpu_ms"] - copy_cpu - slot_cpu, 2)
             row["slot_cpu"] = slot_cpu
+        for part in ("open", "copies", "close"):  # a CUDA share's copy out (servers from 2026-11-26)
+            if event.get(f"handover_{part}_ms") is not None:
+                row[f"copy_{part}"] = event[f"handover_{part}_ms"]
         answered = answered_of.get(event["lora_name"])
         if answered is not None:  # servers from 128e394 on
             entered = answered[0] - answered[1]["ms"] / 1000

@@ -23,6 +23,7 @@ checked here (:func:`check_layout`) before any memory is opened.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -164,6 +165,7 @@ def copy_out(
     allocate: Callable[[int], Any],
     device_index: Callable[[str], int],
     copies: int = 1,
+    times: dict[str, float] | None = None,
 ) -> list[Any]:
     """Copy the shared buffer into ``copies`` fresh ``allocate(nbytes)``
     (``uint8`` tensors, on the host, or on the trainer's GPU for a CUDA
@@ -174,6 +176,10 @@ def copy_out(
     place), the other the snapshot file, written later as handed over.
     CUDA copies run on a side stream (:mod:`.cuda_streams`): on the
     engine's stream they queued behind a whole step's kernels under load.
+
+    ``times``, where given, gets a CUDA share's parts in ms: the open of the
+    handle (``open_ms``), the allocations, the copies' launch and the wait
+    for them (``copies_ms``), and the close (``close_ms``).
     """
     import torch
 
@@ -190,10 +196,17 @@ def copy_out(
         return hosts
     index = device_index(buffer["device_uuid"])
     stream = side_stream(torch.device("cuda", index))
+    marks = [time.perf_counter()]
     with torch.cuda.device(index), torch.cuda.stream(stream):
         shared = _open_cuda_ipc(buffer, index)  # waits for the trainer's event, if any
+        marks.append(time.perf_counter())
         hosts = copies_on_stream(shared, allocate, copies, stream)
+        marks.append(time.perf_counter())
         del shared  # closes the handle: the trainer's memory is its own again
+    marks.append(time.perf_counter())
+    if times is not None:
+        for name, (a, b) in zip(("open_ms", "copies_ms", "close_ms"), itertools.pairwise(marks)):
+            times[name] = round((b - a) * 1000, 2)
     return hosts
 
 

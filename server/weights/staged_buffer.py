@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ class TakenBuffer:
     file_head: bytes = b""
     #: Time spent allocating its host buffers (pinned ones cost a driver call).
     alloc_ms: float = 0.0
+    #: A CUDA hand-over's copy out, in parts (:func:`.handover.copy_out`'s ``times``).
+    copy_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def on_device(self) -> bool:
@@ -145,8 +147,9 @@ class BufferSource:
         allocate = self._device_buffers if on_device else self._host_buffers
         assert allocate is not None
         self._alloc_ms()
+        parts: dict[str, float] = {}
         model_buffer, snapshot_buffer = handover.copy_out(
-            description, allocate, handover.cuda_device_index, copies=2
+            description, allocate, handover.cuda_device_index, copies=2, times=parts
         )
         return TakenBuffer(
             folder,
@@ -156,6 +159,7 @@ class BufferSource:
             layout,
             is_handover=True,
             alloc_ms=self._alloc_ms(),
+            copy_parts=parts,
         )
 
     def take_file(self, lora_request: Any, weights_fd: int | None = None) -> TakenBuffer | None:

@@ -638,6 +638,10 @@ class _WorkerStaging:
             handover_copy_ms=copy_ms,
             # of which allocating host buffers (pinned ones cost a driver call)
             host_alloc_ms=None if handed is None else handed.alloc_ms,
+            # and a CUDA hand-over's open, copies (with their wait) and close
+            **(
+                {} if handed is None else {f"handover_{k}": v for k, v in handed.copy_parts.items()}
+            ),
             # a read that followed a push's bytes: its waits for them, and
             # what it read after its wait for the last slice
             follow_wait_ms=None if follow is None else follow.waited_ms,
