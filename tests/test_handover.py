@@ -225,3 +225,26 @@ def test_a_retired_folder_is_no_error_for_the_writer(tmp_path: Path) -> None:
     writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
     writer.submit(folder, torch.zeros(4, dtype=torch.uint8), lambda: (b"", [(0, 4)]))
     writer.wait(folder)  # returns: nothing to write into, nothing raised
+
+
+def test_a_cuda_share_without_an_event_reaches_torch_as_empty_bytes(monkeypatch) -> None:
+    """The client sends no event (its update() synchronized the device); torch's
+    ``_new_shared_cuda`` takes bytes for it all the same (None raised a
+    TypeError on the H100, a080703), so the server hands torch empty bytes."""
+    from torch.multiprocessing import reductions
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: seen.append(args))
+    buffer = {
+        "nbytes": 64,
+        "handle": "aGFuZGxl",
+        "storage_size_bytes": 64,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": "cmVm",
+        "ref_counter_offset": 0,
+        "event_handle": None,
+        "event_sync_required": False,
+    }
+    handover._open_cuda_ipc(buffer, 0)
+    (args,) = seen
+    assert args[-2:] == (b"", False)

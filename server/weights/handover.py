@@ -324,6 +324,7 @@ def _open_cuda_ipc(buffer: dict[str, Any], index: int) -> Any:
         False,
         base64.b64decode(buffer["ref_counter_handle"]),
         int(buffer["ref_counter_offset"]),
-        base64.b64decode(event) if event else None,
+        # torch's ``_new_shared_cuda`` takes bytes here even when no event is waited for
+        base64.b64decode(event) if event else b"",
         bool(buffer["event_sync_required"]),
     )
