@@ -171,11 +171,6 @@ class AdapterHandover:
             event_handle,
             event_sync_required,
         ) = self._buffer.untyped_storage()._share_cuda_()
-        # The share's event is left out: update() synchronized the device,
-        # so the buffer is complete already, and a server that waited for
-        # the event would wait for this process's context to get the GPU
-        # (another process's contexts are time-sliced, not run beside it).
-        del event_handle, event_sync_required
         return {
             "kind": "cuda_ipc",
             "nbytes": nbytes,
@@ -185,6 +180,6 @@ class AdapterHandover:
             "storage_offset_bytes": storage_offset_bytes,
             "ref_counter_handle": _b64(ref_counter_handle),
             "ref_counter_offset": ref_counter_offset,
-            "event_handle": None,
-            "event_sync_required": False,
+            "event_handle": _b64(event_handle),
+            "event_sync_required": bool(event_sync_required),
         }

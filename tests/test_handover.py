@@ -228,9 +228,10 @@ def test_a_retired_folder_is_no_error_for_the_writer(tmp_path: Path) -> None:
 
 
 def test_a_cuda_share_without_an_event_reaches_torch_as_empty_bytes(monkeypatch) -> None:
-    """The client sends no event (its update() synchronized the device); torch's
-    ``_new_shared_cuda`` takes bytes for it all the same (None raised a
-    TypeError on the H100, a080703), so the server hands torch empty bytes."""
+    """A share may come without an event (the wire allows it: a trainer that
+    synchronized needs none); torch's ``_new_shared_cuda`` takes bytes for it
+    all the same (None raised a TypeError on the H100, a080703), so the
+    server hands torch empty bytes."""
     from torch.multiprocessing import reductions
 
     seen: list[tuple] = []
