@@ -23,7 +23,7 @@ run's views: 28 tensor calls for the 8B model's rank-64 adapter, not 448.
 Each tensor call lets the GIL go and must win it back from the engine's
 step loop; under load on an H100 the 448 views of one hand-over took 2.3 s
 of 16 s of sampled staging time, half of it waiting for the GIL (py-spy
-``--native``, d3af1fb). The run's stacked views also cover every byte of
+``--native``, 3b61c2a). The run's stacked views also cover every byte of
 the model's weights, so the finite check reads them (:attr:`Instance.cover`):
 one norm per run, not per tensor.
 
