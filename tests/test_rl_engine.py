@@ -6,6 +6,8 @@ per-adapter pause. Checked: the reward rises, the trainer's versions are the
 server's, every token's version is one the trainer pushed, and tokens the
 current weights produced have an importance ratio of 1 (the trainer and the
 server compute the same logprobs), so the off-policy correction is sound.
+The learner process's hand-over, the GPU runs' transfer, is checked on the
+same server by shared memory, with the times the RL report splits it by.
 """
 
 from __future__ import annotations
@@ -207,3 +209,29 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     assert 0 <= cached <= len(prompt)
     figures = engine_prefill(ModeRun("probe", {}, counter, start, end))
     assert figures["computed_per_generated"] == pytest.approx((len(prompt) - cached) / 9)
+
+
+async def test_a_learner_hands_its_adapter_over_and_times_its_part(engine_server: Any) -> None:
+    """The GPU runs' transfer on the CPU engine: the learner process hands its
+    adapter over by shared memory, twice (the second reuses its buffer and
+    client), and says how long its state dict, its copy into the buffer and
+    the HTTP call took: the parts the RL report splits a sync's push into."""
+    from examples.rl.learner import LearnerConfig, LearnerProcess
+    from skyrl_lora.client import RemoteInferenceClient
+
+    targets = frozenset({engine_server.word_id("meow")})
+    key = engine_server.admin_key
+    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
+        await learner.ready()
+        first = await learner.hand_over(engine_server.url, "rl-handed", 1, api_key=key)
+        second = await learner.hand_over(engine_server.url, "rl-handed", 2, api_key=key)
+    assert (first.version, second.version) == (1, 2)
+    for handed in (first, second):
+        assert handed.state_s > 0 and handed.update_s > 0 and 0 < handed.request_s < 60
+    async with RemoteInferenceClient(engine_server.url, api_key=key) as client:
+        served = {a.lora_name: a.version for a in (await client.list_adapters()).adapters}
+        out = await client.sample(
+            [1, 2, 3], sampling_params={"max_tokens": 4}, lora_name="rl-handed"
+        )
+    assert served["rl-handed"] == 2
+    assert len(out.sequences[0].tokens) == 4

@@ -51,6 +51,17 @@ class LearnerConfig:
 
 
 @dataclass(frozen=True)
+class HandOver:
+    """A hand-over's version, and where the learner process spent its time:
+    what a sync's push costs beyond these is the trip to the process and back."""
+
+    version: int
+    state_s: float  # the adapter's state dict, cast to the base dtype
+    update_s: float  # the copy into the hand-over buffer, and its synchronize
+    request_s: float  # the HTTP call: the server's copy out, staging and answer
+
+
+@dataclass(frozen=True)
 class Group:
     """The samples of one prompt (GRPO normalises rewards within it)."""
 
@@ -250,6 +261,7 @@ class _Sender:
     handover: AdapterHandover
     loop: asyncio.AbstractEventLoop
     client: RemoteInferenceClient
+    api_key: str | None = None
 
 
 _SENDER: _Sender | None = None
@@ -280,22 +292,28 @@ def _save(folder: Path) -> Path:
     return _learner().save(folder)
 
 
-def _hand_over(url: str, lora_name: str, version: int, policy: SwapPolicy) -> int:
+def _hand_over(
+    url: str, lora_name: str, version: int, policy: SwapPolicy, api_key: str | None
+) -> HandOver:
     """Hand the adapter to the server by handle from this process, where the
     tensors live: only a small JSON body leaves it (CUDA IPC on a GPU)."""
     global _SENDER
     learner = _learner()
-    if _SENDER is None or _SENDER.client.urls != [url]:
+    if _SENDER is None or (_SENDER.client.urls, _SENDER.api_key) != ([url], api_key):
         loop = asyncio.new_event_loop()
-        client = RemoteInferenceClient(url)
-        _SENDER = _Sender(AdapterHandover(learner.adapter_config()), loop, client)
-    _SENDER.handover.update(learner.adapter_state())
+        client = RemoteInferenceClient(url, api_key=api_key)
+        _SENDER = _Sender(AdapterHandover(learner.adapter_config()), loop, client, api_key)
+    started = time.monotonic()
+    state = learner.adapter_state()
+    stated = time.monotonic()
+    _SENDER.handover.update(state)
+    updated = time.monotonic()
     loaded = _SENDER.loop.run_until_complete(
         _SENDER.client.push_lora_adapter(
             lora_name, _SENDER.handover, swap_policy=policy, version=version
         )
     )
-    return loaded.version
+    return HandOver(loaded.version, stated - started, updated - stated, time.monotonic() - updated)
 
 
 def _reset() -> None:
@@ -326,12 +344,20 @@ class LearnerProcess:
         return await asyncio.get_running_loop().run_in_executor(self._pool, _save, folder)
 
     async def hand_over(
-        self, url: str, lora_name: str, version: int, policy: SwapPolicy = "abort_resume"
-    ) -> int:
+        self,
+        url: str,
+        lora_name: str,
+        version: int,
+        policy: SwapPolicy = "abort_resume",
+        api_key: str | None = None,
+    ) -> HandOver:
         """Load the learner's weights as ``lora_name``'s ``version`` on the server
-        at ``url`` (same host) by hand-over, no file or bytes; returns the version."""
+        at ``url`` (same host) by hand-over, no file or bytes; returns the
+        version and the learner process's times."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _hand_over, url, lora_name, version, policy)
+        return await loop.run_in_executor(
+            self._pool, _hand_over, url, lora_name, version, policy, api_key
+        )
 
     async def reset(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, _reset)

@@ -17,7 +17,7 @@ from examples.rl.engine_rate import (
     covered,
     exclusive_windows,
 )
-from examples.rl.tenant import TenantLog
+from examples.rl.tenant import Swap, TenantLog
 from skyrl_lora.rl_accounting import staleness_counts
 
 
@@ -192,6 +192,7 @@ def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[st
         "push_ms_median": percentile([s.push_s * 1000 for s in log.swaps], 50),
         "push_ms_p99": percentile([s.push_s * 1000 for s in log.swaps], 99),
         "resume_ms_median": percentile([s.resume_s * 1000 for s in log.swaps], 50),
+        **handover_split(log.swaps),
         "drain_ms_median": percentile([s.drain_s * 1000 for s in log.swaps], 50),
         "swap_share_of_wall": sum(s.end - s.start for s in log.swaps) / max(log.end_s, 1e-9),
         "step_split_s": split,
@@ -199,6 +200,22 @@ def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[st
         "seconds_per_step": steps_s / max(len(log.steps), 1),
         "train_s_median": percentile([s.train_s for s in log.steps], 50),
     }
+
+
+def handover_split(swaps: Sequence[Swap]) -> dict[str, float | None]:
+    """Medians of where a hand-over's push went: the learner process's state
+    dict, its copy into the hand-over buffer, the HTTP call, and the rest of
+    the push as the tenant timed it (the trip to the learner process and back)."""
+    handed = [s for s in swaps if s.handover is not None]
+    parts: dict[str, list[float]] = {"state": [], "update": [], "request": [], "elsewhere": []}
+    for swap in handed:
+        h = swap.handover
+        assert h is not None
+        parts["state"].append(h.state_s * 1000)
+        parts["update"].append(h.update_s * 1000)
+        parts["request"].append(h.request_s * 1000)
+        parts["elsewhere"].append((swap.push_s - h.state_s - h.update_s - h.request_s) * 1000)
+    return {f"handover_{k}_ms_median": percentile(v, 50) for k, v in parts.items()}
 
 
 #: Rewards whose time to reach every report gives (besides the target).
@@ -215,6 +232,10 @@ MEDIAN_KEYS = (
     "push_ms_median",
     "push_ms_p99",
     "resume_ms_median",
+    "handover_state_ms_median",
+    "handover_update_ms_median",
+    "handover_request_ms_median",
+    "handover_elsewhere_ms_median",
     "seconds_per_step",
     "train_s_median",
 )
@@ -301,6 +322,18 @@ def mode_table(summary: Mapping[str, Any]) -> str:
             f"{sh['training_s'] + sh['learner_call_overhead_s']:.0%} / {sh['save_s']:.0%} / "
             f"{sh['sync_s']:.0%} |"
         )
+    for mode, data in summary["modes"].items():
+        m = data["median_over_tenants"]
+        if m.get("handover_request_ms_median") is not None:
+            lines.append(
+                f"\n{mode}: a hand-over's push, learner's state dict / copy into the buffer / "
+                f"HTTP call / the rest (to the learner process and back), medians: "
+                + " / ".join(
+                    _fmt(m[f"handover_{part}_ms_median"], ".1f")
+                    for part in ("state", "update", "request", "elsewhere")
+                )
+                + " ms"
+            )
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from examples.rl.learner import Group, LearnerProcess, StepResult
+from examples.rl.learner import Group, HandOver, LearnerProcess, StepResult
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import VersionGoneError
 from skyrl_lora.types import SwapPolicy
@@ -82,6 +82,8 @@ class Swap:
     pause_s: float = 0.0
     push_s: float = 0.0
     resume_s: float = 0.0
+    #: a hand-over's times in the learner process (None for other transfers)
+    handover: HandOver | None = None
 
 
 @dataclass
@@ -137,23 +139,24 @@ async def send_adapter(
     transfer: Transfer,
     version: int,
     policy: SwapPolicy = "abort_resume",
-) -> int:
+) -> tuple[int, HandOver | None]:
     """Push or load the trainer's folder (or hand its weights over) as
-    ``name``'s version ``version``.
+    ``name``'s version ``version``; the version, and a hand-over's times.
 
     The trainer names its versions (one per step), so the number it trains
     against is the number every replica serves: a group load lands on all
     replicas at that version or on none, and a non-increasing number is a 409.
     """
     if transfer == "handover":
-        return await learner.hand_over(client.urls[0], name, version, policy)
+        handed = await learner.hand_over(client.urls[0], name, version, policy)
+        return handed.version, handed
     if transfer == "push":
         result = await client.push_lora_adapter(name, folder, swap_policy=policy, version=version)
     else:
         result = await client.load_lora_adapter(
             name, str(folder), swap_policy=policy, version=version
         )
-    return result.version
+    return result.version, None
 
 
 async def sync_adapter(
@@ -177,14 +180,17 @@ async def sync_adapter(
     started = time.monotonic()
     if mode in ("finish_old", "per_adapter_staged"):
         policy: SwapPolicy = "finish_old" if mode == "finish_old" else "abort_resume"
-        version = await send_adapter(client, name, learner, folder, transfer, version, policy)
+        version, handed = await send_adapter(
+            client, name, learner, folder, transfer, version, policy
+        )
         end = time.monotonic()
-        return Swap(started, end, version, 0, 0.0, push_s=end - started)
+        return Swap(started, end, version, 0, 0.0, push_s=end - started, handover=handed)
     lora = name if mode == "per_adapter" else None
     paused = await client.pause_generation(lora_name=lora)
     pushing = time.monotonic()
+    handed = None
     try:
-        version = await send_adapter(client, name, learner, folder, transfer, version)
+        version, handed = await send_adapter(client, name, learner, folder, transfer, version)
     finally:
         resuming = time.monotonic()
         await client.resume_generation(lora_name=lora)
@@ -198,6 +204,7 @@ async def sync_adapter(
         pause_s=pushing - started,
         push_s=resuming - pushing,
         resume_s=end - resuming,
+        handover=handed,
     )
 
 
@@ -224,7 +231,7 @@ async def run_tenant(
     if saves:
         await learner.save(folder)
     served = {a.lora_name: a.version for a in (await client.list_adapters()).adapters}
-    version = await send_adapter(
+    version, _ = await send_adapter(
         client, name, learner, folder, cfg.transfer, served.get(name, 0) + 1
     )
     current = [version]  # the version new groups start on (read by the samplers)
