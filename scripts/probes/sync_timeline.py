@@ -79,6 +79,36 @@ def pushes(found: list[Event]) -> list[dict[str, float]]:
     return rows
 
 
+def wall_phases(event: dict[str, Any]) -> dict[str, float]:
+    """A hand-over staging event's phases on the wall clock: the whole, the
+    copy out of the trainer's buffer, the build, the slot write."""
+    copy = event["handover_copy_ms"] or 0.0
+    return {
+        "staging": event["ms"],
+        "copy": copy,
+        "build": round(event["read_ms"] - copy, 2),
+        "slot": event["slot_ms"] or 0.0,
+    }
+
+
+def cpu_phases(event: dict[str, Any]) -> dict[str, float]:
+    """The same phases on the staging thread's CPU clock (servers from
+    d3af1fb: the wall time beyond it was spent off the CPU, waiting for the
+    GIL mostly), and a CUDA share's copy out in parts (from 3e3b49d)."""
+    row = {}
+    if event.get("cpu_ms") is not None:
+        copy_cpu = event["handover_copy_cpu_ms"] or 0.0
+        slot_cpu = event["slot_cpu_ms"] or 0.0
+        row["staging_cpu"] = event["cpu_ms"]
+        row["copy_cpu"] = copy_cpu
+        row["build_cpu"] = round(event["cpu_ms"] - copy_cpu - slot_cpu, 2)
+        row["slot_cpu"] = slot_cpu
+    for part in ("open", "copies", "close"):
+        if event.get(f"handover_{part}_ms") is not None:
+            row[f"copy_{part}"] = event[f"handover_{part}_ms"]
+    return row
+
+
 def handovers(found: list[Event]) -> list[dict[str, float]]:
     # A version's events by its engine name (``name@vN``): several tenants'
     # syncs interleave in one log, and an API event's millisecond stamp may
@@ -98,27 +128,13 @@ def handovers(found: list[Event]) -> list[dict[str, float]]:
             continue
         sent = staged[0] - staged[1]["stage_ms"] / 1000
         row = {
-            "staging": event["ms"],
-            "copy": event["handover_copy_ms"] or 0.0,
-            "build": round(event["read_ms"] - (event["handover_copy_ms"] or 0.0), 2),
-            "slot": event["slot_ms"] or 0.0,
+            **wall_phases(event),
             "api_wait_beyond_staging": round(staged[1]["stage_ms"] - event["ms"], 2),
             # of which before the staging began: behind another adapter's
             # staging on the worker's one staging thread, or a drop's wait
             "queued": max(0.0, _ms(at - event["ms"] / 1000, sent)),
+            **cpu_phases(event),
         }
-        if event.get("cpu_ms") is not None:
-            # the staging thread's CPU time by phase: the wall time beyond
-            # it was spent off the CPU (waiting for the GIL, mostly)
-            copy_cpu = event["handover_copy_cpu_ms"] or 0.0
-            slot_cpu = event["slot_cpu_ms"] or 0.0
-            row["staging_cpu"] = event["cpu_ms"]
-            row["copy_cpu"] = copy_cpu
-            row["build_cpu"] = round(event["cpu_ms"] - copy_cpu - slot_cpu, 2)
-            row["slot_cpu"] = slot_cpu
-        for part in ("open", "copies", "close"):  # a CUDA share's copy out (servers from 2026-11-26)
-            if event.get(f"handover_{part}_ms") is not None:
-                row[f"copy_{part}"] = event[f"handover_{part}_ms"]
         answered = answered_of.get(event["lora_name"])
         if answered is not None:  # servers from 128e394 on
             entered = answered[0] - answered[1]["ms"] / 1000
