@@ -4,8 +4,10 @@
 ``staging-*.json`` traces that ``SKYRL_STAGING_PROFILE=DIR,N`` leaves
 (``server/weights/staging_profile.py``) and prints, for each staging:
 
-- its window, and how much of it the GPU spent on other streams' work (the
-  engine's step: the staging ran under load when that is high);
+- its window, and how much of it the GPU spent on other streams' work that
+  the trace holds (on an H100 at 3b61c2a it held none of the engine's
+  CUDA-graph kernels, so this read 0-15% even under load: a low figure
+  does not say the engine was idle);
 - each kernel, copy and memset the staging queued: the wait between its
   launch on the CPU and its start on the GPU, and its own time;
 - the CUDA runtime calls that held the staging thread longest (a

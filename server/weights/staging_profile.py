@@ -8,10 +8,12 @@ profile of the real path says. Set ``SKYRL_STAGING_PROFILE=DIR`` (or
 workers inherit: each worker runs its first N stagings under
 ``torch.profiler`` and writes each one's op table (CPU and CUDA times, by
 CPU total) to ``DIR/staging-<pid>-<k>-<adapter>.txt``, and its trace (the
-staging thread's calls, and every kernel and copy the GPU ran meanwhile,
-the engine's too) to ``.json`` beside it, on a thread of its own after the
-staging: the table says what a phase calls, the trace when the GPU ran what
-it queued, and what ran before it (``scripts/probes/staging_trace.py``).
+staging thread's calls and the kernels and copies they queued) to
+``.json`` beside it, on a thread of its own after the staging: the table
+says what a phase calls, the trace when the GPU ran what it queued
+(``scripts/probes/staging_trace.py``). The engine's own kernels, run as
+CUDA graphs, were not in the traces on an H100 (3b61c2a), so a trace does
+not show what the staging's work queued behind.
 A profiled staging runs slower than one that is not: its figures in the
 events and in a benchmark are not the ones to report.
 """
@@ -72,10 +74,10 @@ class StagingProfiler:
         assert self.folder is not None
         safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", name)[:80]
         path = self.folder / f"staging-{os.getpid()}-{number}-{safe}.txt"
-        threading.Thread(target=_write_table, args=(profile, path), daemon=True).start()
+        threading.Thread(target=_write_profile, args=(profile, path), daemon=True).start()
 
 
-def _write_table(profile: Any, path: Path) -> None:
+def _write_profile(profile: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     averages = profile.key_averages()
     path.write_text(averages.table(sort_by="cpu_time_total", row_limit=ROWS))
