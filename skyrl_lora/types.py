@@ -434,6 +434,11 @@ class ServerInfo(_Wire):
     #: Whether the server takes adapter weights from a trainer's memory on its
     #: host (``POST /skyrl/v1/adapters/handover``, ``serve --allow-handover``).
     adapter_handover: bool = False
+    #: How many adapters' trainer CUDA shares each engine worker keeps open
+    #: from one hand-over to the next (``serve --handover-open-shares``; see
+    #: ``skyrl_lora.server.weights.open_shares``); 0: each is opened and
+    #: closed at its hand-over.
+    handover_open_shares: int = 0
     #: Whether every worker's sampler is guarded against rows of non-finite
     #: logits (see ``skyrl_lora.server.logits_guard``): such a row is sampled
     #: inside the vocabulary and its sample refused (``NonFiniteLogitsError``);

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,25 +228,42 @@ def test_a_retired_folder_is_no_error_for_the_writer(tmp_path: Path) -> None:
     writer.wait(folder)  # returns: nothing to write into, nothing raised
 
 
-def test_a_cuda_share_without_an_event_reaches_torch_as_empty_bytes(monkeypatch) -> None:
-    """A share may come without an event (the wire allows it: a trainer that
-    synchronized needs none); torch's ``_new_shared_cuda`` takes bytes for it
-    all the same (None raised a TypeError on the H100, a080703), so the
-    server hands torch empty bytes."""
-    from torch.multiprocessing import reductions
-
-    seen: list[tuple] = []
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: seen.append(args))
-    buffer = {
+def share(event: str | None = None, handle: str = "aGFuZGxl") -> dict:
+    """A CUDA share's fields as the wire carries them (base64 handles)."""
+    return {
         "nbytes": 64,
-        "handle": "aGFuZGxl",
+        "handle": handle,
         "storage_size_bytes": 64,
         "storage_offset_bytes": 0,
         "ref_counter_handle": "cmVm",
         "ref_counter_offset": 0,
-        "event_handle": None,
-        "event_sync_required": False,
+        "event_handle": event,
+        "event_sync_required": event is not None,
     }
-    handover._open_cuda_ipc(buffer, 0)
-    (args,) = seen
-    assert args[-2:] == (b"", False)
+
+
+def test_a_cuda_share_reaches_torch_without_its_event_which_the_server_waits_for(
+    monkeypatch,
+) -> None:
+    """Torch waits for a share's event only where it opens the share afresh,
+    not where it finds it open already (:mod:`.open_shares` keeps shares
+    open), so the server hands torch no event (as empty bytes: its
+    ``_new_shared_cuda`` raised a TypeError for None on the H100, a080703)
+    and makes its stream wait for the trainer's event itself."""
+    from torch.multiprocessing import reductions
+
+    opened: list[tuple] = []
+    waited: list[tuple] = []
+
+    class Event:
+        @staticmethod
+        def from_ipc_handle(device, handle):
+            waited.append((device, handle))
+            return SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: opened.append(args))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    handover.open_and_wait(share(), 0)
+    handover.open_and_wait(share(event="ZXZlbnQ="), 1)
+    assert [args[-2:] for args in opened] == [(b"", False), (b"", False)]
+    assert waited == [(1, b"event")]

@@ -9,9 +9,17 @@ and the engine run them:
   buffer and a device synchronize), and ``request()`` (a CUDA IPC share of
   the buffer);
 * engine: opening the share (``rebuild_cuda_tensor``), copying it device
-  to device, and closing it (dropping the tensor), as
+  to device on a side stream, and closing it (dropping the tensor), as
   :func:`skyrl_lora.server.weights.handover.copy_out` does, and the same
-  with the share kept open from one hand-over to the next.
+  with the share kept open from one hand-over to the next (as
+  :mod:`skyrl_lora.server.weights.open_shares` keeps it);
+
+idle, then under a stand-in for the engine's load (steps of large matrix
+products on the default stream, in a thread of the engine process). A
+thread that sleeps 0.5 ms at a time measures, in its lateness, how long
+another thread held the GIL: "GIL wait in close" is the latest it woke
+during a close (compare "GIL wait in copy", where the staging thread waits
+with the GIL let go).
 
 ``python scripts/probes/handover_steps.py [--rounds N]`` prints one line per
 step: median, p90 and max in ms.
@@ -21,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import threading
 import time
+from collections import defaultdict
 
 import torch
 import torch.multiprocessing as mp
@@ -57,39 +68,99 @@ def summary(name: str, ms: list[float]) -> str:
     return f"{name:<34} median {statistics.median(ms):7.2f}  p90 {p90:7.2f}  max {ordered[-1]:7.2f}"
 
 
+class GilTicker:
+    """A thread that sleeps 0.5 ms at a time and notes how late it wakes:
+    a thread that wants the GIL back waits while another holds it, so its
+    lateness during a step says whether that step held the GIL."""
+
+    def __init__(self) -> None:
+        self.ticks: list[tuple[float, float]] = []  # (woke at, late by) in s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            time.sleep(0.0005)
+            woke = time.perf_counter()
+            self.ticks.append((woke, woke - started - 0.0005))
+
+    def latest_in(self, start: float, end: float) -> float:
+        """The latest wake-up, in ms, of the ticks that woke in [start, end + 1 ms]."""
+        late = [lag for woke, lag in self.ticks if start <= woke <= end + 0.001]
+        return max(late, default=0.0) * 1000
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class GpuLoad:
+    """A stand-in for the engine's step loop: steps of large matrix products
+    on the default stream (where vLLM queues its kernels), each waited for."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for _ in range(8):
+                self._a @ self._a
+            torch.cuda.synchronize()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def engine(requests: mp.Queue, results: mp.Queue) -> None:
     torch.cuda.init()
+    sys.setswitchinterval(0.0005)  # a GIL waiter asks for it back after 0.5 ms, not 5
+    stream = torch.cuda.Stream()  # the staging's side stream
     target = torch.empty(0, dtype=torch.uint8, device="cuda")
     kept = None
-    times: dict[str, list[float]] = {"open": [], "copy": [], "close": [], "open (kept)": []}
+    load: GpuLoad | None = None
+    ticker = GilTicker()
+    times: dict[str, list[float]] = defaultdict(list)
     while (request := requests.get()) is not None:
-        buffer, keep = request
+        buffer, keep, loaded = request
+        if loaded and load is None:
+            load = GpuLoad()
+        if not loaded and load is not None:
+            load.stop()
+            load = None
+        where = "under load" if loaded else "idle"
         if target.numel() != buffer["nbytes"]:
             target = torch.empty(buffer["nbytes"], dtype=torch.uint8, device="cuda")
         cached = keep and kept is not None  # torch finds the open share by its handle
-        started = time.perf_counter()
-        shared = handover._open_cuda_ipc(buffer, 0)
-        opened = time.perf_counter()
-        target.copy_(shared)
-        torch.cuda.synchronize()
-        copied = time.perf_counter()
-        if keep:
-            kept = shared
-            del shared
-            closed = copied
-        else:
-            del shared
-            torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            started = time.perf_counter()
+            shared = handover.open_and_wait(buffer, 0)
+            opened = time.perf_counter()
+            target.copy_(shared)
+            stream.synchronize()
+            copied = time.perf_counter()
+            if keep:
+                kept = shared
+            del shared  # closes the share unless it is kept
             closed = time.perf_counter()
-        times["open (kept)" if cached else "open"].append(
-            (opened - started) * 1000
-        )
-        times["copy"].append((copied - opened) * 1000)
+        open_name = "open (kept)" if cached else "open"
+        times[f"{where}: {open_name}"].append((opened - started) * 1000)
+        times[f"{where}: copy"].append((copied - opened) * 1000)
+        times[f"{where}: GIL wait in copy"].append(ticker.latest_in(opened, copied))
         if not keep:
-            times["close"].append((closed - copied) * 1000)
+            times[f"{where}: close"].append((closed - copied) * 1000)
+            times[f"{where}: GIL wait in close"].append(ticker.latest_in(copied, closed))
         results.put("done")
+    if load is not None:
+        load.stop()
+    ticker.stop()
     del kept
-    results.put(times)
+    results.put(dict(times))
 
 
 def main() -> None:
@@ -105,17 +176,18 @@ def main() -> None:
     print(f"{len(weights)} tensors, {sum(t.numel() * 2 for t in weights.values()) >> 20} MiB")
     adapter = AdapterHandover({"r": 64, "lora_alpha": 128})
     trainer: dict[str, list[float]] = {"update (copies + sync)": [], "request (IPC share)": []}
-    for keep in (False, True):
-        for _ in range(args.rounds):
-            started = time.perf_counter()
-            adapter.update(weights)
-            updated = time.perf_counter()
-            request = adapter.request()
-            shared = time.perf_counter()
-            trainer["update (copies + sync)"].append((updated - started) * 1000)
-            trainer["request (IPC share)"].append((shared - updated) * 1000)
-            requests.put((request["buffer"], keep))
-            results.get()
+    for loaded in (False, True):
+        for keep in (False, True):
+            for _ in range(args.rounds):
+                started = time.perf_counter()
+                adapter.update(weights)
+                updated = time.perf_counter()
+                request = adapter.request()
+                shared = time.perf_counter()
+                trainer["update (copies + sync)"].append((updated - started) * 1000)
+                trainer["request (IPC share)"].append((shared - updated) * 1000)
+                requests.put((request["buffer"], keep, loaded))
+                results.get()
     requests.put(None)
     engine_times = results.get()
     child.join()

@@ -3,7 +3,8 @@
 Owns the registry of names and versions (``registry``), reading adapter files
 (``adapter_file``, ``adapter_reader``, ``tensor_pickle``, ``chunked``), also
 while a streamed push still writes them (``arrival``),
-copying them out of a colocated trainer's memory (``handover``), building a
+copying them out of a colocated trainer's memory (``handover``, its CUDA
+shares kept open between hand-overs: ``open_shares``), building a
 known layout's model from its template (``handover_template``, with the
 buffers of ``staged_buffer``, on the GPU where there is one:
 ``cuda_streams``, ``scale_fold``), staging a version off the engine's step

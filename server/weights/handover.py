@@ -14,7 +14,9 @@ layout it has seen, re-points the last model's views, :mod:`.handover_template`)
 The adapter's weights file, which vLLM reads again if it ever evicts the
 version, is written into the snapshot after the swap (:mod:`.snapshot_writer`).
 The trainer's memory is read only before the server answers, so the trainer
-may overwrite its buffer as soon as the call returns.
+may overwrite its buffer as soon as the call returns. A CUDA share stays
+mapped until the trainer hands over another buffer (:mod:`.open_shares`):
+closing it cost a loaded staging more than the copy did.
 
 Nothing is unpickled: the description carries plain numbers and handles,
 checked here (:func:`check_layout`) before any memory is opened.
@@ -166,6 +168,7 @@ def copy_out(
     device_index: Callable[[str], int],
     copies: int = 1,
     times: dict[str, float] | None = None,
+    open_share: Callable[[dict[str, Any], int], Any] | None = None,
 ) -> list[Any]:
     """Copy the shared buffer into ``copies`` fresh ``allocate(nbytes)``
     (``uint8`` tensors, on the host, or on the trainer's GPU for a CUDA
@@ -177,9 +180,15 @@ def copy_out(
     CUDA copies run on a side stream (:mod:`.cuda_streams`): on the
     engine's stream they queued behind a whole step's kernels under load.
 
+    ``open_share(buffer, index)`` opens a CUDA share and makes the current
+    stream wait for the trainer's event (default :func:`open_and_wait`: a
+    share of its own, closed when the copies are done; a worker keeps its
+    trainers' shares open instead, :mod:`.open_shares`).
+
     ``times``, where given, gets a CUDA share's parts in ms: the open of the
     handle (``open_ms``), the allocations, the copies' launch and the wait
-    for them (``copies_ms``), and the close (``close_ms``).
+    for them (``copies_ms``), and the close (``close_ms``, next to nothing
+    for a share kept open).
     """
     import torch
 
@@ -198,11 +207,11 @@ def copy_out(
     stream = side_stream(torch.device("cuda", index))
     marks = [time.perf_counter()]
     with torch.cuda.device(index), torch.cuda.stream(stream):
-        shared = _open_cuda_ipc(buffer, index)  # waits for the trainer's event, if any
+        shared = (open_share or open_and_wait)(buffer, index)
         marks.append(time.perf_counter())
         hosts = copies_on_stream(shared, allocate, copies, stream)
         marks.append(time.perf_counter())
-        del shared  # closes the handle: the trainer's memory is its own again
+        del shared  # closes the handle unless it is kept open
     marks.append(time.perf_counter())
     if times is not None:
         for name, (a, b) in zip(("open_ms", "copies_ms", "close_ms"), itertools.pairwise(marks)):
@@ -302,14 +311,25 @@ def _view(host: Any, tensor: HandoverTensor) -> Any:
     return flat.view(getattr(torch, tensor.dtype)).view(tensor.shape)
 
 
-def _open_cuda_ipc(buffer: dict[str, Any], index: int) -> Any:
+def open_and_wait(buffer: dict[str, Any], index: int) -> Any:
+    """:func:`open_cuda_ipc`, then the current stream waits for the trainer's event."""
+    shared = open_cuda_ipc(buffer, index)
+    wait_for_trainer(buffer, index)
+    return shared
+
+
+def open_cuda_ipc(buffer: dict[str, Any], index: int) -> Any:
     """The trainer's buffer as a ``uint8`` CUDA tensor of this process: what
     torch's own ``rebuild_cuda_tensor`` does with the pieces a CUDA tensor
-    is pickled into, from checked fields instead of a pickle."""
+    is pickled into, from checked fields instead of a pickle.
+
+    Torch finds a share this process holds open already by its handle, and
+    then waits for no event: the event is left to :func:`wait_for_trainer`,
+    for an opened share and a found one alike.
+    """
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    event = buffer.get("event_handle")
     return rebuild_cuda_tensor(
         torch.Tensor,
         (int(buffer["nbytes"]),),
@@ -324,7 +344,19 @@ def _open_cuda_ipc(buffer: dict[str, Any], index: int) -> Any:
         False,
         base64.b64decode(buffer["ref_counter_handle"]),
         int(buffer["ref_counter_offset"]),
-        # torch's ``_new_shared_cuda`` takes bytes here even when no event is waited for
-        base64.b64decode(event) if event else b"",
-        bool(buffer["event_sync_required"]),
+        # no event (torch's ``_new_shared_cuda`` takes bytes even then: None
+        # raised a TypeError on the H100, a080703)
+        b"",
+        False,
     )
+
+
+def wait_for_trainer(buffer: dict[str, Any], index: int) -> None:
+    """Make the current CUDA stream wait for the trainer's event, if it sent
+    one (recorded on its stream when it made the share)."""
+    event = buffer.get("event_handle")
+    if not event or not buffer.get("event_sync_required"):
+        return
+    import torch
+
+    torch.cuda.Event.from_ipc_handle(index, base64.b64decode(event)).wait()

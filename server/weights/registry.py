@@ -58,6 +58,21 @@ from .snapshot_writer import PENDING_FILE, copy_to_end, write_weights_from
 
 logger = logging.getLogger(__name__)
 
+#: Between an adapter's name and its version in the version's engine name.
+VERSION_MARK = "@v"
+
+
+def engine_name(lora_name: str, version: int) -> str:
+    """The name version ``version`` of ``lora_name`` is registered under in the engine."""
+    return f"{lora_name}{VERSION_MARK}{version}"
+
+
+def adapter_of(name: str) -> str:
+    """The adapter an engine name (:func:`engine_name`) is a version of."""
+    adapter, mark, version = name.rpartition(VERSION_MARK)
+    return adapter if mark and version.isdigit() else name
+
+
 ADAPTER_CONFIG = "adapter_config.json"
 #: The weights files whose sha256 tells a repeated version from a new one.
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -355,7 +370,7 @@ class AdapterRegistry:
         weights_fd: int | None = None,
     ) -> PreparedVersion:
         request = self._make_request(
-            lora_name=f"{lora_name}@v{version}",
+            lora_name=engine_name(lora_name, version),
             lora_int_id=next(self._ids),
             lora_path=str(snapshot),
         )

@@ -205,6 +205,18 @@ class SnapshotWriter:
             self._pending[key] = future
         future.add_done_callback(lambda done: self._forget(key, done))
 
+    def later(self, work: Callable[[], object]) -> None:
+        """Run ``work`` on the writer's thread after the writes submitted so
+        far: work that must not hold up a swap (it is logged if it fails)."""
+        self._pool.submit(self._logged, work)
+
+    @staticmethod
+    def _logged(work: Callable[[], object]) -> None:
+        try:
+            work()
+        except Exception:
+            logger.exception("skyrl-lora could not run %r after a swap", work)
+
     @property
     def busy(self) -> bool:
         """Whether a snapshot is being written or waits to be."""

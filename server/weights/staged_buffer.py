@@ -27,6 +27,7 @@ little, since the bytes cross to the GPU either way.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from .adapter_file import OneBufferFile, UnsupportedFile
 from .cuda_streams import AFTER_SWAP, side_stream
 from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
 from .host_pool import HostBufferPool
+from .open_shares import OpenShares
+from .registry import adapter_of
 from .snapshot_writer import (
     SnapshotLayout,
     file_layout,
@@ -91,9 +94,15 @@ class BufferSource:
     vLLM pins), and its GPU's memory where it has one."""
 
     def __init__(
-        self, host_buffers: Callable[[int], Any], device: Any, templates: HandoverTemplates
+        self,
+        host_buffers: Callable[[int], Any],
+        device: Any,
+        templates: HandoverTemplates,
+        shares: OpenShares | None = None,
     ) -> None:
         self._host_buffers = self._timed(host_buffers)
+        #: The trainers' CUDA shares, kept open between hand-overs (:mod:`.open_shares`).
+        self.shares = OpenShares(0) if shares is None else shares
         self._device_buffers = device_buffers(device)
         self._templates = templates
         #: Snapshots' copies, which no GPU copy reads: kept and reused (:mod:`.host_pool`).
@@ -149,7 +158,14 @@ class BufferSource:
         self._alloc_ms()
         parts: dict[str, float] = {}
         model_buffer, snapshot_buffer = handover.copy_out(
-            description, allocate, handover.cuda_device_index, copies=2, times=parts
+            description,
+            allocate,
+            handover.cuda_device_index,
+            copies=2,
+            times=parts,
+            open_share=functools.partial(
+                self.shares.open, adapter_of(lora_request.lora_name), lora_request.lora_int_id
+            ),
         )
         return TakenBuffer(
             folder,

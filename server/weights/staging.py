@@ -79,6 +79,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import compat
 from ..logits_guard import LogitsGuard
 from ..loop_monitor import watch_engine_collections
@@ -94,9 +96,11 @@ from ..step_watch import DEFAULT_LONG_STEP_S, NOTHING_BUSY, StepWatch
 from . import arrival, handover, tensor_pickle
 from .adapter_file import OneBufferFile, UnsupportedFile
 from .adapter_reader import AdapterReader, ReaderRoutedLoader
+from .cuda_streams import AFTER_SWAP, side_stream
 from .finite_check import ensure_finite, model_tensors, on_host
 from .handover import HandedOverFile
 from .handover_template import HandoverTemplates
+from .open_shares import DEFAULT_OPEN_SHARES, OpenShares
 from .pinned_reserve import PinnedReserve, ReserveReport, reserve, slot_bytes
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
@@ -181,6 +185,7 @@ class _WorkerStaging:
         staging_yield: StagingYield | None = None,
         model_runner: Any = None,
         gpu_staging: bool = True,
+        open_shares: int = DEFAULT_OPEN_SHARES,
     ) -> None:
         self._manager = lora_manager
         self._device = device
@@ -204,8 +209,10 @@ class _WorkerStaging:
         self._staged: dict[int, concurrent.futures.Future[_Staged]] = {}
         #: Hand-overs' and files' models by layout, and where their bytes come from.
         self._templates = HandoverTemplates()
+        #: Trainers' CUDA shares, open from one hand-over to the next.
+        self._shares = OpenShares(open_shares)
         self._buffers = BufferSource(
-            self._host_buffers, device if gpu_staging else None, self._templates
+            self._host_buffers, device if gpu_staging else None, self._templates, self._shares
         )
         #: Snapshots' weights files written after the swap (hand-overs', held files').
         self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
@@ -289,6 +296,11 @@ class _WorkerStaging:
             return None
         self._staging_thread.one_buffer = True
         return opened
+
+    @property
+    def open_shares(self) -> int:
+        """How many trainers' CUDA shares stay open between hand-overs, at most."""
+        return self._shares.limit
 
     @property
     def slot_prefill(self) -> bool:
@@ -544,7 +556,25 @@ class _WorkerStaging:
         (:meth:`StagedLoRAEngine.add_lora`), and a version can be retired or
         replaced before any request came for it."""
         self.discard(lora_int_id)
+        if self._shares.forget(lora_int_id):  # the adapter's newest version: unloaded
+            self._snapshots.later(self._close_retired_shares)
         return bool(self._remove(lora_int_id))
+
+    def _close_retired_shares(self) -> None:
+        """Close the trainers' shares no adapter holds any more (on the
+        snapshot writer's thread, after the swap).
+
+        On a side stream: torch synchronizes the current stream before a
+        share's close, and on the default stream that waited for the step.
+        """
+        started = time.perf_counter()
+        with torch.cuda.stream(side_stream(self._device, AFTER_SWAP)):
+            closed = self._shares.close_retired()
+        log_engine_event(
+            "handover_shares_closed",
+            count=closed,
+            ms=round((time.perf_counter() - started) * 1000, 2),
+        )
 
     def _profiled_load(self, lora_request: Any) -> _Staged:
         with self._profiler.capture(lora_request.lora_name):
@@ -597,6 +627,8 @@ class _WorkerStaging:
                 assert template is not None
                 snapshot = functools.partial(self._buffers.settle_on_host, model, template, handed)
             self._snapshots.submit(handed.folder, snapshot, handed.snapshot_layout)
+        if self._shares.retired:  # the trainer handed over a new buffer
+            self._snapshots.later(self._close_retired_shares)
         done = time.perf_counter()
         done_cpu = time.thread_time()
         times = self._routed_reads.last_read if self._routed_reads is not None else None
@@ -770,6 +802,7 @@ class LoRAStagingExtension:
         reader_process: bool = False,
         staging_yield: dict[str, float] | None = None,
         gpu_staging: bool = True,
+        open_shares: int = DEFAULT_OPEN_SHARES,
     ) -> _WorkerStaging:
         if self._skyrl_staging is None:
             model_runner = getattr(self, "model_runner", None)
@@ -784,6 +817,7 @@ class LoRAStagingExtension:
                 staging_yield=None if staging_yield is None else StagingYield(**staging_yield),
                 model_runner=model_runner,
                 gpu_staging=gpu_staging,
+                open_shares=open_shares,
             )
         return self._skyrl_staging
 
@@ -796,6 +830,7 @@ class LoRAStagingExtension:
         gpu_staging: bool = True,
         pinned_reserve: dict[str, Any] | None = None,
         long_step_s: float | None = None,
+        open_shares: int = DEFAULT_OPEN_SHARES,
     ) -> dict[str, Any]:
         """Set staging up (once, at the server's start); says which parts are on
         and which GPU the worker drives (``device_uuid``, None on a CPU).
@@ -809,9 +844,12 @@ class LoRAStagingExtension:
         publish stagings' statuses (:meth:`_WorkerStaging.publish_statuses_to`).
         ``pinned_reserve``: :class:`PinnedReserve`'s fields (None: no reserve).
         ``long_step_s``: log steps longer than this (:mod:`..step_watch`; None: none).
+        ``open_shares``: trainers' CUDA shares kept open (:mod:`.open_shares`).
         """
         watch_engine_collections()
-        stager = self._skyrl_stager(slot_prefill, reader_process, staging_yield, gpu_staging)
+        stager = self._skyrl_stager(
+            slot_prefill, reader_process, staging_yield, gpu_staging, open_shares
+        )
         watching = long_step_s is not None and self._skyrl_watch_steps(stager, long_step_s)
         reserved = ReserveReport()
         if pinned_reserve is not None:
@@ -822,6 +860,7 @@ class LoRAStagingExtension:
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "slot_prefill": stager.slot_prefill,
             "gpu_staging": stager.gpu_staging,
+            "open_shares": stager.open_shares,
             "reader_process": stager.reader_process,
             "staging_yield": stager.staging_yield,
             "device_uuid": handover.cuda_device_uuid(getattr(self, "device", None)),
@@ -878,6 +917,10 @@ class StagingConfig:
     #: (:mod:`skyrl_lora.server.weights.staged_buffer`); off, in pinned host
     #: memory, copied into the slot from there. Files are built on the host.
     gpu_staging: bool = True
+    #: Keep this many adapters' trainer CUDA shares open from one hand-over
+    #: to the next (:mod:`skyrl_lora.server.weights.open_shares`); 0 opens
+    #: and closes each trainer's buffer at every hand-over.
+    open_shares: int = DEFAULT_OPEN_SHARES
     #: Read adapter files in a process of their own
     #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
     #: thread reads them in the engine process. Off by
@@ -915,6 +958,8 @@ class StagedLoRAEngine:
         self.available = False
         self.slot_prefill = False
         self.gpu_staging = False
+        #: Trainers' CUDA shares each worker keeps open (the least of them).
+        self.open_shares = 0
         self.reader_process = False
         self.staging_yield = False
         self.logits_guard = False
@@ -962,6 +1007,7 @@ class StagedLoRAEngine:
                 config.gpu_staging,
                 None if config.pinned_reserve is None else asdict(config.pinned_reserve),
                 config.long_step_s,
+                config.open_shares,
             )
             self.available = True
             if self._config.long_step_s is not None and all(
@@ -980,6 +1026,7 @@ class StagedLoRAEngine:
                 )
             self.slot_prefill = all(p["slot_prefill"] for p in parts)
             self.gpu_staging = all(p.get("gpu_staging") for p in parts)
+            self.open_shares = min(int(p.get("open_shares", 0)) for p in parts)
             self.reader_process = all(p["reader_process"] for p in parts)
             self.staging_yield = all(p["staging_yield"] for p in parts)
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
