@@ -136,6 +136,8 @@ def engine(requests: mp.Queue, results: mp.Queue) -> None:
         where = "under load" if loaded else "idle"
         if target.numel() != buffer["nbytes"]:
             target = torch.empty(buffer["nbytes"], dtype=torch.uint8, device="cuda")
+        if not keep and kept is not None:
+            kept = None  # the share kept so far closes here, untimed: each round opens afresh
         cached = keep and kept is not None  # torch finds the open share by its handle
         with torch.cuda.stream(stream):
             started = time.perf_counter()

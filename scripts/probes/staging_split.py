@@ -1,7 +1,8 @@
 """A swap-cost run's hand-over stagings, idle against under load, by phase.
 
 ``python3 scripts/probes/staging_split.py SERVER_LOG [--swapper swap-r64]
-[--transports 3] [--swaps 3]``, from the repository's root, reads the
+[--transports path,handover,handover_swap] [--swaps 3] [--by-transport]``,
+from the repository's root, reads the
 ``adapter_staging`` events of a ``benchmarks.scale --parts swap_cost``
 server log and splits the swapper's template-built stagings (``read``
 ``handover_template``) by the benchmark's order: the swapper's first load
@@ -23,12 +24,24 @@ from typing import Any
 from sync_timeline import cpu_phases, events, wall_phases
 
 
-def split(found: list[dict[str, Any]], transports: int, swaps: int) -> dict[str, list[Any]]:
-    block = transports * swaps
-    sides: dict[str, list[Any]] = {"idle": [], "under load": []}
-    for i, event in enumerate(found[1 + transports :]):
-        if event.get("read") == "handover_template":
-            sides["under load" if (i // block) % 2 else "idle"].append(event)
+def split(
+    found: list[dict[str, Any]], transports: list[str], swaps: int, by_transport: bool = False
+) -> dict[str, list[Any]]:
+    """The template-built stagings by side (and, ``by_transport``, by the
+    transport that brought them: round r runs the transports from the
+    (r mod n)-th on, as ``benchmarks.transport_swap`` rotates them)."""
+    count = len(transports)
+    block = count * swaps
+    sides: dict[str, list[Any]] = {}
+    for i, event in enumerate(found[1 + count :]):
+        if event.get("read") != "handover_template":
+            continue
+        side = "under load" if (i // block) % 2 else "idle"
+        if by_transport:
+            turn = (i // (2 * block)) % count
+            order = transports[turn:] + transports[:turn]
+            side = f"{side}, {order[(i % block) // swaps]}"
+        sides.setdefault(side, []).append(event)
     return sides
 
 
@@ -41,12 +54,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log")
     parser.add_argument("--swapper", default="swap-r64")
-    parser.add_argument("--transports", type=int, default=3)
+    parser.add_argument(
+        "--transports",
+        type=lambda text: text.split(","),
+        default=["path", "handover", "handover_swap"],
+        help="the benchmark's --transports, in its order",
+    )
     parser.add_argument("--swaps", type=int, default=3)
+    parser.add_argument(
+        "--by-transport", action="store_true", help="split each side by transport too"
+    )
     args = parser.parse_args()
     stagings = [e for _, e in events(args.log, args.swapper) if e["event"] == "adapter_staging"]
     print("ms, median / p90 / max")
-    for side, found in split(stagings, args.transports, args.swaps).items():
+    for side, found in split(stagings, args.transports, args.swaps, args.by_transport).items():
         rows = [{**wall_phases(e), **cpu_phases(e)} for e in found]
         cells = []
         for phase in dict.fromkeys(k for row in rows for k in row):

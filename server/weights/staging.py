@@ -570,11 +570,12 @@ class _WorkerStaging:
         started = time.perf_counter()
         with torch.cuda.stream(side_stream(self._device, AFTER_SWAP)):
             closed = self._shares.close_retired()
-        log_engine_event(
-            "handover_shares_closed",
-            count=closed,
-            ms=round((time.perf_counter() - started) * 1000, 2),
-        )
+        if closed:  # none where an earlier call closed them all
+            log_engine_event(
+                "handover_shares_closed",
+                count=closed,
+                ms=round((time.perf_counter() - started) * 1000, 2),
+            )
 
     def _profiled_load(self, lora_request: Any) -> _Staged:
         with self._profiler.capture(lora_request.lora_name):
