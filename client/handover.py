@@ -45,12 +45,22 @@ class AdapterHandover:
     tensors are copied into the buffer, so the trainer may keep training
     its own. The buffer is kept and reused while the layout stays the same.
     :meth:`close` frees it (a shared-memory file is removed).
+
+    ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``): the buffer
+    holds every tensor in it, cast by the copy into the buffer; None keeps
+    each tensor's own. A trainer that trains in float32 can then hand its
+    parameters over as they are: casting each first (224 small kernels and
+    allocations for a rank-16 adapter of a 0.8B model) took most of a
+    learner's 20-25 ms to get its adapter's state on an H100 (369e2bc).
     """
 
-    def __init__(self, config: Mapping[str, Any] | bytes) -> None:
+    def __init__(self, config: Mapping[str, Any] | bytes, dtype: str | None = None) -> None:
+        if dtype is not None and dtype not in HANDOVER_ITEM_BYTES:
+            raise ValueError(f"a hand-over holds {sorted(HANDOVER_ITEM_BYTES)}, not {dtype!r}")
         self.config: dict[str, Any] = dict(
             json.loads(config) if isinstance(config, bytes) else config
         )
+        self.dtype = dtype
         self._buffer: Any = None
         self._layout: list[HandoverTensor] = []
         #: Each layout entry's view of the buffer, in layout order.
@@ -62,7 +72,8 @@ class AdapterHandover:
         return 0 if self._buffer is None else int(self._buffer.numel())
 
     def update(self, tensors: Mapping[str, Any]) -> None:
-        """Copy ``tensors`` into the buffer (waits until the copy is done)."""
+        """Copy ``tensors`` into the buffer, cast to :attr:`dtype` where set
+        (waits until the copy is done)."""
         import torch
 
         if not tensors:
@@ -112,12 +123,11 @@ class AdapterHandover:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _plan(tensors: Mapping[str, Any]) -> list[HandoverTensor]:
+    def _plan(self, tensors: Mapping[str, Any]) -> list[HandoverTensor]:
         layout = []
         offset = 0
         for name, tensor in tensors.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
+            dtype = self.dtype or str(tensor.dtype).removeprefix("torch.")
             if dtype not in HANDOVER_ITEM_BYTES:
                 raise ValueError(
                     f"tensor {name!r} is {dtype}; a hand-over takes {sorted(HANDOVER_ITEM_BYTES)}"

@@ -62,6 +62,26 @@ def test_a_buffer_round_trips_through_the_servers_copy() -> None:
         assert torch.equal(copied[name], tensor)
 
 
+def test_a_buffer_of_one_dtype_holds_each_tensor_cast_by_the_copy() -> None:
+    """A float32 trainer hands over bfloat16 without casting first: the
+    copy into the buffer casts."""
+    tensors = {name: t.float() for name, t in lora_tensors().items()}
+    with AdapterHandover(CONFIG, dtype="bfloat16") as adapter:
+        adapter.update(tensors)
+        request = request_of(adapter)
+        assert {t.dtype for t in request.tensors} == {"bfloat16"}
+        description = {
+            "buffer": request.buffer.model_dump(),
+            "tensors": [t.model_dump() for t in request.tensors],
+        }
+        (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
+        copied = handover.tensor_views(host, description)
+    for name, tensor in tensors.items():
+        assert torch.equal(copied[name], tensor.bfloat16())
+    with pytest.raises(ValueError, match="not 'int8'"):
+        AdapterHandover(CONFIG, dtype="int8")
+
+
 def test_the_buffer_is_reused_and_the_copy_is_the_servers_own() -> None:
     with AdapterHandover(CONFIG) as adapter:
         adapter.update(lora_tensors(0))

@@ -214,7 +214,7 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
 async def test_a_learner_hands_its_adapter_over_and_times_its_part(engine_server: Any) -> None:
     """The GPU runs' transfer on the CPU engine: the learner process hands its
     adapter over by shared memory, twice (the second reuses its buffer and
-    client), and says how long its state dict, its copy into the buffer and
+    client), and says how long its weights' look-up, its copy into the buffer and
     the HTTP call took: the parts the RL report splits a sync's push into."""
     from examples.rl.learner import LearnerConfig, LearnerProcess
     from skyrl_lora.client import RemoteInferenceClient

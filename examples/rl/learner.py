@@ -56,8 +56,8 @@ class HandOver:
     what a sync's push costs beyond these is the trip to the process and back."""
 
     version: int
-    state_s: float  # the adapter's state dict, cast to the base dtype
-    update_s: float  # the copy into the hand-over buffer, and its synchronize
+    state_s: float  # the adapter's weights (looked up once, then the same views)
+    update_s: float  # the copy into the hand-over buffer (cast to the base dtype), its synchronize
     request_s: float  # the HTTP call: the server's copy out, staging and answer
 
 
@@ -101,6 +101,7 @@ class Learner:
         self.model = get_peft_model(base, lora)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.initial = {n: p.detach().clone() for n, p in self.params.items()}
+        self._weights: dict[str, torch.Tensor] | None = None
         self.optimizer = torch.optim.Adam(self.params.values(), lr=config.lr)
 
     def reset(self) -> None:
@@ -191,6 +192,19 @@ class Learner:
         return StepResult(
             tuple(rewards), tuple(accounts), total, train_s=time.monotonic() - started
         )
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights in PEFT's naming, in the training dtype: views
+        of the parameters (the optimizer and :meth:`reset` write them in
+        place), so they are looked up once. A hand-over casts them in its
+        copy into the buffer (:class:`AdapterHandover`'s ``dtype``)."""
+        if self._weights is None:
+            from peft import get_peft_model_state_dict
+
+            self._weights = {
+                k: v.detach() for k, v in get_peft_model_state_dict(self.model).items()
+            }
+        return self._weights
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The LoRA weights in PEFT's naming, cast to the base dtype (a
@@ -302,9 +316,10 @@ def _hand_over(
     if _SENDER is None or (_SENDER.client.urls, _SENDER.api_key) != ([url], api_key):
         loop = asyncio.new_event_loop()
         client = RemoteInferenceClient(url, api_key=api_key)
-        _SENDER = _Sender(AdapterHandover(learner.adapter_config()), loop, client, api_key)
+        handover = AdapterHandover(learner.adapter_config(), dtype=learner.config.dtype)
+        _SENDER = _Sender(handover, loop, client, api_key)
     started = time.monotonic()
-    state = learner.adapter_state()
+    state = learner.adapter_weights()
     stated = time.monotonic()
     _SENDER.handover.update(state)
     updated = time.monotonic()

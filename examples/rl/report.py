@@ -326,7 +326,7 @@ def mode_table(summary: Mapping[str, Any]) -> str:
         m = data["median_over_tenants"]
         if m.get("handover_request_ms_median") is not None:
             lines.append(
-                f"\n{mode}: a hand-over's push, learner's state dict / copy into the buffer / "
+                f"\n{mode}: a hand-over's push, learner's weights / copy into the buffer / "
                 f"HTTP call / the rest (to the learner process and back), medians: "
                 + " / ".join(
                     _fmt(m[f"handover_{part}_ms_median"], ".1f")
