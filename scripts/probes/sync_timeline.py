@@ -154,6 +154,14 @@ def table(title: str, rows: list[dict[str, float]]) -> None:
     for row in rows:
         print(" | ".join(f"{row[c]:.1f}" for c in columns))
     print("median: " + " | ".join(f"{statistics.median(r[c] for r in rows):.1f}" for c in columns))
+    print("pooled percentiles, ms:")
+    for c in columns:
+        ordered = sorted(r[c] for r in rows)
+        cells = "  ".join(
+            f"{name} {ordered[min(len(ordered) - 1, int(q * len(ordered)))]:6.1f}"
+            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+        )
+        print(f"{c:<26} {cells}  max {ordered[-1]:6.1f}")
 
 
 def main(path: str, prefix: str = "swap") -> None:

@@ -11,7 +11,8 @@ mapping in torch's cache of opened handles, and nothing is closed.
 
 A share is closed when its adapter hands over another buffer (the trainer
 made a new one), when the version it was opened for is removed with no newer
-one opened since (the adapter was unloaded), or when more adapters than
+one opened since (the adapter was unloaded, or a version loaded another way,
+by path or push, replaced it), or when more adapters than
 ``limit`` hold one (least recently used first). Closes run after the swap,
 on a thread that does not stage (:meth:`OpenShares.close_retired`).
 
