@@ -29,7 +29,8 @@ from safetensors.torch import save_file  # noqa: E402
 from skyrl_lora.server import compat  # noqa: E402
 from skyrl_lora.server.weights import chunked, tensor_pickle  # noqa: E402
 from skyrl_lora.server.weights.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
-from skyrl_lora.server.weights.staging import ONE_BUFFER, READY, _WorkerStaging  # noqa: E402
+from skyrl_lora.server.weights.staging import _WorkerStaging  # noqa: E402
+from skyrl_lora.server.weights.staging_status import ONE_BUFFER, READY  # noqa: E402
 
 _HOST = tensor_pickle.host_buffers(pin_memory=False)
 

@@ -28,7 +28,8 @@ from skyrl_lora.server.weights import handover, registry, snapshot_writer
 from skyrl_lora.server.weights.handover_template import HandoverTemplates
 from skyrl_lora.server.weights.stage_channel import StageChannel, StageListener, socket_path
 from skyrl_lora.server.weights.staged_buffer import BufferSource
-from skyrl_lora.server.weights.staging import READY, _WorkerStaging
+from skyrl_lora.server.weights.staging import _WorkerStaging
+from skyrl_lora.server.weights.staging_status import READY
 from skyrl_lora.server.weights.tensor_pickle import host_buffers
 from tests.test_staging import _Manager, _Request, _wait
 

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from skyrl_lora.server.weights.stage_channel import StageChannel, StageListener, socket_path
-from skyrl_lora.server.weights.staging import READY, _WorkerStaging
+from skyrl_lora.server.weights.staging import _WorkerStaging
+from skyrl_lora.server.weights.staging_status import READY
 from tests.test_staging import _Manager, _Request, _wait
 
 

@@ -16,14 +16,8 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.weights.staging import (
-    FAILED,
-    PENDING,
-    READY,
-    STAGING_SWITCH_INTERVAL_S,
-    UNKNOWN,
-    _WorkerStaging,
-)
+from skyrl_lora.server.weights.staging import STAGING_SWITCH_INTERVAL_S, _WorkerStaging
+from skyrl_lora.server.weights.staging_status import FAILED, PENDING, READY, UNKNOWN
 
 
 @dataclass(frozen=True)

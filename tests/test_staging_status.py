@@ -15,12 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from skyrl_lora.server.weights.staging import (
-    READY,
-    StagedLoRAEngine,
-    StagingConfig,
-    status_file,
-)
+from skyrl_lora.server.weights.staged_engine import StagedLoRAEngine, StagingConfig
+from skyrl_lora.server.weights.staging_status import READY, status_file
 
 
 class ScriptedEngine:
@@ -89,3 +85,14 @@ async def test_a_status_file_that_never_comes_falls_back_to_asking_the_workers()
     assert await staged.probe()
     await staged.stage(request(8))
     assert "skyrl_lora_staged" in engine.calls
+
+
+def test_the_extension_vllm_loads_by_name_is_the_workers_staging() -> None:
+    """vLLM imports the workers' side by the name the API server gives it."""
+    import importlib
+
+    from skyrl_lora.server.weights.staged_engine import EXTENSION_QUALNAME
+    from skyrl_lora.server.weights.staging import LoRAStagingExtension
+
+    module, _, name = EXTENSION_QUALNAME.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is LoRAStagingExtension

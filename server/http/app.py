@@ -39,7 +39,7 @@ from ..engine.gated import GatedEngine, admitted_versions
 from ..reaper import start_reaper
 from ..step_watch import DEFAULT_LONG_STEP_S
 from ..tinker.routes import tinker_surface
-from ..weights import staging
+from ..weights import staged_engine
 from ..weights.handover import HandoverAccess
 from ..weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
 from ..weights.open_shares import DEFAULT_OPEN_SHARES
@@ -233,7 +233,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--resume-tokens-per-step must be at least 1 (or use --no-resume-pacing)")
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
-    if not compat.add_worker_extension(args, staging.EXTENSION_QUALNAME):
+    if not compat.add_worker_extension(args, staged_engine.EXTENSION_QUALNAME):
         logger.warning(
             "--worker-extension-cls %s replaces skyrl-lora's: adapter loads run in the step loop",
             args.worker_extension_cls,
@@ -329,9 +329,9 @@ class RunningServer:
 
 async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple[Any, GatedEngine]:
     app = await compat.build_app(engine_client, args)
-    lora_engine = staging.StagedLoRAEngine(
+    lora_engine = staged_engine.StagedLoRAEngine(
         engine_client,
-        staging.StagingConfig(
+        staged_engine.StagingConfig(
             slot_prefill=getattr(args, "slot_prefill", True),
             gpu_staging=getattr(args, "gpu_staging", True),
             open_shares=getattr(args, "handover_open_shares", DEFAULT_OPEN_SHARES),

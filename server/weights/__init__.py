@@ -8,7 +8,9 @@ shares kept open between hand-overs: ``open_shares``), building a
 known layout's model from its template (``handover_template``, with the
 buffers of ``staged_buffer``, on the GPU where there is one:
 ``cuda_streams``, ``scale_fold``), staging a version off the engine's step
-loop (``staging``, ``staging_yield``, asked over ``stage_channel``),
+loop (the workers' side ``staging``, ``staging_yield``; the API server's
+``staged_engine``, which asks over ``stage_channel`` and waits for each
+worker's ``staging_status``),
 writing it into a slot (``slots``, ``slot_batch``) and a hand-over's
 snapshot file after the swap (``snapshot_writer``). May import only the
 server's top-level modules (compat, observability, loop_monitor).
