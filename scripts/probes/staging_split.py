@@ -21,7 +21,7 @@ import argparse
 import statistics
 from typing import Any
 
-from sync_timeline import cpu_phases, events, wall_phases
+from sync_timeline import cpu_phases, events, percentile, wall_phases
 
 
 def split(
@@ -43,11 +43,6 @@ def split(
             side = f"{side}, {order[(i % block) // swaps]}"
         sides.setdefault(side, []).append(event)
     return sides
-
-
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
@@ -73,7 +68,7 @@ def main() -> None:
         for phase in dict.fromkeys(k for row in rows for k in row):
             values = [row[phase] for row in rows if phase in row]
             cells.append(
-                f"{phase} {statistics.median(values):.1f}/{_p(values, 0.9):.1f}/{max(values):.1f}"
+                f"{phase} {statistics.median(values):.1f}/{percentile(values, 0.9):.1f}/{max(values):.1f}"
             )
         print(f"{side} (n={len(found)}): " + ", ".join(cells))
 

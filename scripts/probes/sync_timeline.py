@@ -30,6 +30,13 @@ from benchmarks.timeline import read_events  # noqa: E402
 Event = tuple[float, dict[str, Any]]
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank ``int(q * n)`` of the sorted values (``q`` in 0..1;
+    the max for the last rank), as the files in ``docs/gpu/`` were made with."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def events(path: str, prefix: str) -> list[Event]:
     """The log's events of adapters named ``prefix``..., on the host's wall
     clock, in time order."""
@@ -156,12 +163,12 @@ def table(title: str, rows: list[dict[str, float]]) -> None:
     print("median: " + " | ".join(f"{statistics.median(r[c] for r in rows):.1f}" for c in columns))
     print("pooled percentiles, ms:")
     for c in columns:
-        ordered = sorted(r[c] for r in rows)
+        values = [r[c] for r in rows]
         cells = "  ".join(
-            f"{name} {ordered[min(len(ordered) - 1, int(q * len(ordered)))]:6.1f}"
+            f"{name} {percentile(values, q):6.1f}"
             for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
         )
-        print(f"{c:<26} {cells}  max {ordered[-1]:6.1f}")
+        print(f"{c:<26} {cells}  max {max(values):6.1f}")
 
 
 def main(path: str, prefix: str = "swap") -> None:
