@@ -203,9 +203,10 @@ def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[st
 
 
 def handover_split(swaps: Sequence[Swap]) -> dict[str, float | None]:
-    """Medians of where a hand-over's push went: the learner process's state
-    dict, its copy into the hand-over buffer, the HTTP call, and the rest of
-    the push as the tenant timed it (the trip to the learner process and back)."""
+    """Medians of where a hand-over's push went: the learner process's look-up
+    of its weights, its copy into the hand-over buffer, the HTTP call, and the
+    rest of the push as the tenant timed it (the trip to the learner process
+    and back)."""
     parts: dict[str, list[float]] = {"state": [], "update": [], "request": [], "elsewhere": []}
     for swap in swaps:
         h = swap.handover
