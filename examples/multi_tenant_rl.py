@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.rl.engine_rate import EngineTokenCounter
+from examples.rl.gpu_busy import GpuBusy
 from examples.rl.learner import LearnerConfig, LearnerProcess
 from examples.rl.report import (
     ModeRun,
@@ -142,8 +143,9 @@ async def run_mode(
 
     await asyncio.gather(*(learner.reset() for learner in learners.values()))
     counter = EngineTokenCounter(url)
+    gpu = GpuBusy.open()
     stop = asyncio.Event()
-    polling = asyncio.create_task(counter.run(stop))
+    polling = asyncio.gather(counter.run(stop), *([gpu.run(stop)] if gpu else []))
     async with RemoteInferenceClient(url) as client:
         start = time.monotonic()
 
@@ -170,7 +172,7 @@ async def run_mode(
         end = time.monotonic()
     stop.set()
     await polling
-    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end)
+    return ModeRun(mode, {log.name: log for log in logs}, counter, start, end, gpu)
 
 
 async def warm_up(

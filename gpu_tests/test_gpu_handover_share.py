@@ -28,9 +28,11 @@ from skyrl_lora.server.weights.open_shares import OpenShares
 
 
 def trainer(conn: Any) -> None:
-    """Hands over two tensors of ``shape`` filled with ``value`` per request;
-    ``"allocated"`` answers its torch's allocated bytes, after collecting
-    the buffers no reader holds any more."""
+    """Hands over two tensors of ``shape`` filled with ``value`` per request
+    (``(shape, value, cycles)``: the copy queued on a side stream behind a
+    GPU sleep of ``cycles``, and not waited for); ``"allocated"`` answers
+    its torch's allocated bytes, after collecting the buffers no reader
+    holds any more."""
     from skyrl_lora.client import AdapterHandover
 
     adapter = AdapterHandover({"r": 8})
@@ -39,14 +41,19 @@ def trainer(conn: Any) -> None:
             torch.cuda.ipc_collect()
             conn.send(torch.cuda.memory_allocated())
             continue
-        shape, value = message
-        weights = {
-            name: torch.full(shape, value, dtype=torch.bfloat16, device="cuda")
-            for name in ("layer.lora_A.weight", "layer.lora_B.weight")
-        }
-        adapter.update(weights)
-        del weights
-        conn.send(adapter.request())
+        shape, value, *late = message
+        stream = torch.cuda.Stream() if late else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # made, copied and freed on one stream
+            if late:  # the copy queued behind ~0.5 s of GPU work
+                torch.cuda._sleep(late[0])
+            weights = {
+                name: torch.full(shape, value, dtype=torch.bfloat16, device="cuda")
+                for name in ("layer.lora_A.weight", "layer.lora_B.weight")
+            }
+            adapter.update(weights)
+            del weights
+        conn.send(adapter.request())  # on the default stream, the copy maybe not yet run
     adapter.close()
 
 
@@ -96,6 +103,35 @@ def test_a_share_kept_open_sees_new_values_and_frees_the_trainers_old_buffer() -
         assert allocated < third["buffer"]["nbytes"] + first["buffer"]["nbytes"]
 
         assert shares.forget(3) and shares.close_retired() == 1
+        conn.send(None)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+def test_a_hand_over_reads_the_trainers_copy_that_had_not_yet_run() -> None:
+    """:meth:`AdapterHandover.update` does not wait for its copy, so the
+    server must: the share's event is recorded on the stream of the copy,
+    even where the request is made on another, and the copy out waits for
+    it. Without the wait the copy out reads the old values (the copy runs
+    about half a second later)."""
+    context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    child = context.Process(target=trainer, args=(child_conn,))
+    child.start()
+    shares = OpenShares(limit=4)
+    try:
+        conn.send(((256, 256), 1.0))
+        first = conn.recv()
+        for tensor in copied(shares, first, lora_id=1).values():
+            assert torch.all(tensor == 1.0)
+        conn.send(((256, 256), 2.0, 1_000_000_000))
+        late = conn.recv()
+        assert late["buffer"]["event_sync_required"]
+        for tensor in copied(shares, late, lora_id=2).values():
+            assert torch.all(tensor == 2.0)
         conn.send(None)
         child.join(timeout=60)
         assert child.exitcode == 0

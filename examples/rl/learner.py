@@ -57,7 +57,7 @@ class HandOver:
 
     version: int
     state_s: float  # the adapter's weights (looked up once, then the same views)
-    update_s: float  # the copy into the hand-over buffer (cast to the base dtype), its synchronize
+    update_s: float  # queueing the copy into the hand-over buffer (cast to the base dtype)
     request_s: float  # the HTTP call: the server's copy out, staging and answer
 
 

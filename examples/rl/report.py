@@ -17,6 +17,7 @@ from examples.rl.engine_rate import (
     covered,
     exclusive_windows,
 )
+from examples.rl.gpu_busy import GpuBusy
 from examples.rl.tenant import Swap, TenantLog
 from skyrl_lora.rl_accounting import staleness_counts
 
@@ -30,6 +31,7 @@ class ModeRun:
     counter: EngineTokenCounter
     start: float
     end: float
+    gpu: GpuBusy | None = None  # None on a CPU machine
 
     @property
     def wall_s(self) -> float:
@@ -92,6 +94,22 @@ def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
     outside_tokens = run.counter.tokens_between(run.start, run.end) - busy_tokens
     outside = outside_tokens / max(run.wall_s - busy_s, 1e-9)
     return lone_tokens / max(lone_s, 1e-9), outside, lone_s
+
+
+def gpu_busy(run: ModeRun) -> dict[str, dict[str, float]] | None:
+    """The GPU's busy share over the mode, inside any tenant's sync and
+    outside every sync (:mod:`examples.rl.gpu_busy`); None without a GPU."""
+    if run.gpu is None:
+        return None
+    syncs = covered([(s.start, s.end) for log in run.logs.values() for s in log.swaps])
+    inside = run.gpu.inside(syncs)
+    whole = run.gpu.between(run.start, run.end)
+    n_in, n_all = inside["readings"], whole["readings"]
+    outside = {  # the whole mode's means, less the readings inside syncs
+        k: (whole[k] * n_all - inside[k] * n_in) / max(n_all - n_in, 1) for k in whole
+    }
+    outside["readings"] = n_all - n_in
+    return {"mode": whole, "during_syncs": inside, "outside_syncs": outside}
 
 
 def engine_prefill(run: ModeRun) -> dict[str, float]:
@@ -285,6 +303,7 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
                 "count": len(swaps),
             },
             "step_split_share": {k: v / max(sum(split.values()), 1e-9) for k, v in split.items()},
+            "gpu_busy": gpu_busy(run),
             "tenants": tenants,
         }
     return out
@@ -373,6 +392,16 @@ def table(summary: Mapping[str, Any]) -> str:
             f"{prefill['prompt_tok_s']:.0f} tok/s ({prefill['cached_tok_s']:.0f} cached), "
             f"{prefill['computed_per_generated']:.2f} computed per generated token"
         )
+        if busy := data.get("gpu_busy"):
+            lines.append(
+                f"{mode}: GPU busy {busy['mode']['device_busy_pct']:.0f}% of the mode "
+                f"({busy['during_syncs']['device_busy_pct']:.0f}% during syncs, "
+                f"{busy['outside_syncs']['device_busy_pct']:.0f}% outside); SM share engine "
+                f"{busy['mode']['engine_sm_pct']:.0f}%, learners "
+                f"{busy['mode']['learners_sm_pct']:.0f}% "
+                f"({busy['during_syncs']['engine_sm_pct']:.0f}% / "
+                f"{busy['during_syncs']['learners_sm_pct']:.0f}% during syncs)"
+            )
     if {"per_adapter", "global"} <= modes.keys():
         a, b = modes["per_adapter"]["seconds_per_step"], modes["global"]["seconds_per_step"]
         lines.append(f"seconds per step, per-adapter / global: {a:.2f} / {b:.2f} = {a / b:.2f}")
