@@ -7,8 +7,11 @@ seconds, it gives the engine's token rate inside any time window. During a
 per-adapter swap the swapping tenant is paused, so what the engine makes
 then belongs to the other tenants; during a global pause nobody generates.
 
-The same poll reads the prompt tokens the engine took in and those it found
-in its prefix cache: a request aborted by a sync (the syncing tenant's,
+The same poll reads the engine's batch and queue (requests running and
+waiting): where the GPU is far from busy, a step's cost hardly grows with
+its batch, so the batch may be what sets the engine's token rate. It also
+reads the prompt tokens the engine took in and those it found in its
+prefix cache: a request aborted by a sync (the syncing tenant's,
 under the per-adapter pause and under the global one alike) comes back
 with its prompt and its partial tokens, prefilled again on the new version
 (whose cache entries are its own), so ``prefill - cached`` over ``generated``
@@ -28,8 +31,11 @@ import aiohttp
 COUNTER = "vllm:generation_tokens_total"
 PROMPT_COUNTER = "vllm:prompt_tokens_total"
 CACHED_COUNTER = "vllm:prefix_cache_hits_total"
+#: Gauges: the engine's batch (requests being computed) and its queue.
+RUNNING_GAUGE = "vllm:num_requests_running"
+WAITING_GAUGE = "vllm:num_requests_waiting"
 #: What :class:`EngineTokenCounter` reads on every poll.
-COUNTERS = (COUNTER, PROMPT_COUNTER, CACHED_COUNTER)
+COUNTERS = (COUNTER, PROMPT_COUNTER, CACHED_COUNTER, RUNNING_GAUGE, WAITING_GAUGE)
 
 
 def parse_counter(text: str, name: str = COUNTER) -> float:
@@ -89,6 +95,15 @@ class EngineTokenCounter:
         """Tokens generated from ``start`` to ``end``."""
         return self.between(COUNTER, start, end)
 
+    def mean_inside(self, name: str, windows: Sequence[tuple[float, float]]) -> float | None:
+        """Gauge ``name``'s mean over the readings taken inside any of ``windows``."""
+        picked = [
+            value
+            for t, value in zip(self.times, self.readings[name])
+            if any(a <= t <= b for a, b in windows)
+        ]
+        return sum(picked) / len(picked) if picked else None
+
 
 def exclusive_windows(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """The parts of the time line covered by exactly one window.
@@ -115,3 +130,17 @@ def covered(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]
         else:
             merged.append((start, end))
     return merged
+
+
+def uncovered(
+    windows: Sequence[tuple[float, float]], start: float, end: float
+) -> list[tuple[float, float]]:
+    """The time from ``start`` to ``end`` that none of ``windows`` covers."""
+    gaps, at = [], start
+    for a, b in covered(windows):
+        if a > at:
+            gaps.append((at, min(a, end)))
+        at = max(at, b)
+    if at < end:
+        gaps.append((at, end))
+    return [(a, b) for a, b in gaps if b > a]

@@ -13,14 +13,17 @@ NVML's device utilisation is the share of its last sample period (1/6 to
 1 s) in which any kernel ran; its per-process figure is each process's SM
 share over its last period, for processes that ran any. The engine process
 is told apart by its title (vLLM names it ``VLLM::EngineCore``); every other
-process on the GPU is a learner here. Polled every ``interval`` seconds,
-the readings are averaged over any window of the run.
+process on the GPU is a learner here. The same poll reads the engine
+process's CPU time (``/proc``): an engine whose GPU waits may be waiting
+for its own step loop on the CPU. Polled every ``interval`` seconds, the
+readings are averaged over any window of the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,16 @@ def process_kind(pid: int) -> str:
     return "engine" if cmdline.startswith(ENGINE_TITLE) else "learners"
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, all threads) of process ``pid``; 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # after the title: state is field 3, utime and stime fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class GpuBusy:
     """Polls one GPU's utilisation; :meth:`between` averages a window."""
 
@@ -57,6 +70,8 @@ class GpuBusy:
         #: Per reading: the device's busy percent, and SM percent by process kind.
         self.device: list[float] = []
         self.sm: list[dict[str, float]] = []
+        #: Per reading: the engine processes' CPU seconds so far.
+        self.engine_cpu_s: list[float] = []
         self._last_seen = 0
         self._kinds: dict[int, str] = {}
 
@@ -95,9 +110,14 @@ class GpuBusy:
             if sample.pid not in self._kinds:
                 self._kinds[sample.pid] = process_kind(sample.pid)
             sm[self._kinds[sample.pid]] += float(sample.smUtil)
+        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid not in self._kinds:
+                self._kinds[proc.pid] = process_kind(proc.pid)
+        engines = [pid for pid, kind in self._kinds.items() if kind == "engine"]
         self.times.append(time.monotonic())
         self.device.append(device)
         self.sm.append(sm)
+        self.engine_cpu_s.append(sum(cpu_seconds(pid) for pid in engines))
 
     def between(self, start: float, end: float) -> dict[str, float]:
         """Mean busy percents of the readings taken from ``start`` to ``end``."""
@@ -112,9 +132,17 @@ class GpuBusy:
 
     def _means(self, picked: range | list[int]) -> dict[str, float]:
         n = max(len(picked), 1)
+        # CPU: each reading's share of the time since the one before it
+        cpu = [
+            (self.engine_cpu_s[i] - self.engine_cpu_s[i - 1])
+            / max(self.times[i] - self.times[i - 1], 1e-9)
+            for i in picked
+            if i > 0
+        ]
         return {
             "device_busy_pct": sum(self.device[i] for i in picked) / n,
             "engine_sm_pct": sum(self.sm[i]["engine"] for i in picked) / n,
             "learners_sm_pct": sum(self.sm[i]["learners"] for i in picked) / n,
+            "engine_cpu_pct": 100 * sum(cpu) / max(len(cpu), 1),
             "readings": float(len(picked)),
         }

@@ -13,9 +13,12 @@ from typing import Any
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
     PROMPT_COUNTER,
+    RUNNING_GAUGE,
+    WAITING_GAUGE,
     EngineTokenCounter,
     covered,
     exclusive_windows,
+    uncovered,
 )
 from examples.rl.gpu_busy import GpuBusy
 from examples.rl.tenant import Swap, TenantLog
@@ -96,20 +99,37 @@ def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
     return lone_tokens / max(lone_s, 1e-9), outside, lone_s
 
 
+def sync_split(run: ModeRun) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The mode's time inside any tenant's sync, and outside every sync."""
+    syncs = covered([(s.start, s.end) for log in run.logs.values() for s in log.swaps])
+    return syncs, uncovered(syncs, run.start, run.end)
+
+
 def gpu_busy(run: ModeRun) -> dict[str, dict[str, float]] | None:
     """The GPU's busy share over the mode, inside any tenant's sync and
     outside every sync (:mod:`examples.rl.gpu_busy`); None without a GPU."""
     if run.gpu is None:
         return None
-    syncs = covered([(s.start, s.end) for log in run.logs.values() for s in log.swaps])
-    inside = run.gpu.inside(syncs)
-    whole = run.gpu.between(run.start, run.end)
-    n_in, n_all = inside["readings"], whole["readings"]
-    outside = {  # the whole mode's means, less the readings inside syncs
-        k: (whole[k] * n_all - inside[k] * n_in) / max(n_all - n_in, 1) for k in whole
+    inside, outside = sync_split(run)
+    return {
+        "mode": run.gpu.between(run.start, run.end),
+        "during_syncs": run.gpu.inside(inside),
+        "outside_syncs": run.gpu.inside(outside),
     }
-    outside["readings"] = n_all - n_in
-    return {"mode": whole, "during_syncs": inside, "outside_syncs": outside}
+
+
+def engine_requests(run: ModeRun) -> dict[str, float | None]:
+    """The engine's mean batch (requests running) and queue (waiting), over
+    the mode and outside every sync."""
+    inside, outside = sync_split(run)
+    whole = [(run.start, run.end)]
+    mean = run.counter.mean_inside
+    return {
+        "running": mean(RUNNING_GAUGE, whole),
+        "running_outside_syncs": mean(RUNNING_GAUGE, outside),
+        "running_during_syncs": mean(RUNNING_GAUGE, inside),
+        "waiting": mean(WAITING_GAUGE, whole),
+    }
 
 
 def engine_prefill(run: ModeRun) -> dict[str, float]:
@@ -304,6 +324,7 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
             },
             "step_split_share": {k: v / max(sum(split.values()), 1e-9) for k, v in split.items()},
             "gpu_busy": gpu_busy(run),
+            "engine_requests": engine_requests(run),
             "tenants": tenants,
         }
     return out
@@ -392,15 +413,23 @@ def table(summary: Mapping[str, Any]) -> str:
             f"{prefill['prompt_tok_s']:.0f} tok/s ({prefill['cached_tok_s']:.0f} cached), "
             f"{prefill['computed_per_generated']:.2f} computed per generated token"
         )
-        if busy := data.get("gpu_busy"):
+        batch = data["engine_requests"]
+        if batch["running"] is not None:
             lines.append(
-                f"{mode}: GPU busy {busy['mode']['device_busy_pct']:.0f}% of the mode "
-                f"({busy['during_syncs']['device_busy_pct']:.0f}% during syncs, "
-                f"{busy['outside_syncs']['device_busy_pct']:.0f}% outside); SM share engine "
-                f"{busy['mode']['engine_sm_pct']:.0f}%, learners "
-                f"{busy['mode']['learners_sm_pct']:.0f}% "
-                f"({busy['during_syncs']['engine_sm_pct']:.0f}% / "
-                f"{busy['during_syncs']['learners_sm_pct']:.0f}% during syncs)"
+                f"{mode}: engine batch {batch['running']:.1f} requests running "
+                f"({batch['running_outside_syncs'] or 0:.1f} outside syncs, "
+                f"{batch['running_during_syncs'] or 0:.1f} during), {batch['waiting']:.1f} waiting"
+            )
+        if busy := data.get("gpu_busy"):
+            whole, inside, outside = busy["mode"], busy["during_syncs"], busy["outside_syncs"]
+            lines.append(
+                f"{mode}: GPU busy {whole['device_busy_pct']:.0f}% of the mode "
+                f"({inside['device_busy_pct']:.0f}% during syncs, "
+                f"{outside['device_busy_pct']:.0f}% outside); SM share engine "
+                f"{whole['engine_sm_pct']:.0f}%, learners {whole['learners_sm_pct']:.0f}% "
+                f"({inside['engine_sm_pct']:.0f}% / {inside['learners_sm_pct']:.0f}% during "
+                f"syncs); engine process CPU {whole['engine_cpu_pct']:.0f}% "
+                f"({outside['engine_cpu_pct']:.0f}% outside syncs)"
             )
     if {"per_adapter", "global"} <= modes.keys():
         a, b = modes["per_adapter"]["seconds_per_step"], modes["global"]["seconds_per_step"]
