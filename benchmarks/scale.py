@@ -86,7 +86,7 @@ def swap_cost_points(
         print(f"rank {rank}: measured in {time.monotonic() - started:.0f} s", flush=True)
         print(transport_swap.table(result), flush=True)
         adapter_bytes = (pair[0] / "adapter_model.safetensors").stat().st_size
-        for load_kind in ("idle", "under_load"):
+        for load_kind in cfg.loads:
             for transport, figures in result[load_kind].items():
                 points.append(
                     {
@@ -311,11 +311,13 @@ def plot(path: Path) -> list[Path]:
 
 
 def swap_load(args: argparse.Namespace) -> transport_swap.TransportConfig:
-    """The swap-cost part's load, narrowed by ``--transports`` and ``--swapper-samples``."""
+    """The swap-cost part's load, narrowed by ``--transports`` and
+    ``--swapper-samples``, widened by ``--others-apart``."""
     return replace(
         SWAP_LOAD,
         transports=tuple(args.transports.split(",")),
         swapper_samples=args.swapper_samples,
+        loads=transport_swap.LOADS if args.others_apart else SWAP_LOAD.loads,
     )
 
 
@@ -346,6 +348,12 @@ def main() -> int:
         "--swapper-samples",
         action="store_true",
         help="under load the swapper samples too, so its syncs abort and resume its own requests",
+    )
+    parser.add_argument(
+        "--others-apart",
+        action="store_true",
+        help="also measure each round under the same load sent from a process of its own "
+        "(the load 'under_load_apart'), not from the trainer's event loop",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--work", help="where the model and adapters are built (reused)")

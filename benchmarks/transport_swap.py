@@ -29,6 +29,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import tempfile
 import time
@@ -45,6 +47,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("path", "push", "push_stream", "handover", "handover_swap")
 #: What the server is started with: every transport on.
 SERVER_FLAGS = ("--allow-handover", "--push-stream-port", "0")
+#: ``under_load``: the other tenants sample from this process, on the event
+#: loop that times the syncs. ``under_load_apart``: from a process of their
+#: own, as other RL runs would; their client work (56 streams' requests and
+#: answers) then no longer shares the trainer's loop and GIL. The swapper's
+#: own samples (``swapper_samples``) stay here in both: a trainer's rollouts.
+LOADS = ("idle", "under_load", "under_load_apart")
 
 
 @dataclass(frozen=True)
@@ -61,11 +69,15 @@ class TransportConfig:
     #: tenant), so every sync aborts requests of its own and resumes them:
     #: a trainer that syncs while its rollouts run.
     swapper_samples: bool = False
+    #: The loads measured, in this order in every round (:data:`LOADS`).
+    loads: tuple[str, ...] = ("idle", "under_load")
 
     def __post_init__(self) -> None:
         unknown = set(self.transports) - set(TRANSPORTS)
         if unknown or "path" not in self.transports:
             raise ValueError(f"transports must include path and come from {TRANSPORTS}")
+        if not self.loads or set(self.loads) - set(LOADS):
+            raise ValueError(f"loads must come from {LOADS}, got {self.loads}")
 
     @property
     def other_names(self) -> list[str]:
@@ -210,6 +222,65 @@ async def tenants_sampling(
     return tokens
 
 
+class SamplingProcess:
+    """:func:`tenants_sampling` of ``names`` from a process of its own,
+    started at once (``spawn``: this process runs an event loop)."""
+
+    def __init__(
+        self, url: str, api_key: str | None, names: list[str], cfg: TransportConfig
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results, child_end = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_sample_apart,
+            args=(url, api_key, names, cfg, self._stop, child_end),
+            name="others-sampling",
+            daemon=True,
+        )
+        self._process.start()
+
+    async def stop(self, timeout: float = 120.0) -> int:
+        """Stop (requests in flight finish); the tokens the tenants got."""
+        return await asyncio.to_thread(self._stop_and_collect, timeout)
+
+    def _stop_and_collect(self, timeout: float) -> int:
+        self._stop.set()
+        if not self._results.poll(timeout):
+            self._process.kill()
+            raise RuntimeError(f"the others' sampling did not stop in {timeout} s")
+        status, payload = self._results.recv()
+        self._process.join(10)
+        if status != "ok":
+            raise RuntimeError(f"the others' sampling failed: {payload}")
+        return int(payload)
+
+
+def _sample_apart(
+    url: str,
+    api_key: str | None,
+    names: list[str],
+    cfg: TransportConfig,
+    stop: Any,
+    results: multiprocessing.connection.Connection,
+) -> None:
+    async def run() -> int:
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            await asyncio.to_thread(stop.wait)  # the driving process's event
+            done.set()
+
+        async with RemoteInferenceClient(url, api_key=api_key) as client:
+            tokens, _ = await asyncio.gather(tenants_sampling(client, names, cfg, done), watch())
+        return tokens
+
+    try:
+        results.send(("ok", asyncio.run(run())))
+    except BaseException as exc:  # reported to the driving process, which raises it
+        results.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
 async def measure(
     url: str,
     folders: list[Path],
@@ -231,7 +302,7 @@ async def measure(
     config = json.loads((folders[0] / "adapter_config.json").read_text())
     # {load: {transport: [per-round syncs]}}
     times: dict[str, dict[str, list[list[SyncTimes]]]] = {
-        load: {t: [] for t in transports} for load in ("idle", "under_load")
+        load: {t: [] for t in transports} for load in cfg.loads
     }
     async with RemoteInferenceClient(url, api_key=api_key) as client:
         for i, name in enumerate([cfg.swapper, *others]):
@@ -249,14 +320,24 @@ async def measure(
             for round_ in range(cfg.rounds):
                 turn = round_ % len(transports)
                 order = transports[turn:] + transports[:turn]
-                for load in ("idle", "under_load"):
+                for load in cfg.loads:
                     stop = asyncio.Event()
+                    here = {
+                        "idle": [],
+                        "under_load": cfg.samplers,
+                        "under_load_apart": cfg.samplers[len(others) :],
+                    }[load]
                     sampling = (
-                        asyncio.create_task(tenants_sampling(client, cfg.samplers, cfg, stop))
-                        if load == "under_load"
+                        asyncio.create_task(tenants_sampling(client, here, cfg, stop))
+                        if here
                         else None
                     )
-                    if sampling is not None:
+                    apart = (
+                        SamplingProcess(url, api_key, others, cfg)
+                        if load == "under_load_apart"
+                        else None
+                    )
+                    if load != "idle":
                         await asyncio.sleep(1.0)  # the others' streams reach the engine
                     for transport in order:
                         done: list[SyncTimes] = []
@@ -275,6 +356,8 @@ async def measure(
                     stop.set()
                     if sampling is not None:
                         await sampling
+                    if apart is not None and not await apart.stop():
+                        raise RuntimeError("the others' sampling apart got no tokens")
         metrics = client.metrics()
     if metrics.handover_fallbacks:
         raise RuntimeError(f"{metrics.handover_fallbacks} hand-overs fell back to bytes")
@@ -321,7 +404,7 @@ def table(result: dict[str, Any]) -> str:
         "| pause / copy in / weights / resume p50 |"
     ]
     lines.append("| --- | --- | --- | --- | --- | --- |")
-    for load in ("idle", "under_load"):
+    for load in (k for k in LOADS if k in result):
         for transport, fig in result[load].items():
             s, p, r = fig["sync_ms"], fig["pooled"], fig["over_path"]
             parts = " / ".join(f"{fig['parts_ms_p50'][part]:.1f}" for part in SyncTimes.PARTS)

@@ -90,9 +90,39 @@ async def test_with_the_swapper_sampling_every_loaded_sync_resumes_its_own_reque
             await client.unload_lora_adapter(name)
 
 
+async def test_the_others_load_can_run_from_a_process_of_its_own(
+    engine_server: EngineServer,
+) -> None:
+    """``under_load_apart``: the other tenants sample from a spawned process
+    (with the caller's key), the swapper's own streams from the measuring
+    one; the measure raises if that process got no tokens."""
+    folders = [Path(engine_server.model.adapters[n]) for n in ("meow", "woof")]
+    cfg = TransportConfig(
+        rounds=1,
+        swaps=1,
+        others=1,
+        streams=2,
+        max_tokens=64,
+        swapper="transport-apart",
+        transports=("path",),
+        swapper_samples=True,
+        loads=("under_load_apart",),
+    )
+    key = engine_server.admin_key
+    result = await measure(engine_server.url, folders, cfg, strict=False, api_key=key)
+    assert set(result) >= {"under_load_apart"} and "under_load" not in result
+    assert result["under_load_apart"]["path"]["sync_ms"]["median"] > 0
+    assert result["resumed_segments"] > 0  # the swapper's own, resumed here
+    async with RemoteInferenceClient(engine_server.url, api_key=key) as client:
+        for name in ("transport-apart", "other0"):
+            await client.unload_lora_adapter(name)
+
+
 def test_a_transport_load_keeps_path_and_known_transports() -> None:
     assert TransportConfig(others=2).samplers == ["other0", "other1"]
     with pytest.raises(ValueError, match="path"):
         TransportConfig(transports=("handover",))
     with pytest.raises(ValueError, match="path"):
         TransportConfig(transports=("path", "carrier_pigeon"))
+    with pytest.raises(ValueError, match="loads"):
+        TransportConfig(loads=("idle", "rush_hour"))
