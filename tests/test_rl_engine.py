@@ -66,6 +66,7 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
                 started,
             )
             adapters = (await client.list_adapters()).adapters
+            resubmits = client.metrics().resubmits
     (served,) = [a for a in adapters if a.lora_name == "rl-ci"]
     elapsed = time.monotonic() - started
     rewards = [round(s.mean_reward, 3) for s in log.steps]
@@ -95,9 +96,14 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
                     fresh += 1
                     assert math.log(ratio) == pytest.approx(0.0, abs=1e-2), rewards
     assert fresh > 0
-    # Syncs aborted in-flight samples, which the client resumed on the next version.
+    # Syncs aborted in-flight samples, which the client resubmitted on the next version.
     assert sum(s.aborted for s in log.swaps) > 0
-    assert log.resumed > 0
+    assert resubmits > 0
+    # (Samples whose tokens span two requests, ``log.resumed``, need a sync to
+    # land mid-generation: on a 2-core machine the learner's step can starve
+    # the engine so that every aborted request still had no token; seen in 3
+    # of 5 runs at f0d9b61, 4 requests aborted at each of 6 syncs, none
+    # resumed with tokens. The stitching of such samples is tested alone.)
 
     assert rewards[0] <= 0.1, rewards
     # Reached within STEPS: a run that never learns runs all of them and ends below.
@@ -167,15 +173,22 @@ async def _until(ready: Any, timeout_s: float = 30.0) -> None:
 
 
 async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any) -> None:
-    """The RL report's engine figures come from counters polled off
-    ``/metrics``: their names must be the ones this vLLM exports, or every
-    mode would read 0 tokens and the prefill figures would say nothing."""
+    """The RL report's engine figures come from counters and gauges polled
+    off ``/metrics``: their names must be the ones this vLLM exports, or
+    every mode would read 0 tokens and the prefill and batch figures would
+    say nothing. The window starts once the engine is idle: requests an
+    earlier test left running (their tokens) once counted in it."""
     import asyncio
+
+    import aiohttp
 
     from examples.rl.engine_rate import (
         CACHED_COUNTER,
         COUNTER,
+        COUNTERS,
         PROMPT_COUNTER,
+        RUNNING_GAUGE,
+        WAITING_GAUGE,
         EngineTokenCounter,
     )
     from examples.rl.report import ModeRun, engine_prefill
@@ -187,7 +200,17 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     stop = asyncio.Event()
     polling = asyncio.create_task(counter.run(stop))
     async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
-        await _until(lambda: bool(counter.times))  # a reading before the request
+        generated, running = counter.readings[COUNTER], counter.readings[RUNNING_GAUGE]
+        waiting = counter.readings[WAITING_GAUGE]
+
+        def idle() -> bool:  # nothing left of an earlier test's requests
+            return (
+                len(generated) >= 3
+                and running[-1] == waiting[-1] == 0
+                and generated[-1] == generated[-3]
+            )
+
+        await _until(idle, timeout_s=60)
         asked = time.monotonic()
         await client.sample_with_retry(
             prompt, num_samples=1, sampling_params={"max_tokens": 9, "ignore_eos": True}
@@ -204,6 +227,11 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     end = counter.times[-1]
 
     assert counter.tokens_between(start, end) == 9
+    async with aiohttp.ClientSession(headers=counter.headers) as session:
+        async with session.get(counter.url) as response:
+            lines = (await response.text()).splitlines()
+    # every name polled is exported (a missing one would read as 0)
+    assert [n for n in COUNTERS if not any(line.startswith(n) for line in lines)] == []
     assert counter.between(PROMPT_COUNTER, start, end) == len(prompt)
     cached = counter.between(CACHED_COUNTER, start, end)
     assert 0 <= cached <= len(prompt)
