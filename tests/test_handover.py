@@ -104,6 +104,35 @@ def test_the_buffer_is_reused_and_the_copy_is_the_servers_own() -> None:
     assert not (handover.SHM_DIR / name).exists()  # close() removes the shared file
 
 
+def test_a_layout_is_planned_once_while_its_tensors_keep_their_shapes(monkeypatch) -> None:
+    """A trainer's updates after the first skip planning (448 validated
+    models for a rank-64 8B adapter); a new shape, dtype or order replans,
+    and the copy still lands each tensor where its description says."""
+    plans = []
+    plan = AdapterHandover._plan
+    monkeypatch.setattr(AdapterHandover, "_plan", lambda self, t: plans.append(1) or plan(self, t))
+    with AdapterHandover(CONFIG) as adapter:
+        adapter.update(lora_tensors(0))
+        adapter.update(lora_tensors(1))
+        assert len(plans) == 1
+        reordered = dict(reversed(list(lora_tensors(2).items())))
+        adapter.update(reordered)
+        assert len(plans) == 2
+        description = {"buffer": request_of(adapter).buffer.model_dump(), "tensors": []}
+        description["tensors"] = [t.model_dump() for t in request_of(adapter).tensors]
+        (copy,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
+        for name, tensor in handover.tensor_views(copy, description).items():
+            assert torch.equal(tensor, reordered[name])
+        grown = {
+            **lora_tensors(3),
+            "base_model.model.layers.1.q_proj.lora_A.weight": torch.ones(4, 8),
+        }
+        adapter.update(grown)
+        assert len(plans) == 3
+        with pytest.raises(ValueError, match="one device"):
+            adapter.update({**grown, "x": torch.zeros(1, device="meta")})
+
+
 def test_the_bytes_fallback_holds_the_same_tensors() -> None:
     tensors = lora_tensors()
     with AdapterHandover(CONFIG) as adapter:
