@@ -146,3 +146,23 @@ def test_the_time_outside_windows() -> None:
 
 def test_no_gpu_means_no_poll() -> None:
     assert GpuBusy.open(index=99) is None
+
+
+def test_the_poll_reads_until_stopped_and_once_after() -> None:
+    import asyncio
+
+    busy = GpuBusy(FakeNvml(device=[50.0] * 100, processes=[None] * 100), None, interval=0.02)
+
+    async def run_briefly() -> float:
+        stop = asyncio.Event()
+        polling = asyncio.create_task(busy.run(stop))
+        await asyncio.sleep(0.2)
+        stop.set()
+        stopped = time.monotonic()
+        await polling
+        return stopped
+
+    stopped = asyncio.run(run_briefly())
+    assert len(busy.times) >= 3
+    assert busy.times[-1] >= stopped  # the last reading came after the stop
+    assert busy.between(busy.times[0], busy.times[-1])["device_busy_pct"] == 50.0

@@ -24,7 +24,7 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 
@@ -36,6 +36,18 @@ RUNNING_GAUGE = "vllm:num_requests_running"
 WAITING_GAUGE = "vllm:num_requests_waiting"
 #: What :class:`EngineTokenCounter` reads on every poll.
 COUNTERS = (COUNTER, PROMPT_COUNTER, CACHED_COUNTER, RUNNING_GAUGE, WAITING_GAUGE)
+
+
+async def poll(read: Callable[[], Awaitable[None]], stop: asyncio.Event, interval: float) -> None:
+    """``read()`` every ``interval`` seconds until ``stop`` is set, and once after."""
+    while True:
+        await read()
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
 
 
 def parse_counter(text: str, name: str = COUNTER) -> float:
@@ -61,7 +73,8 @@ class EngineTokenCounter:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set (one last reading after it)."""
         async with aiohttp.ClientSession(headers=self.headers) as session:
-            while True:
+
+            async def read() -> None:
                 asked = time.monotonic()
                 async with session.get(self.url) as response:
                     response.raise_for_status()  # a refused poll is not zero tokens
@@ -70,12 +83,8 @@ class EngineTokenCounter:
                 self.times.append((asked + time.monotonic()) / 2)
                 for name, readings in self.readings.items():
                     readings.append(parse_counter(text, name))
-                if stop.is_set():
-                    return
-                try:
-                    await asyncio.wait_for(stop.wait(), self.interval)
-                except asyncio.TimeoutError:
-                    pass
+
+            await poll(read, stop, self.interval)
 
     def count_at(self, at: float, name: str = COUNTER) -> float:
         """Counter ``name`` at ``at``, linear between readings, clamped at the ends."""

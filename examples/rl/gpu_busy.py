@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from examples.rl.engine_rate import poll
+
 ENGINE_TITLE = b"VLLM"
 
 
@@ -88,14 +90,7 @@ class GpuBusy:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set (one last reading after it)."""
-        while True:
-            await asyncio.to_thread(self.read)
-            if stop.is_set():
-                return
-            try:
-                await asyncio.wait_for(stop.wait(), self.interval)
-            except asyncio.TimeoutError:
-                pass
+        await poll(lambda: asyncio.to_thread(self.read), stop, self.interval)
 
     def read(self) -> None:
         nvml, handle = self._nvml, self._handle

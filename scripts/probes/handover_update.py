@@ -23,33 +23,13 @@ the median, p90 and max in ms of the calling thread's time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from handover_steps import summary, tensors  # this folder's probe: the 8B adapter's shapes
 
 from skyrl_lora.client import AdapterHandover
-
-MODULES = {  # the 8B shape's (in, out) per LoRA-wrapped linear layer
-    "q_proj": (4096, 4096),
-    "k_proj": (4096, 1024),
-    "v_proj": (4096, 1024),
-    "o_proj": (4096, 4096),
-    "gate_proj": (4096, 14336),
-    "up_proj": (4096, 14336),
-    "down_proj": (14336, 4096),
-}
-
-
-def adapter_tensors(rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for layer in range(32):
-        for module, (fan_in, fan_out) in MODULES.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, dtype=dtype, device="cuda")
-            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(fan_out, rank, dtype=dtype, device="cuda")
-    return tensors
 
 
 def timed(step: Callable[[], None], rounds: int) -> list[float]:
@@ -71,34 +51,29 @@ def main() -> None:
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, rank {args.rank}")
     for source, dtype in (("bfloat16", None), ("float32", "bfloat16")):
-        tensors = adapter_tensors(args.rank, getattr(torch, source))
+        weights = {k: v.to(getattr(torch, source)) for k, v in tensors(args.rank).items()}
         adapter = AdapterHandover({"r": args.rank}, dtype=dtype)
 
         def update() -> None:
-            adapter.update(tensors)
+            adapter.update(weights)
 
         def update_sync() -> None:
-            adapter.update(tensors)
+            adapter.update(weights)
             torch.cuda.synchronize()
 
         def replan_sync() -> None:
             adapter._signature = []  # as if the layout were new: planned again
-            adapter.update(tensors)
+            adapter.update(weights)
             torch.cuda.synchronize()
 
-        mb = sum(t.numel() * 2 for t in tensors.values()) / 2**20  # in the bf16 buffer
-        print(f"## {len(tensors)} {source} tensors into a {dtype or source} buffer ({mb:.0f} MB)")
+        mb = sum(t.numel() * 2 for t in weights.values()) / 2**20  # in the bf16 buffer
+        print(f"## {len(weights)} {source} tensors into a {dtype or source} buffer ({mb:.0f} MB)")
         for name, step in (
             ("update", update),
             ("update + synchronize", update_sync),
             ("replan + synchronize", replan_sync),
         ):
-            times = sorted(timed(step, args.rounds))
-            p90 = times[int(0.9 * (len(times) - 1))]
-            print(
-                f"{name:22} median {statistics.median(times):6.2f}  p90 {p90:6.2f}  "
-                f"max {times[-1]:6.2f} ms"
-            )
+            print(summary(name, timed(step, args.rounds)))
         adapter.close()
 
 
