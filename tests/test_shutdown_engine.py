@@ -30,12 +30,26 @@ pytestmark = pytest.mark.engine
 #: The issue's bounds: a clean stop within 30 s, the reaper within 15 s of a kill.
 CLEAN_STOP_S = 30.0
 REAPED_WITHIN_S = 15.0
+SAMPLES = 64
 
 
 def _long_sample(url: str, answer: dict[str, Any]) -> None:
+    """64 samples of 900 tokens in one request, so that the engine is still
+    generating when the signal comes: on the 2-core CPU machine 32 took it
+    8 s and 96 took 21 s. With one sample (2.5-3.5 s of generation) the
+    sample had finished before the signal in 2 of 3 runs at e681bb0: the
+    engine takes both cores, and the test's own ``/metrics`` poll, and the
+    API process that answers it, were starved for up to 5 s. With 8
+    samples it had finished in 3 of 13 runs."""
     body = {
         "prompt_token_ids": [1, 2, 3],
-        "sampling_params": {"max_tokens": 900, "temperature": 0.0, "ignore_eos": True},
+        "num_samples": SAMPLES,
+        "sampling_params": {
+            "max_tokens": 900,
+            "temperature": 1.0,
+            "seed": 0,
+            "ignore_eos": True,
+        },
     }
     try:
         reply = requests.post(f"{url}/skyrl/v1/sample", json=body, timeout=60)
@@ -99,9 +113,11 @@ def test_serve_leaves_no_process_behind(
         # The request in flight was aborted and answered with what it had, not
         # left to run until the grace ran out and cut off.
         assert answer.get("status") == 200, answer
-        (sequence,) = answer["body"]["sequences"]
-        assert sequence["stop_reason"] == "abort", json.dumps(sequence)[:200]
-        assert 0 < len(sequence["tokens"]) < 900
+        sequences = answer["body"]["sequences"]
+        assert len(sequences) == SAMPLES
+        for sequence in sequences:
+            assert sequence["stop_reason"] == "abort", json.dumps(sequence)[:200]
+            assert 0 < len(sequence["tokens"]) < 900
     finally:
         server.kill_all()
 
