@@ -50,6 +50,7 @@ from examples.rl.report import (
     plot,
     reward_rows,
     summarize,
+    sync_ceiling,
     table,
     write_json,
 )
@@ -362,6 +363,7 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         },
         "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant,
         "order_balanced": order_balanced(modes),
+        "tokens_per_s_ceiling": sync_ceiling(modes),
         "summary": summary,
     }
 

@@ -330,6 +330,66 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
     return out
 
 
+def sync_ceiling(modes: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the global pause's syncs cost its engine, and how much of it
+    each other mode won back; None without a global mode.
+
+    The per-adapter pause can win only the tokens the global pause loses
+    while the engine is stopped for a sync: were its engine to run at the
+    global mode's rate outside syncs and lose nothing to syncs, its tokens/s
+    over the global's would be the global's rate outside syncs over its rate
+    for the whole mode (``ceiling``). That bounds the tokens/s ratio a
+    workload can show: it grows with the syncs per second (tenants over
+    seconds per step) and with a sync's stall, not with anything the
+    per-adapter path does. ``won`` is the share of ``ceiling - 1`` a mode's
+    tokens/s ratio reached (1 = all of it). Means over a mode's positions.
+    """
+    cost: dict[str, list[float]] = {}
+    rate: dict[str, list[float]] = {}
+    for mode, data in modes.items():
+        base = mode.split("#")[0]
+        if data["engine_tok_s"]:
+            cost.setdefault(base, []).append(
+                data["engine_tok_s_outside_swaps"] / data["engine_tok_s"]
+            )
+        tok_s = data["median_over_tenants"]["tokens_per_s"]
+        if tok_s is not None:
+            rate.setdefault(base, []).append(tok_s)
+    if "global" not in cost or "global" not in rate:
+        return None
+    mean = {base: sum(v) / len(v) for base, v in cost.items()}
+    ceiling = mean["global"]
+    ratios = {
+        base: (sum(v) / len(v)) / (sum(rate["global"]) / len(rate["global"]))
+        for base, v in rate.items()
+        if base != "global"
+    }
+    return {
+        "engine_outside_over_whole": mean,
+        "ceiling": ceiling,
+        "tokens_per_s_over_global": ratios,
+        "won": {
+            base: (r - 1) / (ceiling - 1) if ceiling > 1 else None for base, r in ratios.items()
+        },
+    }
+
+
+def ceiling_lines(modes: Mapping[str, Any]) -> list[str]:
+    """:func:`sync_ceiling` in words."""
+    found = sync_ceiling(modes)
+    if found is None:
+        return []
+    lines = [
+        f"global: its engine made {found['ceiling']:.3f}x as many tokens/s outside syncs as "
+        f"over the whole mode: what a mode that loses nothing to syncs gains over it"
+    ]
+    for base, ratio in found["tokens_per_s_over_global"].items():
+        won = found["won"][base]
+        share = "n/a" if won is None else f"{won:.0%} of the gain"
+        lines.append(f"{base}: tokens/s {ratio:.3f}x the global pause's ({share})")
+    return lines
+
+
 def _fmt_s(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
 
@@ -431,6 +491,7 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"syncs); engine process CPU {whole['engine_cpu_pct']:.0f}% "
                 f"({outside['engine_cpu_pct']:.0f}% outside syncs)"
             )
+    lines.extend(ceiling_lines(modes))
     if {"per_adapter", "global"} <= modes.keys():
         a, b = modes["per_adapter"]["seconds_per_step"], modes["global"]["seconds_per_step"]
         lines.append(f"seconds per step, per-adapter / global: {a:.2f} / {b:.2f} = {a / b:.2f}")
