@@ -11,8 +11,9 @@ Layers, lowest first; each imports only from those below it::
     compat, observability,      the one door to vLLM, metrics and event lines, the
     loop_monitor, step_watch,   event-loop watch, the engine's long-step log,
     reaper, logits_guard,       process cleanup, the sampler's guard against
-    presets, embedded/          non-finite logits, and the embedded model's flags
-                                and builder
+    lora_metadata,              non-finite logits, the LoRA kernels' metadata
+    presets, embedded/          prepared on the host, and the embedded model's
+                                flags and builder
 
 ``tests/test_import_layers.py`` checks the order and that nothing imports in
 a cycle. Importing this package is cheap: the modules that need vLLM import

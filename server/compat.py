@@ -531,6 +531,25 @@ class _GuardedSampler:
         return getattr(self.sampler, name)
 
 
+def punica_wrappers(model_runner: Any) -> list[Any]:
+    """The model's Punica wrappers whose LoRA kernels take per-step metadata
+    objects (``token_mapping_meta``, ``prompt_mapping_meta``: the GPU
+    wrapper, 0.26 and 0.32); none where LoRA is off or the backend prepares
+    no such metadata (the CPU build's wrapper)."""
+    manager = lora_model_manager(getattr(model_runner, "lora_manager", None))
+    if manager is None:
+        return []
+    wrappers = getattr(manager, "punica_wrapper_mapping", None)
+    found = list(wrappers.values()) if isinstance(wrappers, dict) else []
+    if not found and getattr(manager, "punica_wrapper", None) is not None:
+        found = [manager.punica_wrapper]
+    return [
+        w
+        for w in {id(w): w for w in found}.values()
+        if hasattr(w, "token_mapping_meta") and hasattr(w, "prompt_mapping_meta")
+    ]
+
+
 def wrap_sampler(model_runner: Any, guard: Any) -> bool:
     """Run ``guard`` (a :class:`..logits_guard.LogitsGuard`) around the
     worker's sampler; False where the model runner has none.

@@ -445,6 +445,10 @@ class ServerInfo(_Wire):
     #: unguarded, vLLM 0.26's GPU sampler may draw past the vocabulary and
     #: take the engine down.
     logits_guard: bool = False
+    #: Whether the LoRA kernels' per-step metadata is prepared on the host,
+    #: sparing the engine's step two GPU syncs (``skyrl_lora.server.lora_metadata``;
+    #: False on the CPU build, whose kernels take none).
+    host_lora_metadata: bool = False
     #: The TCP port that takes a push's weights outside HTTP
     #: (``serve --push-stream-port``; :class:`PushStreamRequest`), on the
     #: server's own host; None where pushes go in the HTTP body only.

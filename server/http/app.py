@@ -214,6 +214,14 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         f"token); 0 for none (default {DEFAULT_LONG_STEP_S * 1000:g})",
     )
     group.add_argument(
+        "--no-host-lora-metadata",
+        dest="host_lora_metadata",
+        action="store_false",
+        help="let vLLM prepare the LoRA kernels' per-step metadata from the device mapping, "
+        "which waits for the GPU twice a step (for measurement; by default it is prepared on "
+        "the host)",
+    )
+    group.add_argument(
         "--stall-stacks",
         action="store_true",
         help="sample the API event loop's stack while it is late and log the stacks seen "
@@ -339,6 +347,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
             staging_yield=staging_yield(args),
             pinned_reserve=pinned_reserve(args),
             long_step_s=args.long_step_ms / 1000 if args.long_step_ms > 0 else None,
+            host_lora_metadata=getattr(args, "host_lora_metadata", True),
         ),
     )
     if getattr(args, "enable_lora", False):
@@ -412,6 +421,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         resume_pacing_sees_steps=pacing_sees_steps,
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
+        host_lora_metadata=lora_engine.host_lora_metadata,
         push_stream_port=None if push_stream is None else push_stream.port,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,

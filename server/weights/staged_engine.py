@@ -100,6 +100,9 @@ class StagingConfig:
     #: Log each worker's engine steps longer than this as ``engine_long_step``
     #: events (:mod:`skyrl_lora.server.step_watch`); None: none.
     long_step_s: float | None = DEFAULT_LONG_STEP_S
+    #: Prepare the LoRA kernels' per-step metadata on the host, without the
+    #: two GPU syncs vLLM's own preparation makes (:mod:`skyrl_lora.server.lora_metadata`).
+    host_lora_metadata: bool = True
 
 
 class StagingError(Exception):
@@ -126,6 +129,8 @@ class StagedLoRAEngine:
         self.reader_process = False
         self.staging_yield = False
         self.logits_guard = False
+        #: Whether every worker prepares the LoRA kernels' metadata on the host.
+        self.host_lora_metadata = False
         #: Pinned host bytes the workers reserved for stagings before serving.
         self.pinned_reserve_bytes = 0
         #: Steps longer than this are logged on every worker (None: not watched).
@@ -171,6 +176,7 @@ class StagedLoRAEngine:
                 None if config.pinned_reserve is None else asdict(config.pinned_reserve),
                 config.long_step_s,
                 config.open_shares,
+                config.host_lora_metadata,
             )
             self.available = True
             if self._config.long_step_s is not None and all(
@@ -194,6 +200,7 @@ class StagedLoRAEngine:
             self.staging_yield = all(p["staging_yield"] for p in parts)
             self.device_uuids = frozenset(p["device_uuid"] for p in parts if p["device_uuid"])
             self.logits_guard = all(p.get("logits_guard") for p in parts)
+            self.host_lora_metadata = all(p.get("host_lora_metadata") for p in parts)
             if not self.logits_guard:
                 logger.warning("a worker has no sampler to guard: NaN logits may kill the engine")
             if all(p.get("status_files") for p in parts):

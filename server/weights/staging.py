@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from .. import compat, lora_metadata
 from ..logits_guard import LogitsGuard
 from ..loop_monitor import watch_engine_collections
 from ..observability import (
@@ -804,6 +804,7 @@ class LoRAStagingExtension:
         pinned_reserve: dict[str, Any] | None = None,
         long_step_s: float | None = None,
         open_shares: int = DEFAULT_OPEN_SHARES,
+        host_lora_metadata: bool = True,
     ) -> dict[str, Any]:
         """Set staging up (once, at the server's start); says which parts are on
         and which GPU the worker drives (``device_uuid``, None on a CPU).
@@ -818,6 +819,8 @@ class LoRAStagingExtension:
         ``pinned_reserve``: :class:`PinnedReserve`'s fields (None: no reserve).
         ``long_step_s``: log steps longer than this (:mod:`..step_watch`; None: none).
         ``open_shares``: trainers' CUDA shares kept open (:mod:`.open_shares`).
+        ``host_lora_metadata``: prepare the LoRA kernels' per-step metadata on
+        the host, without vLLM's two GPU syncs (:mod:`..lora_metadata`).
         """
         watch_engine_collections()
         stager = self._skyrl_stager(
@@ -831,6 +834,7 @@ class LoRAStagingExtension:
             "long_step_watch": watching,
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
+            "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
             "slot_prefill": stager.slot_prefill,
             "gpu_staging": stager.gpu_staging,
             "open_shares": stager.open_shares,
@@ -841,6 +845,14 @@ class LoRAStagingExtension:
             "stage_socket": stager.listen(),
             "worker": stager.worker_token,
         }
+
+    def _skyrl_host_lora_metadata(self) -> bool:
+        """Prepare the LoRA kernels' metadata on the host (False where the
+        model has no GPU Punica wrapper: the CPU build)."""
+        wrappers = compat.punica_wrappers(getattr(self, "model_runner", None))
+        for wrapper in wrappers:
+            lora_metadata.install(wrapper)
+        return bool(wrappers)
 
     def _skyrl_watch_steps(self, stager: _WorkerStaging, long_step_s: float) -> bool:
         """Log this worker's long steps (once per worker)."""
