@@ -6,6 +6,7 @@ one set of scenarios, two engines.
 """
 
 from tests.test_client_engine import *  # noqa: F403
+from tests.test_prompt_logprobs_engine import *  # noqa: F403
 from tests.test_push_engine import (  # noqa: F401 (the tenant-key test needs API keys)
     admin,
     test_bad_pushes_get_400_and_the_old_version_serves,

@@ -550,6 +550,61 @@ def punica_wrappers(model_runner: Any) -> list[Any]:
     ]
 
 
+def per_request_prompt_logits(model_runner: Any) -> bool:
+    """Compute each request's prompt logprobs with its own adapter's logits
+    mapping (the CPU build, 0.32); False where nothing needs it.
+
+    The V1 model runner computes a request's prompt logprobs from its
+    prompt's hidden states alone (``_get_prompt_logprobs_dict``), through
+    the LoRA logits layer, which applies the mapping of the step's sampled
+    rows: one per request. On the CPU build's Punica wrapper that is an
+    einsum over rows of two lengths, so a step with a prompt-logprobs
+    request and any other request of another adapter raised, and took the
+    engine down with every tenant's requests (two tenants' ``compute_logprobs``
+    at once did it). While a request's prompt logits are computed, the
+    sampled rows' mapping is set to that request's slot for each of its rows.
+    """
+    get = getattr(model_runner, "_get_prompt_logprobs_dict", None)
+    model = getattr(model_runner, "model", None)
+    manager = lora_model_manager(getattr(model_runner, "lora_manager", None))
+    wrappers = getattr(manager, "punica_wrapper_mapping", None)
+    punicas = [
+        w
+        for w in (wrappers.values() if isinstance(wrappers, dict) else ())
+        if not hasattr(w, "token_mapping_meta")  # the GPU wrapper's kernels take metadata
+        and all(hasattr(w, a) for a in ("_sampler_indices", "_token_lora_indices", "indices_len"))
+    ]
+    if get is None or model is None or len(punicas) != 1:
+        return False
+    (punica,) = punicas
+
+    def prompt_logprobs_per_request(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        compute = model.compute_logits
+
+        def one_request(prompt_hidden_states: Any) -> Any:
+            row_bytes = hidden_states.stride(0) * hidden_states.element_size()
+            offset = (prompt_hidden_states.data_ptr() - hidden_states.data_ptr()) // row_bytes
+            rows = prompt_hidden_states.shape[0]
+            saved_len = punica.indices_len[1]
+            saved = punica._sampler_indices[:rows].clone()
+            punica._sampler_indices[:rows] = punica._token_lora_indices[offset]
+            punica.indices_len[1] = rows
+            try:
+                return compute(prompt_hidden_states)
+            finally:
+                punica._sampler_indices[:rows] = saved
+                punica.indices_len[1] = saved_len
+
+        model.compute_logits = one_request
+        try:
+            return get(hidden_states, *args, **kwargs)
+        finally:
+            del model.compute_logits
+
+    model_runner._get_prompt_logprobs_dict = prompt_logprobs_per_request
+    return True
+
+
 def wrap_sampler(model_runner: Any, guard: Any) -> bool:
     """Run ``guard`` (a :class:`..logits_guard.LogitsGuard`) around the
     worker's sampler; False where the model runner has none.

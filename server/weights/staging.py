@@ -821,6 +821,9 @@ class LoRAStagingExtension:
         ``open_shares``: trainers' CUDA shares kept open (:mod:`.open_shares`).
         ``host_lora_metadata``: prepare the LoRA kernels' per-step metadata on
         the host, without vLLM's two GPU syncs (:mod:`..lora_metadata`).
+        Each request's prompt logprobs are computed with its own adapter's
+        logits mapping where the build needs it
+        (:func:`..compat.per_request_prompt_logits`).
         """
         watch_engine_collections()
         stager = self._skyrl_stager(
@@ -835,6 +838,9 @@ class LoRAStagingExtension:
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
+            "prompt_logits_per_request": compat.per_request_prompt_logits(
+                getattr(self, "model_runner", None)
+            ),
             "slot_prefill": stager.slot_prefill,
             "gpu_staging": stager.gpu_staging,
             "open_shares": stager.open_shares,
