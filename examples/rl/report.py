@@ -336,40 +336,45 @@ def sync_ceiling(modes: Mapping[str, Any]) -> dict[str, Any] | None:
 
     The per-adapter pause can win only the tokens the global pause loses
     while the engine is stopped for a sync: were its engine to run at the
-    global mode's rate outside syncs and lose nothing to syncs, its tokens/s
-    over the global's would be the global's rate outside syncs over its rate
-    for the whole mode (``ceiling``). That bounds the tokens/s ratio a
+    global mode's rate outside syncs and lose nothing to syncs, it would
+    make the global's rate outside syncs over its rate for the whole mode
+    (``ceiling``) times the global's engine tokens. That bounds the gain a
     workload can show: it grows with the syncs per second (tenants over
     seconds per step) and with a sync's stall, not with anything the
     per-adapter path does. ``won`` is the share of ``ceiling - 1`` a mode's
-    tokens/s ratio reached (1 = all of it). Means over a mode's positions.
+    engine tokens/s over the global's reached (1 = all of it), in the
+    engine's counter, which the ceiling is measured in; the tenants' median
+    tokens/s over the global's is given beside it. Means over a mode's
+    positions.
     """
-    cost: dict[str, list[float]] = {}
-    rate: dict[str, list[float]] = {}
+    by_base: dict[str, list[Mapping[str, Any]]] = {}
     for mode, data in modes.items():
-        base = mode.split("#")[0]
-        if data["engine_tok_s"]:
-            cost.setdefault(base, []).append(
-                data["engine_tok_s_outside_swaps"] / data["engine_tok_s"]
-            )
-        tok_s = data["median_over_tenants"]["tokens_per_s"]
-        if tok_s is not None:
-            rate.setdefault(base, []).append(tok_s)
-    if "global" not in cost or "global" not in rate:
+        by_base.setdefault(mode.split("#")[0], []).append(data)
+    if "global" not in by_base:
         return None
-    mean = {base: sum(v) / len(v) for base, v in cost.items()}
-    ceiling = mean["global"]
-    ratios = {
-        base: (sum(v) / len(v)) / (sum(rate["global"]) / len(rate["global"]))
-        for base, v in rate.items()
-        if base != "global"
+
+    def mean(base: str, figure: Any) -> float:
+        return sum(figure(d) for d in by_base[base]) / len(by_base[base])
+
+    whole = {base: mean(base, lambda d: d["engine_tok_s"]) for base in by_base}
+    outside = {base: mean(base, lambda d: d["engine_tok_s_outside_swaps"]) for base in by_base}
+    tenants = {
+        base: mean(base, lambda d: d["median_over_tenants"]["tokens_per_s"] or 0.0)
+        for base in by_base
     }
+    ceiling = outside["global"] / whole["global"]
+    others = [base for base in by_base if base != "global"]
+    engine = {base: whole[base] / whole["global"] for base in others}
     return {
-        "engine_outside_over_whole": mean,
+        "engine_outside_over_whole": {base: outside[base] / whole[base] for base in by_base},
         "ceiling": ceiling,
-        "tokens_per_s_over_global": ratios,
+        "engine_tokens_per_s_over_global": engine,
         "won": {
-            base: (r - 1) / (ceiling - 1) if ceiling > 1 else None for base, r in ratios.items()
+            base: (engine[base] - 1) / (ceiling - 1) if ceiling > 1 else None for base in others
+        },
+        "tenants_tokens_per_s_over_global": {
+            base: tenants[base] / tenants["global"] if tenants["global"] else None
+            for base in others
         },
     }
 
@@ -383,10 +388,14 @@ def ceiling_lines(modes: Mapping[str, Any]) -> list[str]:
         f"global: its engine made {found['ceiling']:.3f}x as many tokens/s outside syncs as "
         f"over the whole mode: what a mode that loses nothing to syncs gains over it"
     ]
-    for base, ratio in found["tokens_per_s_over_global"].items():
+    for base, ratio in found["engine_tokens_per_s_over_global"].items():
         won = found["won"][base]
         share = "n/a" if won is None else f"{won:.0%} of the gain"
-        lines.append(f"{base}: tokens/s {ratio:.3f}x the global pause's ({share})")
+        tenants = found["tenants_tokens_per_s_over_global"][base]
+        lines.append(
+            f"{base}: engine tokens/s {ratio:.3f}x the global pause's ({share}); "
+            f"tenants' median tokens/s {_fmt(tenants, '.3f')}x"
+        )
     return lines
 
 
