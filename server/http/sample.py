@@ -50,26 +50,7 @@ class Sampler:
         prompt = compat.tokens_prompt(list(request.prompt_token_ids))
         if request.generated_prefix_len:
             self._engine.gate.counters.resumed_segments += 1
-        for attempt in range(1, NONFINITE_ATTEMPTS + 1):
-            final, version = await self._run(request, prompt, params)
-            sequences = [
-                self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
-            ]
-            at = _first_nonfinite(sequences)
-            if at is None:
-                break
-            if attempt == NONFINITE_ATTEMPTS:
-                who = (
-                    "the base model"
-                    if request.lora_name is None
-                    else f"adapter {request.lora_name!r} v{version}"
-                )
-                raise NonFiniteLogitsError(
-                    f"{who} produced NaN or infinite logits (first at generated "
-                    f"token {at}, {attempt} attempts): its weights overflow the model's "
-                    "activations, so the sample is refused; load a good version"
-                )
-            log_event("nonfinite_logits_retry", lora_name=request.lora_name, version=version, at=at)
+        final, version, sequences = await self._run(request, prompt, params)
         if request.generated_prefix_len and params.stop:
             tokenizer = await compat.get_tokenizer(self._engine.engine_client)
             prefix = request.prompt_token_ids[-request.generated_prefix_len :]
@@ -85,20 +66,60 @@ class Sampler:
 
     async def _run(
         self, request: SampleRequest, prompt: Any, params: Any
-    ) -> tuple[Any, int | None]:
+    ) -> tuple[Any, int | None, list[SampledSequence]]:
         """One engine request for ``request``, through its adapter's gate: the
-        final output and the adapter version that served it."""
+        final output, the adapter version that served it, and its sequences.
+
+        A sample drawn from non-finite logits runs again inside the same
+        admission, under the same request id: on the same version (one
+        admitted before a ``finish_old`` load keeps its old version, where a
+        second admission would take the new one), and a pause in the
+        meantime still aborts it.
+        """
         request_id = f"skyrl-sample-{uuid.uuid4().hex}"
         if request.lora_name is None:
-            return await self._engine.final_output(prompt, params, request_id, None), None
+            return await self._attempts(request, prompt, params, request_id, None, None)
         async with self._engine.admitted(
             request.lora_name,
             request_id,
             request.lora_version,
             prefill_tokens=len(request.prompt_token_ids) * request.num_samples,
         ) as record:
-            final = await self._engine.final_output(prompt, params, request_id, record.lora_request)
-            return final, record.version
+            return await self._attempts(
+                request, prompt, params, request_id, record.lora_request, record.version
+            )
+
+    async def _attempts(
+        self,
+        request: SampleRequest,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        lora: Any,
+        version: int | None,
+    ) -> tuple[Any, int | None, list[SampledSequence]]:
+        """Up to ``NONFINITE_ATTEMPTS`` runs until one has only finite logprobs."""
+        for attempt in range(1, NONFINITE_ATTEMPTS + 1):
+            final = await self._engine.final_output(prompt, params, request_id, lora)
+            sequences = [
+                self._sequence(o, version) for o in sorted(final.outputs, key=lambda o: o.index)
+            ]
+            at = _first_nonfinite(sequences)
+            if at is None:
+                return final, version, sequences
+            if attempt == NONFINITE_ATTEMPTS:
+                who = (
+                    "the base model"
+                    if request.lora_name is None
+                    else f"adapter {request.lora_name!r} v{version}"
+                )
+                raise NonFiniteLogitsError(
+                    f"{who} produced NaN or infinite logits (first at generated "
+                    f"token {at}, {attempt} attempts): its weights overflow the model's "
+                    "activations, so the sample is refused; load a good version"
+                )
+            log_event("nonfinite_logits_retry", lora_name=request.lora_name, version=version, at=at)
+        raise AssertionError("NONFINITE_ATTEMPTS is at least 1")
 
     @staticmethod
     def _sampling_params(request: SampleRequest, room: int) -> Any:
