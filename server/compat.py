@@ -531,11 +531,8 @@ class _GuardedSampler:
         return getattr(self.sampler, name)
 
 
-def punica_wrappers(model_runner: Any) -> list[Any]:
-    """The model's Punica wrappers whose LoRA kernels take per-step metadata
-    objects (``token_mapping_meta``, ``prompt_mapping_meta``: the GPU
-    wrapper, 0.26 and 0.32); none where LoRA is off or the backend prepares
-    no such metadata (the CPU build's wrapper)."""
+def _all_punica_wrappers(model_runner: Any) -> list[Any]:
+    """The model's Punica wrappers, each once (none where LoRA is off)."""
     manager = lora_model_manager(getattr(model_runner, "lora_manager", None))
     if manager is None:
         return []
@@ -543,9 +540,17 @@ def punica_wrappers(model_runner: Any) -> list[Any]:
     found = list(wrappers.values()) if isinstance(wrappers, dict) else []
     if not found and getattr(manager, "punica_wrapper", None) is not None:
         found = [manager.punica_wrapper]
+    return list({id(w): w for w in found}.values())
+
+
+def punica_wrappers(model_runner: Any) -> list[Any]:
+    """The model's Punica wrappers whose LoRA kernels take per-step metadata
+    objects (``token_mapping_meta``, ``prompt_mapping_meta``: the GPU
+    wrapper, 0.26 and 0.32); none where LoRA is off or the backend prepares
+    no such metadata (the CPU build's wrapper)."""
     return [
         w
-        for w in {id(w): w for w in found}.values()
+        for w in _all_punica_wrappers(model_runner)
         if hasattr(w, "token_mapping_meta") and hasattr(w, "prompt_mapping_meta")
     ]
 
@@ -566,11 +571,9 @@ def per_request_prompt_logits(model_runner: Any) -> bool:
     """
     get = getattr(model_runner, "_get_prompt_logprobs_dict", None)
     model = getattr(model_runner, "model", None)
-    manager = lora_model_manager(getattr(model_runner, "lora_manager", None))
-    wrappers = getattr(manager, "punica_wrapper_mapping", None)
     punicas = [
         w
-        for w in (wrappers.values() if isinstance(wrappers, dict) else ())
+        for w in _all_punica_wrappers(model_runner)
         if not hasattr(w, "token_mapping_meta")  # the GPU wrapper's kernels take metadata
         and all(hasattr(w, a) for a in ("_sampler_indices", "_token_lora_indices", "indices_len"))
     ]
