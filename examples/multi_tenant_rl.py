@@ -36,7 +36,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from examples.rl.report import (
     median_time,
     mode_table,
     plot,
+    position_means,
     reward_rows,
     summarize,
     sync_ceiling,
@@ -373,17 +374,16 @@ def order_balanced(modes: dict[str, Any]) -> dict[str, Any]:
     ...: an ABBA order puts every mode first once), and its ratio to the
     global pause's, for the figures a single order skews."""
     keys = ("time_to_target_s", "tokens_per_s", "on_policy_share", "seconds_per_step")
-    by_base: dict[str, dict[str, list[float]]] = {}
-    for mode, data in modes.items():
-        base = mode.split("#")[0]
-        for key in keys:
-            value = data["median_over_tenants"][key]
-            if value is not None:
-                by_base.setdefault(base, {}).setdefault(key, []).append(value)
+
+    def median_of(key: str) -> Callable[[Mapping[str, Any]], float | None]:
+        return lambda data: data["median_over_tenants"][key]  # type: ignore[no-any-return]
+
+    by_key = {key: position_means(modes, median_of(key)) for key in keys}
+    bases = dict.fromkeys(mode.split("#")[0] for mode in modes)
     means = {
-        base: {key: sum(v) / len(v) for key, v in figures.items()}
-        for base, figures in by_base.items()
+        base: {key: by_key[key][base] for key in keys if base in by_key[key]} for base in bases
     }
+    means = {base: figures for base, figures in means.items() if figures}
     ratios = {
         f"{key}_{base}_over_global": means[base][key] / means["global"][key]
         for base in means

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,6 +330,20 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
     return out
 
 
+def position_means(
+    modes: Mapping[str, Any], figure: Callable[[Mapping[str, Any]], float | None]
+) -> dict[str, float]:
+    """Each mode's mean of ``figure`` over its positions in the run
+    (``mode``, ``mode#2``, ...), in the order the modes first ran; a mode
+    whose figure is None in every position is left out."""
+    values: dict[str, list[float]] = {}
+    for mode, data in modes.items():
+        value = figure(data)
+        if value is not None:
+            values.setdefault(mode.split("#")[0], []).append(value)
+    return {base: sum(v) / len(v) for base, v in values.items()}
+
+
 def sync_ceiling(modes: Mapping[str, Any]) -> dict[str, Any] | None:
     """What the global pause's syncs cost its engine, and how much of it
     each other mode won back; None without a global mode.
@@ -347,33 +361,25 @@ def sync_ceiling(modes: Mapping[str, Any]) -> dict[str, Any] | None:
     tokens/s over the global's is given beside it. Means over a mode's
     positions.
     """
-    by_base: dict[str, list[Mapping[str, Any]]] = {}
-    for mode, data in modes.items():
-        by_base.setdefault(mode.split("#")[0], []).append(data)
-    if "global" not in by_base:
+    whole = position_means(modes, lambda d: d["engine_tok_s"])
+    if "global" not in whole:
         return None
-
-    def mean(base: str, figure: Any) -> float:
-        return sum(figure(d) for d in by_base[base]) / len(by_base[base])
-
-    whole = {base: mean(base, lambda d: d["engine_tok_s"]) for base in by_base}
-    outside = {base: mean(base, lambda d: d["engine_tok_s_outside_swaps"]) for base in by_base}
-    tenants = {
-        base: mean(base, lambda d: d["median_over_tenants"]["tokens_per_s"] or 0.0)
-        for base in by_base
-    }
+    outside = position_means(modes, lambda d: d["engine_tok_s_outside_swaps"])
+    tenants = position_means(modes, lambda d: d["median_over_tenants"]["tokens_per_s"])
     ceiling = outside["global"] / whole["global"]
-    others = [base for base in by_base if base != "global"]
+    others = [base for base in whole if base != "global"]
     engine = {base: whole[base] / whole["global"] for base in others}
     return {
-        "engine_outside_over_whole": {base: outside[base] / whole[base] for base in by_base},
+        "engine_outside_over_whole": {base: outside[base] / whole[base] for base in whole},
         "ceiling": ceiling,
         "engine_tokens_per_s_over_global": engine,
         "won": {
             base: (engine[base] - 1) / (ceiling - 1) if ceiling > 1 else None for base in others
         },
         "tenants_tokens_per_s_over_global": {
-            base: tenants[base] / tenants["global"] if tenants["global"] else None
+            base: tenants[base] / tenants["global"]
+            if base in tenants and tenants.get("global")
+            else None
             for base in others
         },
     }
