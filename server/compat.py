@@ -582,6 +582,8 @@ def per_request_prompt_logits(model_runner: Any) -> bool:
     (punica,) = punicas
 
     def prompt_logprobs_per_request(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(model_runner, "num_prompt_logprobs", True):
+            return get(hidden_states, *args, **kwargs)  # every step: no request asked for any
         compute = model.compute_logits
 
         def one_request(prompt_hidden_states: Any) -> Any:
