@@ -259,7 +259,11 @@ async def test_a_learner_hands_its_adapter_over_and_times_its_part(engine_server
     async with RemoteInferenceClient(engine_server.url, api_key=key) as client:
         served = {a.lora_name: a.version for a in (await client.list_adapters()).adapters}
         out = await client.sample(
-            [1, 2, 3], sampling_params={"max_tokens": 4}, lora_name="rl-handed"
+            [1, 2, 3],
+            sampling_params={"max_tokens": 4, "ignore_eos": True},
+            lora_name="rl-handed",
         )
     assert served["rl-handed"] == 2
+    # ignore_eos: the sampled (not greedy) reply may draw EOS first, as CI once did.
     assert len(out.sequences[0].tokens) == 4
+    assert [(r.start, r.end, r.version) for r in out.sequences[0].versions] == [(0, 4, 2)]

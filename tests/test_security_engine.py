@@ -120,7 +120,9 @@ async def test_tenant_key_works_on_its_own_adapter(tenants) -> None:
 async def test_client_raises_typed_auth_errors(tenants) -> None:
     async with RemoteInferenceClient(tenants.url, api_key=TENANT_KEYS["sec-a"]) as client:
         out = await client.sample(
-            tenants.encode("hi"), sampling_params={"max_tokens": 2}, lora_name="sec-a"
+            tenants.encode("hi"),
+            sampling_params={"max_tokens": 2, "ignore_eos": True},
+            lora_name="sec-a",
         )
         assert len(out.sequences[0].tokens) == 2
         with pytest.raises(PermissionDeniedError, match="sec-b"):
