@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from examples.rl.colocation import overlap_explains
 from examples.rl.engine_rate import EngineTokenCounter
 from examples.rl.gpu_busy import GpuBusy
 from examples.rl.learner import LearnerConfig, LearnerProcess
@@ -365,6 +366,7 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant,
         "order_balanced": order_balanced(modes),
         "tokens_per_s_ceiling": sync_ceiling(modes),
+        "learners_overlap": overlap_explains(modes),
         "summary": summary,
     }
 

@@ -78,6 +78,11 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     assert log.versions == list(range(first, first + steps))
     assert [s.version for s in log.swaps] == list(range(first + 1, first + steps + 1))
     assert served.version == first + steps
+    # One learner call a step, in order, each before that step's sync: the
+    # windows the report cuts the engine's rate by (examples.rl.colocation).
+    assert len(log.train_windows) == steps
+    for (start, end), swap in zip(log.train_windows, log.swaps):
+        assert started < start < end <= swap.start
 
     fresh = 0
     for step, version in zip(log.steps, log.versions):
@@ -182,6 +187,7 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
 
     import aiohttp
 
+    from examples.rl.colocation import rate_by_training
     from examples.rl.engine_rate import (
         CACHED_COUNTER,
         COUNTER,
@@ -237,6 +243,12 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     assert 0 <= cached <= len(prompt)
     figures = engine_prefill(ModeRun("probe", {}, counter, start, end))
     assert figures["computed_per_generated"] == pytest.approx((len(prompt) - cached) / 9)
+    # Cut by a window that opens with the request: every token is in one piece
+    # or the other, and the time is all there.
+    cut = rate_by_training(counter, [(start, end)], [(asked, end)])
+    assert sum(p["tok_s"] * p["seconds"] for p in cut.values()) == pytest.approx(9)
+    assert cut["1"]["seconds"] == pytest.approx(end - asked)
+    assert sum(p["share"] for p in cut.values()) == pytest.approx(1)
 
 
 async def test_a_learner_hands_its_adapter_over_and_times_its_part(engine_server: Any) -> None:

@@ -114,6 +114,17 @@ class EngineTokenCounter:
         return sum(picked) / len(picked) if picked else None
 
 
+def depth(
+    windows: Sequence[tuple[float, float]], start: float, end: float
+) -> list[tuple[float, float, int]]:
+    """``start`` to ``end`` cut at every edge of ``windows`` inside it, each
+    piece with how many of ``windows`` cover it."""
+    edges = sorted({start, end, *(t for window in windows for t in window if start < t < end)})
+    return [
+        (a, b, sum(x <= a and b <= y for x, y in windows)) for a, b in itertools.pairwise(edges)
+    ]
+
+
 def exclusive_windows(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """The parts of the time line covered by exactly one window.
 
@@ -121,13 +132,10 @@ def exclusive_windows(windows: Sequence[tuple[float, float]]) -> list[tuple[floa
     same moment; only while exactly one tenant swaps do the two others'
     tokens measure how a swap affects its neighbours.
     """
-    edges = sorted({t for window in windows for t in window})
-    pieces = []
-    for start, end in itertools.pairwise(edges):
-        covering = sum(a <= start and end <= b for a, b in windows)
-        if covering == 1:
-            pieces.append((start, end))
-    return pieces
+    if not windows:
+        return []
+    edges = [t for window in windows for t in window]
+    return [(a, b) for a, b, n in depth(windows, min(edges), max(edges)) if n == 1]
 
 
 def covered(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from examples.rl.colocation import overlap_lines, rate_by_training
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
     PROMPT_COUNTER,
@@ -325,6 +326,11 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
             "step_split_share": {k: v / max(sum(split.values()), 1e-9) for k, v in split.items()},
             "gpu_busy": gpu_busy(run),
             "engine_requests": engine_requests(run),
+            "engine_by_learners_training": rate_by_training(
+                run.counter,
+                sync_split(run)[1],
+                [w for log in run.logs.values() for w in log.train_windows],
+            ),
             "tenants": tenants,
         }
     return out
@@ -507,6 +513,7 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"({outside['engine_cpu_pct']:.0f}% outside syncs)"
             )
     lines.extend(ceiling_lines(modes))
+    lines.extend(overlap_lines(modes))
     if {"per_adapter", "global"} <= modes.keys():
         a, b = modes["per_adapter"]["seconds_per_step"], modes["global"]["seconds_per_step"]
         lines.append(f"seconds per step, per-adapter / global: {a:.2f} / {b:.2f} = {a / b:.2f}")

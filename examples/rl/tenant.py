@@ -105,6 +105,9 @@ class TenantLog:
     wait_s: list[float] = field(default_factory=list)
     learner_s: list[float] = field(default_factory=list)
     save_s: list[float] = field(default_factory=list)
+    #: each learner call's (start, end), on the clock of :class:`Swap`: when
+    #: the learner's forward and backward passes may share the GPU with the engine
+    train_windows: list[tuple[float, float]] = field(default_factory=list)
     end_s: float = 0.0  # when the tenant stopped, since the mode's start
 
 
@@ -282,6 +285,7 @@ async def run_tenant(
                 await learner.save(folder)
             log.wait_s.append(training - waiting)
             log.learner_s.append(saving - training)
+            log.train_windows.append((training, saving))
             log.save_s.append(time.monotonic() - saving)
             held = (
                 await client.lease_version(name, version, ttl_s=cfg.lease_ttl_s)
