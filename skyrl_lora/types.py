@@ -449,6 +449,12 @@ class ServerInfo(_Wire):
     #: sparing the engine's step two GPU syncs (``skyrl_lora.server.lora_metadata``;
     #: False on the CPU build, whose kernels take none).
     host_lora_metadata: bool = False
+    #: Whether the engine zeroes every KV block it allocates before use
+    #: (``skyrl_lora.server.engine.kv_zeroing``; the CPU build, whose
+    #: attention reads a block's unwritten slots): without it, a tenant whose
+    #: adapter overflows the activations leaves NaN in freed blocks, and other
+    #: tenants' later requests can draw it.
+    new_kv_blocks_zeroed: bool = False
     #: The TCP port that takes a push's weights outside HTTP
     #: (``serve --push-stream-port``; :class:`PushStreamRequest`), on the
     #: server's own host; None where pushes go in the HTTP body only.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,10 +68,15 @@ def local_ray() -> Iterator[Any]:
 
 @contextmanager
 def engine_server_on_ray(
-    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
+    embedded_model: Any,
+    local_ray: Any,
+    tokenizer: Any,
+    tmp_path_factory: Any,
+    extra: Sequence[str] = (),
 ) -> Iterator[EngineServer]:
     """A server as in production: API keys on, adapter paths confined to the
-    embedded model's folder and one scratch folder the tests write to."""
+    embedded model's folder and one scratch folder the tests write to;
+    ``extra``: more ``serve`` flags."""
     from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
@@ -98,6 +103,7 @@ def engine_server_on_ray(
             "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
             "--push-stream-port",  # opt-in; the route-walk server takes pushes in the body only
             "0",
+            *extra,
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
@@ -156,14 +162,15 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 async def counts_by_label(http: aiohttp.ClientSession, url: str, counter: str) -> dict[str, float]:
-    """A counter of one label (``skyrl_adapter_stagings_total``...) from a server's ``/metrics``."""
+    """A counter (``skyrl_adapter_stagings_total``...) from a server's
+    ``/metrics``, by its labels' values (joined by ``/`` where it has several)."""
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()
     counts = {}
     for line in text.splitlines():
         if line.startswith(counter + "{"):
-            label, value = line.split("} ")
-            counts[label.split('"')[1]] = float(value)
+            labels, value = line.split("} ")
+            counts["/".join(labels.split('"')[1::2])] = float(value)
     return counts
 
 

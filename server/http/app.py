@@ -28,6 +28,7 @@ from skyrl_lora.errors import EngineUnavailableError, ServerError
 from skyrl_lora.types import ServerInfo
 
 from .. import compat, loop_monitor, observability
+from ..engine import kv_zeroing
 from ..engine.gate import (
     DEFAULT_ANSWER_PACING,
     DEFAULT_RESUME_PACING,
@@ -246,6 +247,12 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
             "--worker-extension-cls %s replaces skyrl-lora's: adapter loads run in the step loop",
             args.worker_extension_cls,
         )
+    if compat.engine_on_cpu() and not compat.add_scheduler(args, kv_zeroing.QUALNAME):
+        logger.warning(
+            "--scheduler-cls %s replaces skyrl-lora's: new KV blocks are not zeroed, and one "
+            "tenant's non-finite activations can reach another's requests",
+            args.scheduler_cls,
+        )
     return args
 
 
@@ -422,6 +429,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
         host_lora_metadata=lora_engine.host_lora_metadata,
+        new_kv_blocks_zeroed=getattr(args, "scheduler_cls", None) == kv_zeroing.QUALNAME,
         push_stream_port=None if push_stream is None else push_stream.port,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,

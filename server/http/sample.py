@@ -22,7 +22,7 @@ from skyrl_lora.types import (
 
 from .. import compat
 from ..engine.gated import GatedEngine
-from ..observability import log_event
+from ..observability import NONFINITE_SAMPLES, log_event
 
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 #: A sample drawn from non-finite logits runs once more before it is refused.
@@ -107,7 +107,10 @@ class Sampler:
             at = _first_nonfinite(sequences)
             if at is None:
                 return final, version, sequences
-            if attempt == NONFINITE_ATTEMPTS:
+            last = attempt == NONFINITE_ATTEMPTS
+            outcome = "refused" if last else "retried"
+            NONFINITE_SAMPLES.labels(request.lora_name or "", outcome).inc()
+            if last:
                 who = (
                     "the base model"
                     if request.lora_name is None
