@@ -610,8 +610,10 @@ def per_request_prompt_logits(model_runner: Any) -> bool:
     engine down with every tenant's requests (two tenants' ``compute_logprobs``
     at once did it). While a request's prompt logits are computed, the
     sampled rows' mapping is set to that request's slot for each of its rows.
+    Placed again, the wrapper is replaced, not wrapped.
     """
     get = getattr(model_runner, "_get_prompt_logprobs_dict", None)
+    get = getattr(get, "skyrl_wrapped", get)
     model = getattr(model_runner, "model", None)
     punicas = [
         w
@@ -648,6 +650,7 @@ def per_request_prompt_logits(model_runner: Any) -> bool:
         finally:
             del model.compute_logits
 
+    prompt_logprobs_per_request.skyrl_wrapped = get  # type: ignore[attr-defined]
     model_runner._get_prompt_logprobs_dict = prompt_logprobs_per_request
     return True
 

@@ -87,3 +87,33 @@ def test_prompt_token_counts() -> None:
     assert compat.prompt_token_count(tokens_input([1, 2, 3, 4])) == 4
     assert compat.prompt_token_count("a text prompt") is None
     assert compat.prompt_token_count({"prompt": "text"}) is None
+
+
+def test_prompt_logits_per_request_placed_twice_wraps_vllms_method_once() -> None:
+    """Should the staging extension be installed again in the same worker,
+    the second placement replaces the first wrapper instead of wrapping it."""
+    from types import SimpleNamespace
+
+    from skyrl_lora.server.compat import per_request_prompt_logits
+
+    calls = []
+
+    def vllms(hidden_states: object) -> str:
+        calls.append(hidden_states)
+        return "prompt logprobs"
+
+    punica = SimpleNamespace(_sampler_indices=[], _token_lora_indices=[], indices_len=[0, 0])
+    manager = SimpleNamespace(punica_wrapper_mapping={"model": punica})
+    runner = SimpleNamespace(
+        _get_prompt_logprobs_dict=vllms,
+        model=SimpleNamespace(),
+        lora_manager=SimpleNamespace(_adapter_manager=manager),
+        num_prompt_logprobs={},  # no request asked for prompt logprobs this step
+    )
+    assert per_request_prompt_logits(runner)
+    first = runner._get_prompt_logprobs_dict
+    assert per_request_prompt_logits(runner)
+    assert runner._get_prompt_logprobs_dict is not first
+    assert runner._get_prompt_logprobs_dict.skyrl_wrapped is vllms
+    assert runner._get_prompt_logprobs_dict("hidden") == "prompt logprobs"
+    assert calls == ["hidden"]
