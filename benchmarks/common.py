@@ -8,7 +8,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,3 +140,46 @@ async def wait_engine_requests(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{tenant}: {state.engine_requests} of {count} requests running")
         await asyncio.sleep(0.01)
+
+
+async def serving_rate(
+    url: str,
+    tenants: Sequence[str],
+    prompt: list[int],
+    streams: int,
+    settle_s: float,
+    round_s: float,
+    max_tokens: int = 256,
+) -> float:
+    """Tokens/s of every tenant's ``streams`` greedy sample loops
+    (:func:`keep_sampling`, lengths spread by half) over ``round_s``
+    seconds, after ``settle_s`` seconds of the same load."""
+    meter = TokenMeter()
+    stop = asyncio.Event()
+    async with RemoteInferenceClient(url) as client:
+        load = [
+            asyncio.create_task(
+                keep_sampling(client, t, prompt, meter, stop, streams, max_tokens, 0.5)
+            )
+            for t in tenants
+        ]
+        await asyncio.sleep(settle_s)
+        start = time.monotonic()
+        await asyncio.sleep(round_s)
+        end = time.monotonic()
+        stop.set()
+        await asyncio.gather(*load)
+    return meter.rate(tenants, start, end)
+
+
+async def interleaved_rates(
+    variants: Sequence[str], rounds: int, rate: Callable[[str], Awaitable[float]]
+) -> dict[str, list[float]]:
+    """``rate(variant)`` for every variant in each of ``rounds`` rounds, in
+    the order AB, BA, AB, ... so that neither variant always runs first."""
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant in variants if r % 2 == 0 else variants[::-1]:
+            rates[variant].append(await rate(variant))
+            print(f"round {r + 1} {variant}: {rates[variant][-1]:.0f} tok/s", flush=True)
+    return rates

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import TokenMeter, current_commit, keep_sampling
+from benchmarks.common import current_commit, interleaved_rates, serving_rate
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -85,25 +85,6 @@ def compare(
     }
 
 
-async def tokens_per_s(
-    url: str, tenants: list[str], prompt: list[int], streams: int, settle_s: float, round_s: float
-) -> float:
-    meter = TokenMeter()
-    stop = asyncio.Event()
-    async with RemoteInferenceClient(url) as client:
-        load = [
-            asyncio.create_task(keep_sampling(client, t, prompt, meter, stop, streams, 256, 0.5))
-            for t in tenants
-        ]
-        await asyncio.sleep(settle_s)
-        start = time.monotonic()
-        await asyncio.sleep(round_s)
-        end = time.monotonic()
-        stop.set()
-        await asyncio.gather(*load)
-    return meter.rate(tenants, start, end)
-
-
 async def measure(
     urls: dict[str, str], adapters: dict[str, Path], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -128,16 +109,14 @@ async def measure(
         "prompts": len(read["host"]),
     }
     print(f"greedy first tokens, host against vLLM's metadata: {agreement}", flush=True)
-    rates: dict[str, list[float]] = {v: [] for v in urls}
     prompt = prompts[tenants[0]][0][:16]
-    for r in range(args.rounds):
-        order = list(urls) if r % 2 == 0 else list(reversed(list(urls)))
-        for variant in order:
-            rate = await tokens_per_s(
-                urls[variant], tenants, prompt, args.streams, args.settle_s, args.round_s
-            )
-            rates[variant].append(rate)
-            print(f"round {r + 1} {variant}: {rate:.0f} tok/s", flush=True)
+
+    async def rate(variant: str) -> float:
+        return await serving_rate(
+            urls[variant], tenants, prompt, args.streams, args.settle_s, args.round_s
+        )
+
+    rates = await interleaved_rates(list(urls), args.rounds, rate)
     ratios = [h / v for h, v in zip(rates["host"], rates["vllm"], strict=True)]
     return {
         "servers": {v: {"host_lora_metadata": info[v].get("host_lora_metadata")} for v in urls},
