@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import random
 import subprocess
@@ -183,3 +184,37 @@ async def interleaved_rates(
             rates[variant].append(await rate(variant))
             print(f"round {r + 1} {variant}: {rates[variant][-1]:.0f} tok/s", flush=True)
     return rates
+
+
+def finish_ab(
+    result: dict[str, Any],
+    args: Any,
+    *,
+    tenants: int,
+    ratio: str,
+    what: str,
+    check: str,
+) -> int:
+    """Close an A/B of two servers' tokens/s: label ``result`` with the run
+    (``args.commit``, ``args.machine``, ``args.streams``, ``args.round_s``),
+    print its ``ratio`` spread (a :class:`benchmarks.stats.Spread` as a dict)
+    as ``what`` and its ``check``, write ``args.json`` if given; the exit
+    status, 1 where the check failed."""
+    result.update(
+        commit=args.commit,
+        date=time.strftime("%Y-%m-%d"),
+        machine=args.machine,
+        tenants=tenants,
+        streams_per_tenant=args.streams,
+        round_s=args.round_s,
+    )
+    spread = result[ratio]
+    print(
+        f"{what} tokens/s: {spread['median']:.3f} ({spread['min']:.3f}-{spread['max']:.3f}, "
+        f"{spread['rounds']} rounds); {check.replace('_', ' ')}: {result[check]}",
+        flush=True,
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result[check] else 1

@@ -18,14 +18,18 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_commit, greeting_prompt, interleaved_rates, serving_rate
+from benchmarks.common import (
+    current_commit,
+    finish_ab,
+    greeting_prompt,
+    interleaved_rates,
+    serving_rate,
+)
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -79,25 +83,14 @@ def main(argv: list[str] | None = None) -> int:
             urls[variant], model = stack.enter_context(embedded_server(extra))
         tenants = sorted(model.adapters)
         result = asyncio.run(measure(urls, tenants, greeting_prompt(model), args))
-    result.update(
-        commit=args.commit,
-        date=time.strftime("%Y-%m-%d"),
-        machine=args.machine,
+    return finish_ab(
+        result,
+        args,
         tenants=len(tenants),
-        streams_per_tenant=args.streams,
-        round_s=args.round_s,
+        ratio="zeroed_over_vllm",
+        what="zeroed / vLLM's scheduler",
+        check="as_given",
     )
-    spread = result["zeroed_over_vllm"]
-    print(
-        f"zeroed / vLLM's scheduler tokens/s: {spread['median']:.3f} "
-        f"({spread['min']:.3f}-{spread['max']:.3f}, {spread['rounds']} rounds); "
-        f"servers as given: {result['as_given']}",
-        flush=True,
-    )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["as_given"] else 1
 
 
 if __name__ == "__main__":

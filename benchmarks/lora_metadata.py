@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_commit, interleaved_rates, serving_rate
+from benchmarks.common import current_commit, finish_ab, interleaved_rates, serving_rate
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -179,25 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
             server.kill_all()
-    result.update(
-        commit=args.commit,
-        date=time.strftime("%Y-%m-%d"),
-        machine=args.machine,
+    return finish_ab(
+        result,
+        args,
         tenants=args.tenants,
-        streams_per_tenant=args.streams,
-        round_s=args.round_s,
+        ratio="host_over_vllm",
+        what="host / vLLM metadata",
+        check="agree",
     )
-    spread = result["host_over_vllm"]
-    print(
-        f"host / vLLM metadata tokens/s: {spread['median']:.3f} "
-        f"({spread['min']:.3f}-{spread['max']:.3f}, {spread['rounds']} rounds); "
-        f"prompt logprobs agree: {result['agree']}",
-        flush=True,
-    )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["agree"] else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -363,3 +364,32 @@ def test_longest_gaps_during_swaps_are_placed_in_their_swap() -> None:
         {"ms": 25.0, "round": 0, "after_pause_ms": 110.0, "after_resume_ms": 25.0, "streams": 1}
         | {"at": 0.125},
     ]
+
+
+def test_ab_rounds_alternate_their_order_and_the_ab_is_written_and_checked(
+    tmp_path: Path,
+) -> None:
+    import argparse
+    import asyncio
+
+    from benchmarks.common import finish_ab, interleaved_rates
+
+    ran: list[str] = []
+
+    async def rate(variant: str) -> float:
+        ran.append(variant)
+        return 100.0 if variant == "a" else 50.0
+
+    rates = asyncio.run(interleaved_rates(["a", "b"], 3, rate))
+    assert ran == ["a", "b", "b", "a", "a", "b"]
+    assert rates == {"a": [100.0] * 3, "b": [50.0] * 3}
+
+    args = argparse.Namespace(
+        commit="abc1234", machine="m", streams=2, round_s=1.0, json=tmp_path / "ab.json"
+    )
+    result = {"ratio": {"median": 2.0, "min": 2.0, "max": 2.0, "rounds": 3}, "ok": True}
+    assert finish_ab(dict(result), args, tenants=3, ratio="ratio", what="a / b", check="ok") == 0
+    written = json.loads(args.json.read_text())
+    assert written["commit"] == "abc1234" and written["tenants"] == 3 and written["ok"]
+    result["ok"] = False
+    assert finish_ab(dict(result), args, tenants=3, ratio="ratio", what="a / b", check="ok") == 1
