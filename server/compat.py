@@ -68,15 +68,18 @@ def make_arg_parser() -> Any:
     )
 
 
-def add_worker_extension(args: Any, qualname: str) -> bool:
-    """Ask vLLM to mix ``qualname`` into its worker class (``--worker-extension-cls``).
-
-    vLLM takes one extension; a user's own wins, and the caller is told so.
-    """
-    if getattr(args, "worker_extension_cls", None):
-        return args.worker_extension_cls == qualname  # type: ignore[no-any-return]
-    args.worker_extension_cls = qualname
+def _ours_unless_given(args: Any, flag: str, qualname: str) -> bool:
+    """Set vLLM's class-naming ``flag`` to ``qualname`` unless the user gave
+    one: vLLM takes one class, a user's own wins, and the caller is told so."""
+    if getattr(args, flag, None):
+        return getattr(args, flag) == qualname  # type: ignore[no-any-return]
+    setattr(args, flag, qualname)
     return True
+
+
+def add_worker_extension(args: Any, qualname: str) -> bool:
+    """Ask vLLM to mix ``qualname`` into its worker class (``--worker-extension-cls``)."""
+    return _ours_unless_given(args, "worker_extension_cls", qualname)
 
 
 def engine_on_cpu() -> bool:
@@ -113,12 +116,8 @@ def zeroes_new_kv_blocks(kv_cache_config: Any) -> Any | None:
 
 
 def add_scheduler(args: Any, qualname: str) -> bool:
-    """Ask vLLM to build its scheduler from ``qualname`` (``--scheduler-cls``);
-    a user's own wins, and the caller is told so."""
-    if getattr(args, "scheduler_cls", None):
-        return args.scheduler_cls == qualname  # type: ignore[no-any-return]
-    args.scheduler_cls = qualname
-    return True
+    """Ask vLLM to build its scheduler from ``qualname`` (``--scheduler-cls``)."""
+    return _ours_unless_given(args, "scheduler_cls", qualname)
 
 
 def lora_model_manager(worker_lora_manager: Any) -> Any | None:

