@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,20 @@ def _events(server: ServeProcess) -> list[dict[str, Any]]:
     return [json.loads(m.group(1)) for m in _EVENT.finditer(server.log_path.read_text())]
 
 
+def _events_once(
+    server: ServeProcess, logged: Callable[[list[dict[str, Any]]], object], timeout_s: float = 30
+) -> list[dict[str, Any]]:
+    """The log's events once ``logged(events)`` holds. The engine process's
+    lines reach the log through vLLM's worker output relay, which may write
+    them after the HTTP reply that followed them (a fresh-clone CI at
+    5583917 read a staging's event before its line was written)."""
+    deadline = time.monotonic() + timeout_s
+    while not logged(events := _events(server)):
+        assert time.monotonic() < deadline, f"not logged in {timeout_s} s; see {server.log_path}"
+        time.sleep(0.1)
+    return events
+
+
 def _sample(url: str, prompt: list[int], max_tokens: int, lora: str | None = None) -> Any:
     body: dict[str, Any] = {
         "prompt_token_ids": prompt,
@@ -75,8 +89,11 @@ def test_a_real_engines_long_steps_are_logged_with_their_shape(server: ServeProc
     info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
     assert info["engine_long_step_ms"] == 1
     _sample(server.url, [1, 2, 3], 64)
-    steps = [e for e in _events(server) if e["event"] == "engine_long_step"]
-    assert len(steps) > 10, f"too few long steps logged; see {server.log_path}"
+
+    def long_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [e for e in events if e["event"] == "engine_long_step"]
+
+    steps = long_steps(_events_once(server, lambda events: len(long_steps(events)) > 10))
     decoding = [s for s in steps if s["prefill_tokens"] == 0]
     assert decoding, steps[:5]
     for step in decoding:
@@ -110,9 +127,13 @@ def _resumed_backlog_entries(server: ServeProcess, lora: str) -> list[int]:
         assert reply.status_code == 200, reply.text
         for done in held:
             assert len(done.result()["sequences"][0]["tokens"]) == 8
-    events = _events(server)
-    resumed_at = max(i for i, e in enumerate(events) if e["event"] == "resume")
-    return [e["new_requests"] for e in events[resumed_at:] if e["event"] == "engine_long_step"]
+
+    def entries(events: list[dict[str, Any]]) -> list[int]:
+        resumed_at = max(i for i, e in enumerate(events) if e["event"] == "resume")
+        return [e["new_requests"] for e in events[resumed_at:] if e["event"] == "engine_long_step"]
+
+    # every held request enters once: wait until all four entries are logged
+    return entries(_events_once(server, lambda events: sum(entries(events)) >= 4))
 
 
 def test_a_resumed_backlog_enters_spread_over_steps(server: ServeProcess) -> None:
@@ -155,9 +176,11 @@ def test_a_staging_reports_its_thread_cpu_time(server: ServeProcess, embedded_mo
     reply = requests.post(f"{server.url}/skyrl/v1/adapters/load", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     name = f"quack@v{reply.json()['version']}"
-    (staging,) = [
-        e for e in _events(server) if e["event"] == "adapter_staging" and e["lora_name"] == name
-    ]
+
+    def stagings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [e for e in events if e["event"] == "adapter_staging" and e["lora_name"] == name]
+
+    (staging,) = stagings(_events_once(server, stagings))
     # measured around the same span as ``ms``, a few microseconds apart
     assert 0 < staging["cpu_ms"] <= staging["ms"] + 0.5, staging
     for phase in ("slot", "handover_copy"):  # each beside its wall time, and within the whole
