@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,15 +68,10 @@ def local_ray() -> Iterator[Any]:
 
 @contextmanager
 def engine_server_on_ray(
-    embedded_model: Any,
-    local_ray: Any,
-    tokenizer: Any,
-    tmp_path_factory: Any,
-    extra: Sequence[str] = (),
+    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
 ) -> Iterator[EngineServer]:
     """A server as in production: API keys on, adapter paths confined to the
-    embedded model's folder and one scratch folder the tests write to;
-    ``extra``: more ``serve`` flags."""
+    embedded model's folder and one scratch folder the tests write to."""
     from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
@@ -103,7 +98,6 @@ def engine_server_on_ray(
             "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
             "--push-stream-port",  # opt-in; the route-walk server takes pushes in the body only
             "0",
-            *extra,
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
