@@ -66,12 +66,12 @@ def local_ray() -> Iterator[Any]:
     ray.shutdown()
 
 
-@contextmanager
-def engine_server_on_ray(
+@pytest.fixture(scope="session")
+def engine_server(
     embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
 ) -> Iterator[EngineServer]:
-    """A server as in production: API keys on, adapter paths confined to the
-    embedded model's folder and one scratch folder the tests write to."""
+    """The session's server, as in production: API keys on, adapter paths confined
+    to the embedded model's folder and one scratch folder the tests write to."""
     from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
@@ -105,15 +105,6 @@ def engine_server_on_ray(
         yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
     finally:
         local_ray.get(handle.shutdown.remote(), timeout=120)
-
-
-@pytest.fixture(scope="session")
-def engine_server(
-    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
-) -> Iterator[EngineServer]:
-    """The session's server (:func:`engine_server_on_ray`)."""
-    with engine_server_on_ray(embedded_model, local_ray, tokenizer, tmp_path_factory) as server:
-        yield server
 
 
 @contextmanager

