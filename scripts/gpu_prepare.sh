@@ -2,8 +2,8 @@
 # Run HERE (not on the GPU machine): fetch the wheels CUDA vLLM 0.26.0 needs on
 # the lent GPU machines (torch 2.11.0+cu130 is already there), plus our test
 # dependencies (pytest-asyncio; PEFT for the RL example's learners), and split them
-# into parts of at most 58 MB in git-ignored
-# folders .p1 ... .pN, one to carry per device call (a call carries 64 MiB).
+# into parts in git-ignored folders .p1 ... .pN, one to carry per device call. A call
+# carries 64 MiB with the working tree, so a part is 62 MiB less the tracked files.
 # See "GPU tests" in the README for the calls that follow.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +19,8 @@ if [[ ! -f "$work/wheels/.complete" ]]; then
 fi
 rm -rf "$root"/.p[0-9]*
 tar cf "$work/all.tar" -C "$work/wheels" --exclude=.complete .
-(cd "$work" && rm -f part.* && split -b 58m -d -a 1 all.tar part.)
+tree_mib=$(( $(cd "$root" && git ls-files -z | xargs -0 cat | wc -c) / 1048576 + 1 ))
+(cd "$work" && rm -f part.* && split -b "$((62 - tree_mib))m" -d -a 1 all.tar part.)
 n=0
 for part in "$work"/part.*; do
     n=$((n + 1))
