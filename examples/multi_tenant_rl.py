@@ -356,6 +356,7 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         "seconds_per_step": per_mode("seconds_per_step"),
         "engine_tok_s": {m: d["engine_tok_s"] for m, d in modes.items()},
         "engine_prefill": {m: d["engine_prefill"] for m, d in modes.items()},
+        "engine_steps": {m: d["engine_steps"] for m, d in modes.items()},
         "warm_up_mode": summary.get("warm_up_mode"),
         "ratios": {
             "time_to_target_per_adapter_over_global": ratio("time_to_target_s"),

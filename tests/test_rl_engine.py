@@ -194,10 +194,13 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
         COUNTERS,
         PROMPT_COUNTER,
         RUNNING_GAUGE,
+        STEPS,
+        STEPS_IN_GRAPH,
         WAITING_GAUGE,
         EngineTokenCounter,
+        parse_counter,
     )
-    from examples.rl.report import ModeRun, engine_prefill
+    from examples.rl.report import ModeRun, engine_prefill, engine_steps
     from skyrl_lora.client import RemoteInferenceClient
     from skyrl_lora.server.embedded.builder import _word_ids
 
@@ -235,14 +238,25 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     assert counter.tokens_between(start, end) == 9
     async with aiohttp.ClientSession(headers=counter.headers) as session:
         async with session.get(counter.url) as response:
-            lines = (await response.text()).splitlines()
-    # every name polled is exported (a missing one would read as 0)
-    assert [n for n in COUNTERS if not any(line.startswith(n) for line in lines)] == []
+            text = await response.text()
+    lines = text.splitlines()
+    # every name polled is exported (a missing one would read as 0), and the
+    # histogram's bucket selector picks a line
+    metrics = [n.partition("{")[0] for n in COUNTERS]
+    assert [n for n in metrics if not any(line.startswith(n) for line in lines)] == []
+    assert parse_counter(text, STEPS_IN_GRAPH) > 0
     assert counter.between(PROMPT_COUNTER, start, end) == len(prompt)
     cached = counter.between(CACHED_COUNTER, start, end)
     assert 0 <= cached <= len(prompt)
-    figures = engine_prefill(ModeRun("probe", {}, counter, start, end))
+    probe = ModeRun("probe", {}, counter, start, end)
+    figures = engine_prefill(probe)
     assert figures["computed_per_generated"] == pytest.approx((len(prompt) - cached) / 9)
+    # one token a step for the one request: at least 9 steps, none near 512 tokens
+    assert counter.between(STEPS, start, end) >= 9
+    assert counter.between(STEPS_IN_GRAPH, start, end) == counter.between(STEPS, start, end)
+    steps = engine_steps(probe)
+    assert steps["steps_per_s"] * (end - start) == pytest.approx(counter.between(STEPS, start, end))
+    assert steps["over_graph_per_s"] == steps["over_graph_per_s_outside_syncs"] == 0
     # Cut by a window that opens with the request: every token is in one piece
     # or the other, and the time is all there.
     cut = rate_by_training(counter, [(start, end)], [(asked, end)])

@@ -13,8 +13,11 @@ from typing import Any
 from examples.rl.colocation import overlap_lines, rate_by_training
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
+    GRAPH_TOKENS,
     PROMPT_COUNTER,
     RUNNING_GAUGE,
+    STEPS,
+    STEPS_IN_GRAPH,
     WAITING_GAUGE,
     EngineTokenCounter,
     covered,
@@ -149,6 +152,32 @@ def engine_prefill(run: ModeRun) -> dict[str, float]:
         "prompt_tok_s": prompt / wall,
         "cached_tok_s": cached / wall,
         "computed_per_generated": (prompt - cached) / generated,
+    }
+
+
+def engine_steps(run: ModeRun) -> dict[str, float]:
+    """The engine's steps a second in a mode, and those over
+    :data:`~examples.rl.engine_rate.GRAPH_TOKENS` tokens (eager on a GPU),
+    over the mode and outside every sync.
+
+    A sync's resumed samples re-prefill their prompt and partial tokens;
+    how that prefill is cut into steps decides how many steps pass the
+    largest CUDA graph: the per-adapter engine ran 2-3x as many under MPS.
+    """
+    _, outside = sync_split(run)
+    between = run.counter.between
+
+    def per_s(name: str, windows: Sequence[tuple[float, float]]) -> float:
+        seconds = sum(b - a for a, b in windows)
+        return sum(between(name, a, b) for a, b in windows) / max(seconds, 1e-9)
+
+    whole = [(run.start, run.end)]
+    steps, outside_steps = per_s(STEPS, whole), per_s(STEPS, outside)
+    return {
+        "steps_per_s": steps,
+        "over_graph_per_s": steps - per_s(STEPS_IN_GRAPH, whole),
+        "steps_per_s_outside_syncs": outside_steps,
+        "over_graph_per_s_outside_syncs": outside_steps - per_s(STEPS_IN_GRAPH, outside),
     }
 
 
@@ -310,6 +339,7 @@ def summarize(runs: Sequence[ModeRun], target: float, max_staleness: int) -> dic
             "engine_tok_s_outside_swaps": outside,
             "engine_tok_s": run.counter.tokens_between(run.start, run.end) / run.wall_s,
             "engine_prefill": engine_prefill(run),
+            "engine_steps": engine_steps(run),
             "tenants_at_target": sum(t["time_to_target_s"] is not None for t in tenants.values()),
             "median_over_tenants": {
                 k: (median_time if k == "time_to_target_s" else median)(
@@ -493,6 +523,14 @@ def table(summary: Mapping[str, Any]) -> str:
             f"{data['engine_tok_s_outside_swaps']:.0f} tok/s outside swaps; prefill "
             f"{prefill['prompt_tok_s']:.0f} tok/s ({prefill['cached_tok_s']:.0f} cached), "
             f"{prefill['computed_per_generated']:.2f} computed per generated token"
+        )
+        steps = data["engine_steps"]
+        lines.append(
+            f"{mode}: engine {steps['steps_per_s']:.1f} steps a second, "
+            f"{steps['over_graph_per_s']:.1f} of them over {GRAPH_TOKENS} tokens "
+            f"(outside syncs {steps['steps_per_s_outside_syncs']:.1f} and "
+            f"{steps['over_graph_per_s_outside_syncs']:.1f}; on a GPU those run without "
+            "CUDA graphs)"
         )
         batch = data["engine_requests"]
         if batch["running"] is not None:
