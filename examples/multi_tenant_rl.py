@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import tempfile
 import time
@@ -264,11 +265,16 @@ def cpu_server(trainer_root: Path, handover: bool = False) -> Iterator[tuple[str
 
 @contextlib.contextmanager
 def cuda_server(
-    root: Path, gpu_mem: float, max_loras: int, handover: bool = False
+    root: Path,
+    gpu_mem: float,
+    max_loras: int,
+    handover: bool = False,
+    flags: Sequence[str] = (),
 ) -> Iterator[tuple[str, Path]]:
     """``skyrl-lora serve --no-ray`` on the random 0.8B Llama, rank-16 slots,
     two per tenant (``finish_old`` keeps the old version next to the new);
-    taking hand-overs where the learners hand their weights over."""
+    taking hand-overs where the learners hand their weights over; ``flags``
+    after ours (an A/B of a vLLM setting)."""
     import torch
 
     from skyrl_lora.server.cluster.process import serving
@@ -282,7 +288,7 @@ def cuda_server(
         max_lora_rank=16,
         max_loras=max_loras,
         gpu_memory_utilization=gpu_mem,
-        extra=["--allow-handover"] if handover else (),
+        extra=[*(["--allow-handover"] if handover else []), *flags],
     )
     started = time.monotonic()
     print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
@@ -437,6 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the first mode this long before the timed ones, not counted (GPU default 20)",
     )
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM's share of the GPU")
+    parser.add_argument(
+        "--serve-flags",
+        default="",
+        help='GPU: more flags for the server, one string (e.g. "--max-num-batched-tokens 512")',
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--summary-json", type=Path, help="GPU: the headline JSON")
@@ -450,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     learner = dataclasses.replace(shape.learner, off_policy=off_policy)
     if args.lr is not None:
         learner = dataclasses.replace(learner, lr=args.lr)
+    if args.serve_flags and not args.gpu:
+        parser.error("--serve-flags is for the GPU server")
     if args.gpu and args.transfer == "load":
         parser.error("--transfer load is for the CPU run (the GPU server has no adapter root)")
     loop = dataclasses.replace(shape.loop, transfer=args.transfer or "push")
@@ -481,7 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         server = (
             cuda_server(
-                work / "model", args.gpu_mem, 2 * len(shape.tenants), loop.transfer == "handover"
+                work / "model",
+                args.gpu_mem,
+                2 * len(shape.tenants),
+                loop.transfer == "handover",
+                shlex.split(args.serve_flags),
             )
             if args.gpu
             else cpu_server(work, loop.transfer == "handover")
@@ -498,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "learner": {k: v for k, v in dataclasses.asdict(learner).items() if k != "off_policy"},
         "off_policy": dataclasses.asdict(off_policy),
         "rounds": args.rounds,
+        "serve_flags": args.serve_flags,
     }
     print("Reward per step:\n" + reward_rows(summary) + "\n")
     print(table(summary) + "\n")
@@ -505,7 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nEnd to end (server start included): {summary['end_to_end_s']:.0f} s")
     write_json(summary, json_path)
     if args.summary_json:
-        meta = {"commit": args.commit, "date": args.date, "machine": args.machine}
+        meta = {
+            "commit": args.commit,
+            "date": args.date,
+            "machine": args.machine,
+            "serve_flags": args.serve_flags,
+        }
         top = headline(summary, meta)
         write_json(top, args.summary_json)
         print(json.dumps({k: v for k, v in top.items() if k != "summary"}, indent=1))

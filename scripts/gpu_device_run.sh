@@ -8,7 +8,8 @@
 #   scripts/gpu_device_run.sh rl [ARGS]      the same install, then the multi-tenant RL
 #                                            example's GPU shape (examples/multi_tenant_rl.py
 #                                            --gpu ARGS); its JSON, plot and server log
-#                                            land in $OUT (rl_gpu.json, rl_gpu.png, ...)
+#                                            land in $OUT (rl_gpu.json, rl_gpu.png, ...);
+#                                            SKYRL_GPU_MPS=1 runs it under a CUDA MPS daemon
 #   scripts/gpu_device_run.sh bg NAME CMD... the same install, then CMD detached (it outlives
 #                                            the call's 600 s), then as `wait NAME` (for
 #                                            $BG_WAIT_S, default 560: set it below the call's
@@ -91,15 +92,23 @@ case "${1:-}" in
             out="${OUT:-$HOME/rl-out}"
             mkdir -p "$out"
             machine="$(python3 -c "import torch; print(torch.cuda.get_device_name(0))"), vLLM 0.26.0"
-            exec python3 -m examples.multi_tenant_rl --gpu --machine "$machine" \
+            if [[ "${SKYRL_GPU_MPS:-0}" == 1 ]]; then
+                # The engine and the learners as clients of one MPS server, not
+                # contexts the GPU time-slices between (docs/gpu.md, 94ac4e8).
+                nvidia-cuda-mps-control -d
+                trap 'echo quit | nvidia-cuda-mps-control' EXIT
+                machine="$machine, CUDA MPS"
+            fi
+            python3 -m examples.multi_tenant_rl --gpu --machine "$machine" \
                 --json "$out/rl_gpu_full.json" --summary-json "$out/rl_gpu.json" \
                 --plot "$out/rl_gpu.png" "$@"
+            exit
         fi
         [[ $# -gt 0 ]] || set -- gpu_tests
         exec python3 -m pytest -p no:cacheprovider -o addopts="" -rA -s "$@"
         ;;
     *)
-        sed -n '2,14p' "$0" >&2
+        sed -n '2,20p' "$0" >&2
         exit 2
         ;;
 esac
