@@ -312,28 +312,46 @@ def warm_up_figures(warm: ModeRun, target: float, max_staleness: int) -> dict[st
     }
 
 
+def per_adapter_mode(modes: Mapping[str, Any]) -> str | None:
+    """The run's per-adapter pause: ``per_adapter`` (pause, send, resume),
+    else the one-call ``per_adapter_staged``; None if it ran neither."""
+    return next((m for m in ("per_adapter", "per_adapter_staged") if m in modes), None)
+
+
+def on_policy_every_tenant(modes: Mapping[str, Any], mode: str | None) -> bool | None:
+    """Whether every tenant's on-policy share under ``mode`` is at least its
+    share under the global pause, each the mean over the mode's positions
+    (``mode``, ``mode#2``: an ABBA order puts each first once)."""
+    if mode is None or "global" not in modes:
+        return None
+
+    def share(base: str, tenant: str) -> float:
+        runs = [d for m, d in modes.items() if m.split("#")[0] == base]
+        return sum(d["tenants"][tenant]["on_policy_share"] for d in runs) / len(runs)
+
+    return all(share(mode, n) >= share("global", n) for n in modes[mode]["tenants"])
+
+
 def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The figures issue 30 asks for (medians over tenants), then the summary."""
+    """The figures issue 30 asks for (medians over tenants), then the summary.
+    ``per_adapter`` in the ratios and the swap figures is the run's
+    per-adapter pause (:func:`per_adapter_mode`), named in ``per_adapter_mode``."""
     modes = summary["modes"]
+    ours = per_adapter_mode(modes)
 
     def per_mode(key: str) -> dict[str, Any]:
         return {m: d["median_over_tenants"][key] for m, d in modes.items()}
 
-    def ratio(key: str, a: str = "per_adapter", b: str = "global") -> float | None:
+    def ratio(key: str, a: str | None = ours, b: str = "global") -> float | None:
         if a not in modes or b not in modes:
             return None
         x, y = modes[a]["median_over_tenants"][key], modes[b]["median_over_tenants"][key]
         return x / y if x is not None and y else None
 
-    pa = modes.get("per_adapter", {}).get("median_over_tenants", {})
-    on_policy_every_tenant = None
-    if {"per_adapter", "global"} <= modes.keys():
-        on_policy_every_tenant = all(
-            t["on_policy_share"] >= modes["global"]["tenants"][n]["on_policy_share"]
-            for n, t in modes["per_adapter"]["tenants"].items()
-        )
+    pa = modes[ours]["median_over_tenants"] if ours else {}
     return {
         **meta,
+        "per_adapter_mode": ours,
         "tenants": len(next(iter(modes.values()))["tenants"]),
         "target_reward": summary["target"],
         "time_to_target_s": per_mode("time_to_target_s"),
@@ -370,7 +388,7 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s_per_adapter_over_global": ratio("tokens_per_s"),
             "tokens_per_s_finish_old_over_global": ratio("tokens_per_s", "finish_old"),
         },
-        "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant,
+        "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant(modes, ours),
         "order_balanced": order_balanced(modes),
         "tokens_per_s_ceiling": sync_ceiling(modes),
         "learners_overlap": overlap_explains(modes),
