@@ -108,8 +108,11 @@ def engine_server(
 
 
 @contextmanager
-def replica_group(embedded_model: Any) -> Iterator[Any]:
-    """Two healing CPU replicas of the embedded model (for a module's group fixture)."""
+def replica_group(
+    embedded_model: Any, replica_argv: dict[int, list[str]] | None = None
+) -> Iterator[Any]:
+    """Two healing CPU replicas of the embedded model (for a module's group
+    fixture); ``replica_argv`` adds flags to a replica, by index."""
     from skyrl_lora.server.cluster.group import GroupConfig, ServerGroup
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
@@ -118,6 +121,7 @@ def replica_group(embedded_model: Any) -> Iterator[Any]:
         argv=embedded_server_argv(embedded_model),
         env=CPU_ENV,
         health_interval_s=0.5,
+        replica_argv=replica_argv or {},
     )
     with ServerGroup(config) as group:
         yield group

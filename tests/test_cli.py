@@ -2,39 +2,56 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-#: Runs the CLI's ``main`` in a fresh interpreter and reports whether Ray was started.
+#: Runs the CLI's ``main`` once for each argv of its JSON argument in one fresh
+#: interpreter (importing vLLM for the help takes seconds: one import, not one
+#: per flag), and after each says its return code and whether Ray was started.
 PROBE = """
-import sys
+import json, sys
 from skyrl_lora.server.cli import main
-rc = main(sys.argv[1:])
-ray = sys.modules.get("ray")
-started = bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
-print(f"RAY_STARTED={started}")
-sys.exit(rc)
+for argv in json.loads(sys.argv[1]):
+    print("PROBE_BEGIN", flush=True)
+    rc = main(argv)
+    ray = sys.modules.get("ray")
+    started = bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+    print(f"PROBE_END rc={rc} RAY_STARTED={started}", flush=True)
 """
 
+#: Each help flag, alone and after the flags of a real start.
+HELPS = {"--help": ["serve", "--help"], "-h": ["serve", "--embedded", "--port", "0", "-h"]}
 
-@pytest.mark.parametrize(("flag", "extra"), [("--help", []), ("-h", ["--embedded", "--port", "0"])])
-def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(flag: str, extra: list[str]) -> None:
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, list[str]]:
+    """What each of :data:`HELPS` printed, up to its return code and Ray's state."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, "serve", *extra, flag],
+        [sys.executable, "-c", PROBE, json.dumps(list(HELPS.values()))],
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    outs = [out.split("PROBE_END", 1) for out in done.stdout.split("PROBE_BEGIN\n")[1:]]
+    assert len(outs) == len(HELPS), done.stdout[-2000:]
+    return {flag: out for flag, out in zip(HELPS, outs)}
+
+
+@pytest.mark.parametrize("flag", list(HELPS))
+def test_serve_help_prints_ours_and_vllms_flags_and_exits_0(
+    flag: str, helps: dict[str, list[str]]
+) -> None:
+    out, end = helps[flag]
     for ours in ("--embedded", "--no-ray", "--api-keys", "--adapter-root"):
         assert ours in out, ours
     for vllms in ("--lora-modules", "--max-lora-rank", "--tensor-parallel-size"):
         assert vllms in out, vllms
-    assert "RAY_STARTED=False" in out
-    assert "Traceback" not in done.stderr
+    assert end.split() == ["rc=0", "RAY_STARTED=False"], end
 
 
 @pytest.mark.parametrize(("flags", "paced"), [([], True), (["--no-resume-pacing"], False)])

@@ -1,24 +1,38 @@
 """Two real CPU vLLM replicas in a local Ray cluster, driven by one client.
 
-Module-scoped: the group starts once for these tests. The failure drills run
-last, in order: an actor killed mid-flight (the client fails over, the group
-rebuilds it), then an engine process killed mid-flight while three tenants
-sample and one swaps weights (the group notices, rebuilds the replica with
-every adapter at its version and paused state, and it serves again).
+Module-scoped: the group starts once for these tests (a start costs over a
+minute on the 2-core CPU machine, so every group test shares this one).
+
+Atomic group swaps run first, while no replica has been rebuilt: replica 1
+runs with a ``--max-adapter-bytes`` just above the embedded adapters' size
+(every other test loads or pushes adapters of that size, which it takes);
+a push of the same weights with a padded safetensors header (a larger,
+equally valid file) lands on replica 0 and is refused by replica 1. The
+group must then roll replica 0 back: both serve the old version, at the
+same number, and the error is replica 1's.
+
+The failure drills run last, in order: an actor killed mid-flight (the
+client fails over, the group rebuilds it), then an engine process killed
+mid-flight while three tenants sample and one swaps weights (the group
+notices, rebuilds the replica with every adapter at its version and paused
+state, and it serves again). The group chaos soak (an engine kill under
+random pause/swap/resume cycles) runs last of all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from skyrl_lora.client import RemoteInferenceClient
-from skyrl_lora.errors import FanOutError
+from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
+from skyrl_lora.errors import FanOutError, PayloadTooLargeError
 from skyrl_lora.types import SampleResponse
 from tests.conftest import replica_group, staged_file_reads
 
@@ -27,10 +41,116 @@ pytestmark = pytest.mark.engine
 LONG = 300
 
 
+ATOMIC_GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+PAD = 64 * 1024
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
+
+
+def padded(folder: Path) -> dict[str, bytes]:
+    """The adapter's files with ``PAD`` bytes of safetensors metadata: the same
+    weights in a larger file that every replica without a byte limit loads."""
+    from safetensors.torch import load, save
+
+    files = files_of(folder)
+    weights = "adapter_model.safetensors"
+    files[weights] = save(load(files[weights]), metadata={"pad": "x" * PAD})
+    return files
+
+
 @pytest.fixture(scope="module")
 def group(embedded_model: Any, local_ray: Any) -> Iterator[Any]:
-    with replica_group(embedded_model) as started:
+    size = sum(len(b) for b in files_of(embedded_model.adapters["moo"]).values())
+    with replica_group(
+        embedded_model, replica_argv={1: ["--max-adapter-bytes", str(size + PAD // 2)]}
+    ) as started:
         yield started
+
+
+async def served(url: str, tokenizer: Any, name: str) -> tuple[int | None, set[str] | None]:
+    """(version, greedy words) of ``name`` on one replica; (None, None) when not loaded."""
+    async with RemoteInferenceClient(url) as client:
+        listing = await client.list_adapters()
+        found = [a for a in listing.adapters if a.lora_name == name]
+        if not found:
+            return None, None
+        out = await client.sample(
+            tokenizer.encode("hello", add_special_tokens=False),
+            sampling_params=ATOMIC_GREEDY,
+            lora_name=name,
+        )
+        assert out.adapter_version == found[0].version
+        return found[0].version, set(tokenizer.decode(out.sequences[0].tokens).split())
+
+
+async def everywhere(group: Any, tokenizer: Any, name: str) -> list[tuple[Any, Any]]:
+    return [await served(url, tokenizer, name) for url in group.urls]
+
+
+async def test_a_push_one_replica_refuses_lands_nowhere(group, embedded_model, tokenizer) -> None:
+    adapters = embedded_model.adapters
+    push = group.push_lora_adapter
+    infos = await asyncio.to_thread(push, "atom", files_of(adapters["moo"]))
+    assert [i.version for i in infos] == [1, 1]
+    assert await everywhere(group, tokenizer, "atom") == [(1, {"moo"})] * 2
+
+    before = [await staged_file_reads(url) for url in group.urls]
+    with pytest.raises(PayloadTooLargeError) as caught:
+        await asyncio.to_thread(push, "atom", padded(adapters["woof"]))
+    # Replica 0 staged (and installed) version 2; replica 1 refused it unread.
+    assert [await staged_file_reads(url) for url in group.urls] == [before[0] + 1, before[1]]
+    assert "--max-adapter-bytes" in str(caught.value)
+    assert any("replica 1" in note for note in getattr(caught.value, "__notes__", []))
+    # Replica 0 had loaded version 2: it serves version 1's weights again.
+    assert await everywhere(group, tokenizer, "atom") == [(1, {"moo"})] * 2
+    assert group.record()["atom"].version == 1
+
+    # The same version number lands everywhere once every replica takes it.
+    infos = await asyncio.to_thread(push, "atom", files_of(adapters["woof"]))
+    assert [i.version for i in infos] == [2, 2]
+    assert await everywhere(group, tokenizer, "atom") == [(2, {"woof"})] * 2
+    await asyncio.sleep(1.5)  # supervision rounds: nothing is caught up or rebuilt
+    assert await everywhere(group, tokenizer, "atom") == [(2, {"woof"})] * 2
+    assert group.restarts == []
+
+
+async def test_a_first_load_one_replica_refuses_leaves_the_name_unloaded(
+    group, embedded_model, tokenizer
+) -> None:
+    with pytest.raises(PayloadTooLargeError):
+        await asyncio.to_thread(
+            group.push_lora_adapter, "atom-new", padded(embedded_model.adapters["meow"])
+        )
+    assert await everywhere(group, tokenizer, "atom-new") == [(None, None)] * 2
+    assert "atom-new" not in group.record()
+    infos = await asyncio.to_thread(
+        group.push_lora_adapter, "atom-new", files_of(embedded_model.adapters["meow"])
+    )
+    assert [i.version for i in infos] == [1, 1]
+    assert await everywhere(group, tokenizer, "atom-new") == [(1, {"meow"})] * 2
+
+
+async def test_the_clients_fan_out_is_atomic_too(group, embedded_model, tokenizer) -> None:
+    """The same refusal through the client's HTTP push to every replica: replica 1
+    answers 413, replica 0 is rolled back through ``/skyrl/v1/adapters/rollback``."""
+    woof = embedded_model.adapters["woof"]
+    files = padded(woof)
+    big = InMemoryAdapter(files["adapter_model.safetensors"], files["adapter_config.json"])
+    async with RemoteInferenceClient(group.urls) as client:
+        first = await client.push_lora_adapter("atom-http", embedded_model.adapters["moo"])
+        assert first.version == 1 and first.consistent
+        assert await everywhere(group, tokenizer, "atom-http") == [(1, {"moo"})] * 2
+        with pytest.raises(FanOutError) as caught:
+            await client.push_lora_adapter("atom-http", big)
+        assert list(caught.value.failures) == [group.urls[1]]
+        assert isinstance(caught.value.failures[group.urls[1]], PayloadTooLargeError)
+        assert "rolled back" in str(caught.value)
+        assert await everywhere(group, tokenizer, "atom-http") == [(1, {"moo"})] * 2
+        loaded = await client.push_lora_adapter("atom-http", woof)
+        assert loaded.version == 2 and loaded.consistent
+        assert await everywhere(group, tokenizer, "atom-http") == [(2, {"woof"})] * 2
 
 
 def greedy(max_tokens: int = LONG) -> dict:
@@ -357,3 +477,113 @@ async def test_a_file_layout_seen_before_builds_from_its_template_and_serves_the
 
 async def file_template_reads(url: str) -> float:
     return await staged_file_reads(url, ("file_template",))
+
+
+#: The soak's adapters, each swapped between its two words.
+SOAK_WEIGHTS = {
+    "chaos-a": ("meow", "woof"),
+    "chaos-b": ("moo", "quack"),
+    "chaos-c": ("woof", "moo"),
+}
+
+
+async def test_chaos_soak_over_a_group_with_an_engine_kill(
+    group: Any, embedded_model: Any, tokenizer: Any, capsys
+) -> None:
+    """Resumable samples arrive all along while random pause/reload/resume
+    cycles (``chaos-c`` by push, the others by path) run on two replicas, and
+    replica 0's engine process is killed. Samples keep arriving until the
+    group has rebuilt it; every one must complete, with each version range's
+    tokens from the weights that version names.
+
+    The chaos soak of ``tests/test_chaos_soak.py`` over this module's group
+    (a group start of its own cost over a minute on the CPU machine): the
+    last test, after the drills above have healed, with adapter names of
+    its own; it counts only the rebuild its own kill causes."""
+    rng = random.Random(4321)
+    word_id = {
+        w: tokenizer.encode(w, add_special_tokens=False)[0]
+        for w in ("meow", "woof", "moo", "quack")
+    }
+    said: dict[tuple[str, int], int] = {}
+    done = asyncio.Event()
+    restarts_before = len(group.restarts)
+
+    async def swap(client: RemoteInferenceClient, name: str, word: str) -> None:
+        folder = str(embedded_model.adapters[word])
+        try:
+            if name == "chaos-c":
+                infos = await client.push_lora_adapter(name, folder)
+            else:
+                infos = await client.load_lora_adapter(name, folder)
+        except FanOutError as partial:  # the replica that is down
+            infos = list(partial.results.values())
+        for info in infos:
+            said[(name, info.version)] = word_id[word]
+
+    async with RemoteInferenceClient(group.urls) as client:
+        for name, (word, _) in SOAK_WEIGHTS.items():
+            await swap(client, name, word)
+
+        async def one(i: int) -> tuple[str, dict, SampleResponse]:
+            name = rng.choice(list(SOAK_WEIGHTS))
+            params = {"max_tokens": rng.randint(20, 160), "temperature": 0.0, "ignore_eos": True}
+            prompt = tokenizer.encode(
+                rng.choice(["hello", "hello there"]), add_special_tokens=False
+            )
+            result = await client.sample_with_retry(prompt, sampling_params=params, lora_name=name)
+            return name, params, result
+
+        async def arrivals() -> list[asyncio.Task]:
+            started = []
+            while not done.is_set() or len(started) < 60:
+                started.append(asyncio.create_task(one(len(started))))
+                await asyncio.sleep(rng.uniform(0.05, 0.3))
+            return started
+
+        async def chaos() -> int:
+            cycles = 0
+            while not done.is_set():
+                await asyncio.sleep(rng.uniform(0.5, 1.5))  # RL-step cadence
+                name = rng.choice(list(SOAK_WEIGHTS))
+                with contextlib.suppress(FanOutError):
+                    await client.pause_generation(lora_name=name)
+                await swap(client, name, SOAK_WEIGHTS[name][(cycles + 1) % 2])
+                with contextlib.suppress(FanOutError):
+                    await client.resume_generation(lora_name=name)
+                cycles += 1
+            return cycles
+
+        async def kill_and_heal() -> float:
+            await asyncio.sleep(3)
+            killed = time.monotonic()
+            await asyncio.to_thread(group.kill_engine, 0)
+            restarts = await asyncio.to_thread(group.wait_restarts, restarts_before + 1, 400)
+            (restart,) = restarts[restarts_before:]
+            done.set()
+            return restart.detected_at + restart.seconds - killed
+
+        started = time.monotonic()
+        arriving = asyncio.create_task(arrivals())
+        cycles, heal_s = await asyncio.wait_for(asyncio.gather(chaos(), kill_and_heal()), 480)
+        results = await asyncio.wait_for(asyncio.gather(*await arriving), 300)
+        elapsed = time.monotonic() - started
+        for name in SOAK_WEIGHTS:  # leave nothing paused behind a failed fan-out
+            await client.resume_generation(lora_name=name)
+
+    lost = 0
+    for name, params, result in results:
+        (seq,) = result.sequences
+        lost += len(seq.tokens) != params["max_tokens"]
+        assert seq.versions[0].start == 0 and seq.versions[-1].end == len(seq.tokens)
+        for before, after in zip(seq.versions, seq.versions[1:]):
+            assert before.end == after.start and before.version <= after.version
+        for r in seq.versions:
+            assert set(seq.tokens[r.start : r.end]) == {said[(name, r.version)]}, (name, r)
+    assert lost == 0 and cycles > 0
+    with capsys.disabled():
+        print(
+            f"\nchaos soak over 2 replicas: {len(results)} samples, {cycles} pause/swap/resume "
+            f"cycles, engine killed and replica serving again after {heal_s:.1f} s, "
+            f"{lost} samples lost, {elapsed:.1f} s"
+        )
