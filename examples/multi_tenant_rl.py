@@ -464,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--serve-flags",
         default="",
-        help='GPU: more flags for the server, one string (e.g. "--max-num-batched-tokens 512")',
+        help="GPU: more flags for the server, one string "
+        '(e.g. "--max-num-batched-tokens 512 --max-num-seqs 512")',
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
