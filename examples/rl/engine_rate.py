@@ -131,6 +131,11 @@ class EngineTokenCounter:
         """Tokens generated from ``start`` to ``end``."""
         return self.between(COUNTER, start, end)
 
+    def rate_inside(self, name: str, windows: Sequence[tuple[float, float]]) -> float:
+        """Counter ``name``'s increase a second over ``windows`` (0 if they are empty)."""
+        seconds = sum(b - a for a, b in windows)
+        return sum(self.between(name, a, b) for a, b in windows) / max(seconds, 1e-9)
+
     def mean_inside(self, name: str, windows: Sequence[tuple[float, float]]) -> float | None:
         """Gauge ``name``'s mean over the readings taken inside any of ``windows``."""
         picked = [

@@ -13,6 +13,7 @@ from typing import Any
 from examples.rl.colocation import overlap_lines, rate_by_training
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
+    COUNTER,
     GRAPH_TOKENS,
     PROMPT_COUNTER,
     RUNNING_GAUGE,
@@ -94,13 +95,12 @@ def others_rate_during_swaps(run: ModeRun) -> tuple[float, float, float]:
     swaps = [(s.start, s.end) for log in run.logs.values() for s in log.swaps]
     lone = exclusive_windows(swaps)
     lone_s = sum(b - a for a, b in lone)
-    lone_tokens = sum(run.counter.tokens_between(a, b) for a, b in lone)
     busy = covered(swaps)
     busy_s = sum(b - a for a, b in busy)
     busy_tokens = sum(run.counter.tokens_between(a, b) for a, b in busy)
     outside_tokens = run.counter.tokens_between(run.start, run.end) - busy_tokens
     outside = outside_tokens / max(run.wall_s - busy_s, 1e-9)
-    return lone_tokens / max(lone_s, 1e-9), outside, lone_s
+    return run.counter.rate_inside(COUNTER, lone), outside, lone_s
 
 
 def sync_split(run: ModeRun) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
@@ -165,12 +165,7 @@ def engine_steps(run: ModeRun) -> dict[str, float]:
     largest CUDA graph: the per-adapter engine ran 2-3x as many under MPS.
     """
     _, outside = sync_split(run)
-    between = run.counter.between
-
-    def per_s(name: str, windows: Sequence[tuple[float, float]]) -> float:
-        seconds = sum(b - a for a, b in windows)
-        return sum(between(name, a, b) for a, b in windows) / max(seconds, 1e-9)
-
+    per_s = run.counter.rate_inside
     whole = [(run.start, run.end)]
     steps, outside_steps = per_s(STEPS, whole), per_s(STEPS, outside)
     return {

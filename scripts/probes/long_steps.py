@@ -5,10 +5,12 @@
 Reads the ``skyrl_event`` lines of a server log (``rl_gpu_server.log`` of
 ``scripts/gpu_device_run.sh rl``) and prints, per bin of wall time from the
 first event: the engine steps over ``--long-step-ms`` (``engine_long_step``),
-the adapters installed, and the samples our per-adapter pause aborted. The
-modes of an RL run follow each other on one server; the aborted samples
-mark the per-adapter modes (the global pause aborts none), so the bins show
-where each mode ran. ``--windows`` then sums named spans of seconds: long
+the adapters installed, and the samples the adapters' pauses aborted. The
+modes of an RL run follow each other on one server; between two modes the
+learners restart and installs stop for a few seconds, so the bins with
+few installs show where each mode ran (aborts come in every mode: the
+global mode installs with ``abort_resume`` inside its pause too).
+``--windows`` then sums named spans of seconds: long
 steps a second, their median prefill tokens, and the share of them with
 more than 256 prefill tokens (the resume pacing's per-step budget).
 """
