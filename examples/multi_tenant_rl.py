@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.timeline import read_events
 from examples.rl.colocation import overlap_explains
 from examples.rl.engine_rate import EngineTokenCounter
 from examples.rl.gpu_busy import GpuBusy
@@ -263,6 +264,21 @@ def cpu_server(trainer_root: Path, handover: bool = False) -> Iterator[tuple[str
         yield url, model.model_dir
 
 
+def gpu_server_log() -> Path:
+    """Where the GPU server's log goes: beside the results (``$OUT``)."""
+    return Path(os.environ.get("OUT") or tempfile.gettempdir()) / "rl_gpu_server.log"
+
+
+def with_engine_events(
+    runs: Sequence[ModeRun], log: Path, wall_minus_monotonic_s: float
+) -> list[ModeRun]:
+    """The runs, each with the server's events on its clock (the long steps
+    of :func:`examples.rl.report.engine_steps`)."""
+    with log.open(errors="replace") as lines:
+        events = read_events(lines, wall_minus_monotonic_s)
+    return [dataclasses.replace(run, engine_events=events) for run in runs]
+
+
 @contextlib.contextmanager
 def cuda_server(
     root: Path,
@@ -292,8 +308,7 @@ def cuda_server(
     )
     started = time.monotonic()
     print("Starting a skyrl-lora server on CUDA vLLM (random 0.8B Llama)...", flush=True)
-    log = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "rl_gpu_server.log"
-    with serving(["--no-ray", *argv], log) as server:
+    with serving(["--no-ray", *argv], gpu_server_log()) as server:
         took = time.monotonic() - started
         print(f"Server ready at {server.url} after {took:.0f} s\n", flush=True)
         yield server.url, model.model_dir
@@ -525,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm_up_s = args.warm_up_s if args.warm_up_s is not None else (20.0 if args.gpu else 0.0)
         settle_s = 3.0 if args.gpu else 0.0
         warm, runs = asyncio.run(run_all(server, shape, args.rounds, work, settle_s, warm_up_s))
+    if args.gpu:
+        runs = with_engine_events(runs, gpu_server_log(), time.time() - time.monotonic())
     summary = summarize(runs, target, off_policy.max_staleness)
     if warm is not None:
         summary["warm_up_mode"] = warm_up_figures(warm, target, off_policy.max_staleness)

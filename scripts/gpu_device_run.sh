@@ -95,9 +95,16 @@ case "${1:-}" in
             if [[ "${SKYRL_GPU_MPS:-0}" == 1 ]]; then
                 # The engine and the learners as clients of one MPS server, not
                 # contexts the GPU time-slices between (docs/gpu.md, 94ac4e8).
+                # A daemon told to quit takes a moment to go: one started
+                # meanwhile fails, and a run right after another would then
+                # run time-sliced, so wait for it to be gone on both ends.
+                mps_gone() { while pgrep -x nvidia-cuda-mps-control > /dev/null; do sleep 0.5; done; }
+                mps_gone
                 nvidia-cuda-mps-control -d
-                trap 'echo quit | nvidia-cuda-mps-control' EXIT
+                trap 'echo quit | nvidia-cuda-mps-control; mps_gone' EXIT
                 machine="$machine, CUDA MPS"
+                # Proof it ran under MPS: the engine and learners show as M+C.
+                (sleep 180 && nvidia-smi > "$out/nvidia_smi_mid_run.txt" 2>&1) &
             fi
             python3 -m examples.multi_tenant_rl --gpu --machine "$machine" \
                 --json "$out/rl_gpu_full.json" --summary-json "$out/rl_gpu.json" \

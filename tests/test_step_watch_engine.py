@@ -88,6 +88,7 @@ def _sample(url: str, prompt: list[int], max_tokens: int, lora: str | None = Non
 def test_a_real_engines_long_steps_are_logged_with_their_shape(server: ServeProcess) -> None:
     info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
     assert info["engine_long_step_ms"] == 1
+    began = time.monotonic()
     _sample(server.url, [1, 2, 3], 64)
 
     def long_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,6 +100,29 @@ def test_a_real_engines_long_steps_are_logged_with_their_shape(server: ServeProc
     for step in decoding:
         assert step["requests"] == 1 and step["tokens"] == 1 and step["new_requests"] == 0
         assert step["ms"] > 1 and step["busy"] == []
+    _long_steps_read_by_the_rl_report(server, began, time.monotonic())
+
+
+def _long_steps_read_by_the_rl_report(server: ServeProcess, began: float, ended: float) -> None:
+    """The RL report reads these events back from the log on its own clock
+    (``engine_steps``): every long step of the sample's window, written or
+    counted as left unwritten, and the time they took."""
+    from benchmarks.timeline import read_events
+    from examples.rl.engine_rate import STEPS, EngineTokenCounter
+    from examples.rl.report import ModeRun, engine_steps
+
+    events = read_events(server.log_path.read_text().splitlines(), time.time() - time.monotonic())
+    inside = [e.fields for e in events if e.name == "engine_long_step" and began <= e.at <= ended]
+    counter = EngineTokenCounter(server.url)
+    counter.times, counter.readings[STEPS] = [began, ended], [0.0, 0.0]
+    figures = engine_steps(ModeRun("probe", {}, counter, began, ended, engine_events=events))
+    seconds = ended - began
+    counted = sum(1 + e["suppressed"] for e in inside)
+    assert counted >= 10 and figures["long_steps_per_s"] == pytest.approx(counted / seconds)
+    assert figures["long_step_share"] == pytest.approx(
+        sum(e["ms"] for e in inside) / 1000 / seconds
+    )
+    assert figures["long_steps_over_graph_share"] == 0  # one 3-token prompt, then 1-token steps
 
 
 def _held(url: str, lora: str) -> int:

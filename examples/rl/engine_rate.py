@@ -37,11 +37,12 @@ WAITING_GAUGE = "vllm:num_requests_waiting"
 #: The largest step vLLM captures a CUDA graph for by default
 #: (``max_cudagraph_capture_size``); a longer step runs eagerly on a GPU,
 #: 56-66 ms against about 21 ms for the RL shape's decode steps on an H100
-#: (docs/gpu.md, 94ac4e8). Also a bucket bound of vLLM's step histogram.
+#: (docs/gpu.md, 94ac4e8).
 GRAPH_TOKENS = 512
 #: Engine steps, all and those of at most :data:`GRAPH_TOKENS` tokens: the
-#: count and one bucket of the histogram of tokens per step (a name with a
-#: label selector: ``parse_counter`` keeps the lines carrying that label).
+#: count and one bucket of vLLM's histogram of tokens per step (a name with a
+#: label selector: ``parse_counter`` keeps the lines carrying that label). The
+#: buckets misplace chunked prefills: :func:`examples.rl.report.engine_steps`.
 STEPS = "vllm:iteration_tokens_total_count"
 STEPS_IN_GRAPH = f'vllm:iteration_tokens_total_bucket{{le="{GRAPH_TOKENS:.1f}"}}'
 #: What :class:`EngineTokenCounter` reads on every poll.

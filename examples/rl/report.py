@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.timeline import Event
 from examples.rl.colocation import overlap_lines, rate_by_training
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
@@ -40,6 +41,9 @@ class ModeRun:
     start: float
     end: float
     gpu: GpuBusy | None = None  # None on a CPU machine
+    #: The server's events on this run's clock (:func:`benchmarks.timeline.read_events`),
+    #: those of the whole server run; None where its log cannot be read.
+    engine_events: Sequence[Event] | None = None
 
     @property
     def wall_s(self) -> float:
@@ -155,25 +159,55 @@ def engine_prefill(run: ModeRun) -> dict[str, float]:
     }
 
 
-def engine_steps(run: ModeRun) -> dict[str, float]:
-    """The engine's steps a second in a mode, and those over
-    :data:`~examples.rl.engine_rate.GRAPH_TOKENS` tokens (eager on a GPU),
-    over the mode and outside every sync.
+def engine_steps(run: ModeRun) -> dict[str, float | None]:
+    """The engine's steps a second in a mode, those past the largest CUDA
+    graph, and its long steps, over the mode and outside every sync.
 
-    A sync's resumed samples re-prefill their prompt and partial tokens;
-    how that prefill is cut into steps decides how many steps pass the
-    largest CUDA graph: the per-adapter engine ran 2-3x as many under MPS.
+    All steps and those past :data:`~examples.rl.engine_rate.GRAPH_TOKENS`
+    tokens (``over_graph``: eager on a GPU) come from vLLM's histogram of
+    tokens per step. It counts a prompt's tokens in the step that finishes
+    it, so it is exact only while no prefill is chunked (vLLM's default
+    token budget, 8192 on an H100, chunks only prompts longer than the room
+    left): under ``--max-num-batched-tokens 512`` it showed 9-10 steps a
+    second over 512 tokens on a server none of whose steps had more
+    (1f92e2f, 2026-11-27).
+
+    Long steps come from the step watch's ``engine_long_step`` events
+    (:mod:`skyrl_lora.server.step_watch`: steps over 50 ms, each with the
+    tokens it scheduled), so they need the server's log: None without it.
+    ``long_step_share`` is the share of the time the engine spent in them
+    (every running request waits through each one), and
+    ``long_steps_over_graph_share`` the share of them past the graphs.
     """
     _, outside = sync_split(run)
-    per_s = run.counter.rate_inside
     whole = [(run.start, run.end)]
+    per_s = run.counter.rate_inside
     steps, outside_steps = per_s(STEPS, whole), per_s(STEPS, outside)
-    return {
+    figures: dict[str, float | None] = {
         "steps_per_s": steps,
         "over_graph_per_s": steps - per_s(STEPS_IN_GRAPH, whole),
         "steps_per_s_outside_syncs": outside_steps,
         "over_graph_per_s_outside_syncs": outside_steps - per_s(STEPS_IN_GRAPH, outside),
     }
+    for suffix, windows in (("", whole), ("_outside_syncs", outside)):
+        seconds = sum(b - a for a, b in windows)
+        long = None
+        if run.engine_events is not None:
+            long = [
+                e.fields
+                for e in run.engine_events
+                if e.name == "engine_long_step" and any(a <= e.at <= b for a, b in windows)
+            ]
+        # An event also counts the long steps the watch left unwritten before it.
+        count = None if long is None else sum(1 + int(e.get("suppressed", 0)) for e in long)
+        figures[f"long_steps_per_s{suffix}"] = None if count is None else count / seconds
+        figures[f"long_step_share{suffix}"] = (
+            None if long is None else sum(float(e["ms"]) for e in long) / 1000 / seconds
+        )
+        figures[f"long_steps_over_graph_share{suffix}"] = (
+            None if not long else sum(int(e["tokens"]) > GRAPH_TOKENS for e in long) / len(long)
+        )
+    return figures
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -520,12 +554,23 @@ def table(summary: Mapping[str, Any]) -> str:
             f"{prefill['computed_per_generated']:.2f} computed per generated token"
         )
         steps = data["engine_steps"]
+        long_steps = (
+            "no server log for its long steps"
+            if steps["long_steps_per_s"] is None
+            else f"{steps['long_steps_per_s']:.1f} of them over 50 ms, "
+            f"{steps['long_step_share']:.0%} of the time"
+            + (
+                ""
+                if steps["long_steps_over_graph_share"] is None
+                else f" ({steps['long_steps_over_graph_share']:.0%} of those over "
+                f"{GRAPH_TOKENS} tokens: no CUDA graph on a GPU)"
+            )
+        )
         lines.append(
-            f"{mode}: engine {steps['steps_per_s']:.1f} steps a second, "
-            f"{steps['over_graph_per_s']:.1f} of them over {GRAPH_TOKENS} tokens "
-            f"(outside syncs {steps['steps_per_s_outside_syncs']:.1f} and "
-            f"{steps['over_graph_per_s_outside_syncs']:.1f}; on a GPU those run without "
-            "CUDA graphs)"
+            f"{mode}: engine {steps['steps_per_s']:.1f} steps a second "
+            f"({steps['steps_per_s_outside_syncs']:.1f} outside syncs), "
+            f"{steps['over_graph_per_s']:.1f} of them over {GRAPH_TOKENS} tokens by vLLM's "
+            f"histogram (exact unless prefills are chunked), {long_steps}"
         )
         batch = data["engine_requests"]
         if batch["running"] is not None:
