@@ -41,7 +41,7 @@ class ModeRun:
     start: float
     end: float
     gpu: GpuBusy | None = None  # None on a CPU machine
-    #: The server's events on this run's clock (:func:`benchmarks.timeline.read_events`),
+    #: The server's events on the mode's clock (:func:`benchmarks.timeline.read_events`),
     #: those of the whole server run; None where its log cannot be read.
     engine_events: Sequence[Event] | None = None
 

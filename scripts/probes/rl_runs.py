@@ -1,0 +1,153 @@
+"""Several GPU RL runs side by side: each run's ratios, and their median and spread.
+
+    python3 scripts/probes/rl_runs.py NAME=DIR [NAME=DIR ...] [--json OUT.json]
+
+Each DIR is what ``scripts/gpu_device_run.sh rl`` leaves in its ``$OUT``:
+``rl_gpu.json`` (the headline summary), ``rl_gpu_server.log`` and, under
+MPS, ``nvidia_smi_mid_run.txt``. One run's ratio (per-adapter over global)
+rests on two 40 s positions per mode; from run to run it moved by more than
+the per-adapter pause's gain (0.93x-1.21x for one configuration on two
+H100s), so a configuration's figure is the median of its runs, with the
+range. Runs with the same ``serve_flags`` are one configuration.
+
+Per run: the tenants' and the engine's tokens/s over the global pause's,
+the ceiling and the share of it won, the per-adapter engine's own pace
+(``learners_overlap``), time to target, the engine's tokens/s by mode, sync
+p99 (median tenant, and pooled over the per-adapter positions), the lowest
+on-policy margin over the global's, the whole server run's long steps
+(the step watch's events: count, seconds, median tokens, share past 512
+tokens), and whether ``nvidia-smi`` saw the processes as MPS clients (``M+C``).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def long_steps(log: Path) -> dict[str, float] | None:
+    if not log.exists():
+        return None
+    steps = []
+    for line in log.open(errors="replace"):
+        i = line.find('skyrl_event {"event": "engine_long_step"')
+        if i >= 0:
+            steps.append(json.loads(line[i + len("skyrl_event ") :]))
+    if not steps:
+        return {"count": 0, "seconds": 0.0}
+    return {
+        "count": sum(1 + s.get("suppressed", 0) for s in steps),
+        "seconds": sum(s["ms"] for s in steps) / 1000,
+        "median_tokens": statistics.median(s["tokens"] for s in steps),
+        "over_512_share": sum(s["tokens"] > 512 for s in steps) / len(steps),
+    }
+
+
+def mps_clients(smi: Path) -> int | None:
+    """Processes ``nvidia-smi`` listed as MPS clients mid-run; None if not sampled."""
+    return smi.read_text().count("M+C") if smi.exists() else None
+
+
+def run_figures(folder: Path) -> dict[str, Any]:
+    data = json.loads((folder / "rl_gpu.json").read_text())
+    mode = data["per_adapter_mode"]
+    ceiling = data["tokens_per_s_ceiling"]
+    overlap = data["learners_overlap"][mode]
+    pooled = data["swap_ms"]["pooled"]
+    shares = data["on_policy_share"]
+    per_adapter = [v for k, v in shares.items() if k.split("#")[0] == mode]
+    global_ = [v for k, v in shares.items() if k.split("#")[0] == "global"]
+    return {
+        "commit": data["commit"],
+        "date": data["date"],
+        "machine": data["machine"],
+        "serve_flags": data.get("serve_flags") or "",
+        "mode": mode,
+        "tenants_tokens_per_s_over_global": data["ratios"]["tokens_per_s_per_adapter_over_global"],
+        "engine_tokens_per_s_over_global": ceiling["engine_tokens_per_s_over_global"][mode],
+        "ceiling": ceiling["ceiling"],
+        "share_of_ceiling_won": ceiling["won"][mode],
+        "own_pace": overlap["own_pace"],
+        "none_training_over_global": overlap["none_training_over_global"],
+        "time_to_target_over_global": data["ratios"]["time_to_target_per_adapter_over_global"],
+        "engine_tok_s_by_position": data["engine_tok_s"],
+        "sync_p99_ms_median_tenant": data["swap_ms"]["p99"],
+        "sync_p99_ms_pooled_max_position": max(
+            v["p99"] for k, v in pooled.items() if k.split("#")[0] == mode
+        ),
+        "on_policy_mean": {
+            mode: statistics.mean(per_adapter),
+            "global": statistics.mean(global_),
+        },
+        "on_policy_every_tenant": data["on_policy_per_adapter_ge_global_every_tenant"],
+        "long_steps_whole_server_run": long_steps(folder / "rl_gpu_server.log"),
+        "mps_clients_mid_run": mps_clients(folder / "nvidia_smi_mid_run.txt"),
+    }
+
+
+SPREAD_KEYS = (
+    "tenants_tokens_per_s_over_global",
+    "engine_tokens_per_s_over_global",
+    "share_of_ceiling_won",
+    "own_pace",
+    "time_to_target_over_global",
+    "sync_p99_ms_median_tenant",
+)
+
+
+def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    return {
+        key: {
+            "median": statistics.median(r[key] for r in runs),
+            "min": min(r[key] for r in runs),
+            "max": max(r[key] for r in runs),
+        }
+        for key in SPREAD_KEYS
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("runs", nargs="+", help="NAME=DIR")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    runs = {}
+    for spec in args.runs:
+        name, folder = spec.split("=", 1)
+        runs[name] = run_figures(Path(folder))
+    configs: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        configs.setdefault(run["serve_flags"], []).append(name)
+    out = {
+        "runs": runs,
+        "by_serve_flags": {
+            flags or "(default)": {"runs": names, **spread([runs[n] for n in names])}
+            for flags, names in configs.items()
+        },
+    }
+    for name, r in runs.items():
+        steps = r["long_steps_whole_server_run"] or {}
+        print(
+            f"{name}: [{r['serve_flags'] or 'default'}] tenants {r['tenants_tokens_per_s_over_global']:.3f}x, "
+            f"engine {r['engine_tokens_per_s_over_global']:.3f}x of ceiling {r['ceiling']:.3f}x "
+            f"(won {r['share_of_ceiling_won']:.0%}), own pace {r['own_pace']:.3f}, "
+            f"time to target {r['time_to_target_over_global']:.2f}x, "
+            f"engine tok/s {', '.join(f'{v:.0f}' for v in r['engine_tok_s_by_position'].values())}, "
+            f"sync p99 {r['sync_p99_ms_median_tenant']:.0f} ms, long steps {steps.get('count')} "
+            f"({steps.get('seconds', 0):.1f} s), MPS clients {r['mps_clients_mid_run']}"
+        )
+    for flags, s in out["by_serve_flags"].items():
+        print(f"{flags} ({', '.join(s['runs'])}): " + "; ".join(
+            f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
+            for k, v in s.items() if k != "runs"
+        ))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
