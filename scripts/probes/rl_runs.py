@@ -12,7 +12,9 @@ range. Runs with the same ``serve_flags`` are one configuration.
 
 Per run: the tenants' and the engine's tokens/s over the global pause's,
 the ceiling and the share of it won, the per-adapter engine's own pace
-(``learners_overlap``), time to target, the engine's tokens/s by mode, sync
+(``learners_overlap``), time to target, the engine's tokens/s by position
+and its mean, the mean of the positions' seconds a step (both modes: these
+two compare configurations, which run on different servers), sync
 p99 (median tenant, and pooled over the per-adapter positions), the lowest
 on-policy margin over the global's, the whole server run's long steps
 (the step watch's events: count, seconds, median tokens, share past 512
@@ -75,6 +77,9 @@ def run_figures(folder: Path) -> dict[str, Any]:
         "none_training_over_global": overlap["none_training_over_global"],
         "time_to_target_over_global": data["ratios"]["time_to_target_per_adapter_over_global"],
         "engine_tok_s_by_position": data["engine_tok_s"],
+        # Across configurations (other servers: compare medians of several runs)
+        "engine_tok_s_mean": statistics.mean(data["engine_tok_s"].values()),
+        "seconds_per_step_mean": statistics.mean(data["seconds_per_step"].values()),
         "sync_p99_ms_median_tenant": data["swap_ms"]["p99"],
         "sync_p99_ms_pooled_max_position": max(
             v["p99"] for k, v in pooled.items() if k.split("#")[0] == mode
@@ -96,6 +101,8 @@ SPREAD_KEYS = (
     "own_pace",
     "time_to_target_over_global",
     "sync_p99_ms_median_tenant",
+    "engine_tok_s_mean",
+    "seconds_per_step_mean",
 )
 
 
@@ -137,6 +144,7 @@ def main() -> None:
             f"(won {r['share_of_ceiling_won']:.0%}), own pace {r['own_pace']:.3f}, "
             f"time to target {r['time_to_target_over_global']:.2f}x, "
             f"engine tok/s {', '.join(f'{v:.0f}' for v in r['engine_tok_s_by_position'].values())}, "
+            f"{r['seconds_per_step_mean']:.2f} s a step, "
             f"sync p99 {r['sync_p99_ms_median_tenant']:.0f} ms, long steps {steps.get('count')} "
             f"({steps.get('seconds', 0):.1f} s), MPS clients {r['mps_clients_mid_run']}"
         )
