@@ -265,18 +265,27 @@ def watch_model_steps(model_runner: Any, hook: Callable[[Any], None]) -> bool:
     return _hook_before(model_runner, "execute_model", "step_watch", watch)
 
 
-def call_after_engine_steps(engine_client: Any, hook: Callable[[], None]) -> bool:
-    """Run ``hook`` on the API server's event loop as each engine step's
-    outputs have been handed to their requests; False where the client has
-    no output processor.
+def call_after_engine_steps(engine_client: Any, hook: Callable[[int | None], None]) -> bool:
+    """Run ``hook(running)`` on the API server's event loop as each engine
+    step's outputs have been handed to their requests; False where the
+    client has no output processor.
 
     0.26 and 0.32's output handler calls ``update_scheduler_stats`` once per
     batch of outputs the engine core sends, after handing them out: one
-    batch per step that produced any token.
+    batch per step that produced any token. Its argument, the scheduler's
+    stats, says how many requests the step ran (``num_running_reqs``); it
+    is None where the server logs no stats (``--disable-log-stats``), and
+    so is ``running`` then.
     """
+
+    def stepped(*args: Any, **kwargs: Any) -> None:
+        stats = args[0] if args else kwargs.get("scheduler_stats")
+        running = getattr(stats, "num_running_reqs", None)
+        hook(running if isinstance(running, int) else None)
+
     processor = getattr(engine_client, "output_processor", None)
     return processor is not None and _hook_before(
-        processor, "update_scheduler_stats", "engine_steps", _without_arguments(hook)
+        processor, "update_scheduler_stats", "engine_steps", stepped
     )
 
 

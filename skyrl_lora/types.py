@@ -428,6 +428,10 @@ class ServerInfo(_Wire):
     #: --resume-tokens-per-step``; see ``skyrl_lora.server.engine.gate``);
     #: None: let in all at once (``--no-resume-pacing``).
     resume_tokens_per_step: int | None = None
+    #: Where set, that room follows the running batch instead: this many
+    #: tokens (the largest step in a CUDA graph) less the requests running
+    #: (``serve --resume-graph-tokens``).
+    resume_graph_tokens: int | None = None
     #: Whether that pace counts the engine's own steps; False where the
     #: server cannot see them and counts one per 50 ms instead.
     resume_pacing_sees_steps: bool = False

@@ -45,7 +45,7 @@ def test_hooks_on_one_method_are_kept_by_name_and_see_the_calls_arguments() -> N
 def test_nothing_to_hook_is_said_not_raised() -> None:
     assert not compat.call_before_model_steps(None, lambda: None)
     assert not compat.watch_model_steps(object(), lambda output: None)
-    assert not compat.call_after_engine_steps(object(), lambda: None)
+    assert not compat.call_after_engine_steps(object(), lambda running: None)
 
 
 def test_the_gates_step_signal_runs_as_each_batch_of_outputs_is_handed_out() -> None:
@@ -59,12 +59,17 @@ def test_the_gates_step_signal_runs_as_each_batch_of_outputs_is_handed_out() -> 
     class EngineClient:
         output_processor = OutputProcessor()
 
+    class Stats:
+        num_running_reqs = 3
+
     client = EngineClient()
-    steps: list[int] = []
-    assert compat.call_after_engine_steps(client, lambda: steps.append(1))
-    client.output_processor.update_scheduler_stats(None)
-    client.output_processor.update_scheduler_stats({"running": 3})
-    assert steps == [1, 1] and client.output_processor.stats == [None, {"running": 3}]
+    steps: list[int | None] = []
+    assert compat.call_after_engine_steps(client, steps.append)
+    client.output_processor.update_scheduler_stats(None)  # a server logging no stats
+    stats = Stats()
+    client.output_processor.update_scheduler_stats(stats)
+    # each batch is a step, with the requests it ran where the stats say
+    assert steps == [None, 3] and client.output_processor.stats == [None, stats]
 
 
 def test_the_real_output_processor_has_the_method_the_step_signal_hooks() -> None:

@@ -237,6 +237,36 @@ async def test_a_resumed_backlog_enters_a_steps_room_at_a_time() -> None:
     assert gate.counters.paced_requests == 4  # a2, a3, a4 and the newcomer waited
 
 
+async def test_with_the_graph_size_the_room_follows_the_running_batch() -> None:
+    """With ``graph_tokens`` and the engine's running requests known, a step's
+    room is the graph less the requests running; a request that fits no such
+    room goes in at once with the others that do not (eager wherever it
+    goes), while those that fit are still paced; until a step says how many
+    run, the fixed room holds."""
+    pacing = ResumePacing(tokens_per_step=100, step_wait_s=10.0, window_s=10.0, graph_tokens=512)
+    gate, engine = make(pacing)
+    backlog = await _held_backlog(gate, engine, "a", [300, 300, 600, 700])
+    gate.resume("a")
+    await _settle()
+    # no step has said how many run: 100 tokens a step, the first request always
+    assert _admitted(backlog) == [True, False, False, False]
+    gate.engine_stepped(running=200)  # room 312: a1 fits; a2 and a3 fit no step
+    await _settle()
+    assert _admitted(backlog) == [True, True, True, True]
+    more = await _held_backlog(gate, engine, "b", [150, 150, 150])
+    gate.engine_stepped(running=200)  # a fresh step's room: 312
+    gate.resume("b")
+    await _settle()
+    assert _admitted(more) == [True, True, False]  # 300 of the 312
+    gate.engine_stepped(running=500)  # room 12: a 150-token request fits no step now
+    await _settle()
+    assert all(_admitted(more))
+    gate.engine_stepped()  # a step without the engine's count keeps the last one
+    assert gate._budget.running == 500 and gate._budget.room() == 12
+    with pytest.raises(ValueError, match="at least 1"):
+        ResumePacing(graph_tokens=0)
+
+
 async def test_without_step_signals_the_waiters_count_one_per_step_wait() -> None:
     """An idle engine has no steps (and a server may not see them): a waiter
     then takes ``step_wait_s`` without one as a step, so pacing never hangs."""
@@ -343,6 +373,12 @@ def test_serve_takes_the_room_per_step_and_refuses_less_than_one_token(capsys) -
         ResumePacing(tokens_per_step=64)
     )
     assert resume_pacing(parse_server_args([*base, "--no-resume-pacing"])) is None
+    assert resume_pacing(parse_server_args([*base, "--resume-graph-tokens", "512"])) == (
+        ResumePacing(graph_tokens=512)
+    )
     with pytest.raises(SystemExit):
         parse_server_args([*base, "--resume-tokens-per-step", "0"])
     assert "--resume-tokens-per-step must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_server_args([*base, "--resume-graph-tokens", "0"])
+    assert "--resume-graph-tokens must be at least 1" in capsys.readouterr().err

@@ -127,6 +127,16 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         f"(default {DEFAULT_RESUME_PACING.tokens_per_step})",
     )
     group.add_argument(
+        "--resume-graph-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pace by the running batch instead: a step's room is N (the largest step run "
+        "in a CUDA graph, 512 by default on a GPU) less the requests running, and a resumed "
+        "request that fits no such room goes in at once, beside the others that do not "
+        "(default: off, the fixed room above)",
+    )
+    group.add_argument(
         "--no-resume-pacing",
         dest="resume_pacing",
         action="store_false",
@@ -239,6 +249,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--long-step-ms must be 0 (no step log) or more")
     if args.resume_tokens_per_step < 1:
         parser.error("--resume-tokens-per-step must be at least 1 (or use --no-resume-pacing)")
+    if args.resume_graph_tokens is not None and args.resume_graph_tokens < 1:
+        parser.error("--resume-graph-tokens must be at least 1")
     _leave_cpu_cache_room_for_new_versions(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staged_engine.EXTENSION_QUALNAME):
@@ -281,12 +293,13 @@ def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
 
 
 def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:
-    """The gate's pacing after a resume (``--resume-tokens-per-step``;
-    ``--no-resume-pacing`` turns it off)."""
+    """The gate's pacing after a resume (``--resume-tokens-per-step``,
+    ``--resume-graph-tokens``; ``--no-resume-pacing`` turns it off)."""
     if not getattr(args, "resume_pacing", True):
         return None
     tokens = getattr(args, "resume_tokens_per_step", DEFAULT_RESUME_PACING.tokens_per_step)
-    return dataclasses.replace(DEFAULT_RESUME_PACING, tokens_per_step=tokens)
+    graph = getattr(args, "resume_graph_tokens", None)
+    return dataclasses.replace(DEFAULT_RESUME_PACING, tokens_per_step=tokens, graph_tokens=graph)
 
 
 def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
@@ -434,6 +447,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         adapter_pinned_reserve_bytes=lora_engine.pinned_reserve_bytes,
         engine_long_step_ms=lora_engine.long_step_ms,
         resume_tokens_per_step=pacing.tokens_per_step if pacing is not None else None,
+        resume_graph_tokens=pacing.graph_tokens if pacing is not None else None,
         resume_pacing_sees_steps=pacing_sees_steps,
         adapter_handover=handovers.enabled,
         logits_guard=lora_engine.logits_guard,
