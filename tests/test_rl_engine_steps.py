@@ -87,3 +87,13 @@ def test_without_a_server_log_the_long_steps_are_unknown_not_zero() -> None:
     assert found["steps_per_s"] == pytest.approx(75.0)
     assert found["long_steps_per_s"] is None and found["long_step_share"] is None
     assert found["long_steps_over_graph_share"] is None
+
+
+def test_a_gpu_run_reads_its_servers_log_onto_every_modes_clock(tmp_path) -> None:
+    from examples.multi_tenant_rl import with_engine_events
+
+    log = tmp_path / "rl_gpu_server.log"
+    log.write_text(LOG + "\nan unrelated line\n")
+    runs = with_engine_events([_run([], None), _run([], None)], log, 1000.0)
+    assert [len(r.engine_events or []) for r in runs] == [3, 3]
+    assert engine_steps(runs[1])["long_steps_per_s"] == pytest.approx(1.0)
