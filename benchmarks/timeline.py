@@ -16,58 +16,22 @@ gaps show *that* the others waited, the timeline shows *where*.
 
 The windows are ``time.monotonic()`` of the benchmark process and the log
 is wall-clock time (UTC) of the same machine; the json's
-``wall_minus_monotonic_s`` converts one into the other.
+``wall_minus_monotonic_s`` converts one into the other
+(:func:`skyrl_lora.server.event_log.read_events`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
-import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_EVENT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*skyrl_event (\{.*\})")
-
-_ENGINE_EVENT = re.compile(r"skyrl_event (\{\"event\": \"[a-z_]+\", \"at\": .*\})")
+from skyrl_lora.server.event_log import Event, read_events
 
 Span = tuple[float, float]
-
-
-@dataclass(frozen=True)
-class Event:
-    at: float  # time.monotonic() of the benchmark process
-    fields: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return str(self.fields.get("event"))
-
-
-def read_events(lines: Iterable[str], wall_minus_monotonic_s: float) -> list[Event]:
-    """The ``skyrl_event`` lines of a server log, on the benchmark's clock.
-
-    The API process's lines carry their time in the line's stamp; the
-    engine process's (vLLM's format, to the second) in the event's ``at``.
-    """
-    events = []
-    for line in lines:
-        match = _EVENT_LINE.match(line)
-        if match is not None:
-            wall = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
-            fields = json.loads(match.group(2))
-            at = wall.replace(tzinfo=datetime.UTC).timestamp()
-        elif (engine := _ENGINE_EVENT.search(line)) is not None:
-            fields = json.loads(engine.group(1))
-            at = fields.pop("at")
-        else:
-            continue
-        events.append(Event(at - wall_minus_monotonic_s, fields))
-    return events
 
 
 def _inside(at: float, spans: Sequence[Span], slack_s: float = 0.002) -> bool:

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.timeline import read_events
 from examples.rl.colocation import overlap_explains
 from examples.rl.engine_rate import EngineTokenCounter
 from examples.rl.gpu_busy import GpuBusy
@@ -69,6 +68,7 @@ from examples.rl.tenant import (
 )
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.rl_accounting import OffPolicyConfig, staleness_counts
+from skyrl_lora.server.event_log import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}

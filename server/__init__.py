@@ -9,7 +9,8 @@ Layers, lowest first; each imports only from those below it::
     engine/                     the gate in front of vLLM's ``generate``, the gated engine
                                 and the CPU build's scheduler that zeroes new KV blocks
     weights/                    adapter versions: registry, files, staging, engine slots
-    compat, observability,      the one door to vLLM, metrics and event lines, the
+    compat, observability,      the one door to vLLM, metrics and event lines (and
+    event_log,                  reading those lines back on a client's clock), the
     loop_monitor, step_watch,   event-loop watch, the engine's long-step log,
     reaper, logits_guard,       process cleanup, the sampler's guard against
     lora_metadata,              non-finite logits, the LoRA kernels' metadata

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from benchmarks.timeline import read_events
 from examples.rl.engine_rate import STEPS, STEPS_IN_GRAPH, EngineTokenCounter, parse_counter
 from examples.rl.report import ModeRun, engine_steps
 from examples.rl.tenant import Swap, TenantLog
+from skyrl_lora.server.event_log import read_events
 
 #: Two engines' lines as vLLM writes them (label order as the client sorts them).
 METRICS = """\

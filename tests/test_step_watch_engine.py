@@ -111,14 +111,16 @@ def _long_steps_read_by_the_rl_report(server: ServeProcess, began: float, ended:
     """The RL report reads these events back from the log on its own clock
     (``engine_steps``): every long step of the sample's window, written or
     counted as left unwritten, and the time they took."""
-    from benchmarks.timeline import read_events
-    from examples.rl.engine_rate import STEPS, EngineTokenCounter
+    from examples.rl.engine_rate import COUNTERS, EngineTokenCounter
     from examples.rl.report import ModeRun, engine_steps
+    from skyrl_lora.server.event_log import read_events
 
     events = read_events(server.log_path.read_text().splitlines(), time.time() - time.monotonic())
     inside = [e.fields for e in events if e.name == "engine_long_step" and began <= e.at <= ended]
     counter = EngineTokenCounter(server.url)
-    counter.times, counter.readings[STEPS] = [began, ended], [0.0, 0.0]
+    counter.times = [began, ended]
+    for name in COUNTERS:  # no metrics read: the steps' figures are 0, the long ones are not
+        counter.readings[name] = [0.0, 0.0]
     figures = engine_steps(ModeRun("probe", {}, counter, began, ended, engine_events=events))
     seconds = ended - began
     counted = sum(1 + e["suppressed"] for e in inside)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.timeline import Event
 from examples.rl.colocation import overlap_lines, rate_by_training
 from examples.rl.engine_rate import (
     CACHED_COUNTER,
@@ -29,6 +28,7 @@ from examples.rl.engine_rate import (
 from examples.rl.gpu_busy import GpuBusy
 from examples.rl.tenant import Swap, TenantLog
 from skyrl_lora.rl_accounting import staleness_counts
+from skyrl_lora.server.event_log import Event
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ModeRun:
     start: float
     end: float
     gpu: GpuBusy | None = None  # None on a CPU machine
-    #: The server's events on the mode's clock (:func:`benchmarks.timeline.read_events`),
+    #: The server's events on the mode's clock (:func:`skyrl_lora.server.event_log.read_events`),
     #: those of the whole server run; None where its log cannot be read.
     engine_events: Sequence[Event] | None = None
 
