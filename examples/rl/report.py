@@ -190,22 +190,23 @@ def engine_steps(run: ModeRun) -> dict[str, float | None]:
         "over_graph_per_s_outside_syncs": outside_steps - per_s(STEPS_IN_GRAPH, outside),
     }
     for suffix, windows in (("", whole), ("_outside_syncs", outside)):
+        keys = [f"{k}{suffix}" for k in ("long_steps_per_s", "long_step_share")]
+        over_graph = f"long_steps_over_graph_share{suffix}"
+        if run.engine_events is None:
+            figures |= dict.fromkeys([*keys, over_graph])
+            continue
         seconds = sum(b - a for a, b in windows)
-        long = None
-        if run.engine_events is not None:
-            long = [
-                e.fields
-                for e in run.engine_events
-                if e.name == "engine_long_step" and any(a <= e.at <= b for a, b in windows)
-            ]
+        long = [
+            e.fields
+            for e in run.engine_events
+            if e.name == "engine_long_step" and any(a <= e.at <= b for a, b in windows)
+        ]
         # An event also counts the long steps the watch left unwritten before it.
-        count = None if long is None else sum(1 + int(e.get("suppressed", 0)) for e in long)
-        figures[f"long_steps_per_s{suffix}"] = None if count is None else count / seconds
-        figures[f"long_step_share{suffix}"] = (
-            None if long is None else sum(float(e["ms"]) for e in long) / 1000 / seconds
-        )
-        figures[f"long_steps_over_graph_share{suffix}"] = (
-            None if not long else sum(int(e["tokens"]) > GRAPH_TOKENS for e in long) / len(long)
+        count = sum(1 + int(e.get("suppressed", 0)) for e in long)
+        figures[keys[0]] = count / seconds
+        figures[keys[1]] = sum(float(e["ms"]) for e in long) / 1000 / seconds
+        figures[over_graph] = (
+            sum(int(e["tokens"]) > GRAPH_TOKENS for e in long) / len(long) if long else None
         )
     return figures
 

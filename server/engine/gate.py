@@ -194,16 +194,22 @@ class StepBudget:
         self.waiting = 0
         self._stepped = asyncio.Event()
 
+    def _beside_batch(self) -> int | None:
+        """The graph's room beside the running batch; None unless both are known."""
+        if self.graph_tokens is None or self.running is None:
+            return None
+        return max(self.graph_tokens - self.running, 0)
+
     def room(self) -> int:
         """A whole step's room: within the CUDA graphs beside the running
         batch where both are known, else ``tokens_per_step``."""
-        if self.graph_tokens is None or self.running is None:
-            return self.tokens_per_step
-        return max(self.graph_tokens - self.running, 0)
+        beside = self._beside_batch()
+        return self.tokens_per_step if beside is None else beside
 
     def fits_no_step(self, tokens: int) -> bool:
         """Whether a request would pass the graphs in any step beside this batch."""
-        return self.graph_tokens is not None and self.running is not None and tokens > self.room()
+        beside = self._beside_batch()
+        return beside is not None and tokens > beside
 
     def take(self, tokens: int) -> bool:
         if self.taken and tokens > self.left:
