@@ -98,7 +98,9 @@ case "${1:-}" in
                 # A daemon told to quit takes a moment to go: one started
                 # meanwhile fails, and a run right after another would then
                 # run time-sliced, so wait for it to be gone on both ends.
-                mps_gone() { while pgrep -x nvidia-cuda-mps-control > /dev/null; do sleep 0.5; done; }
+                # The kernel keeps 15 characters of a process name, so
+                # "nvidia-cuda-mps" names the control daemon and its server.
+                mps_gone() { while pgrep -x nvidia-cuda-mps > /dev/null; do sleep 0.5; done; }
                 mps_gone
                 nvidia-cuda-mps-control -d
                 trap 'echo quit | nvidia-cuda-mps-control; mps_gone' EXIT

@@ -1,6 +1,6 @@
 """Several GPU RL runs side by side: each run's ratios, and their median and spread.
 
-    python3 scripts/probes/rl_runs.py NAME=DIR [NAME=DIR ...] [--json OUT.json]
+    python3 scripts/probes/rl_runs.py NAME=DIR [NAME=DIR ...] [--prior RUNS.json ...] [--json OUT.json]
 
 Each DIR is what ``scripts/gpu_device_run.sh rl`` leaves in its ``$OUT``:
 ``rl_gpu.json`` (the headline summary), ``rl_gpu_server.log`` and, under
@@ -19,7 +19,13 @@ p99 (median tenant, and pooled over the per-adapter positions), the lowest
 on-policy margin over the global's, the whole server run's long steps
 (the step watch's events: count, seconds, median tokens, share past 512
 tokens), and whether ``nvidia-smi`` saw the processes as MPS clients (``M+C``).
-Standard library only.
+
+``--prior`` adds the runs of an earlier ``--json`` output (named
+``FOLDER/NAME`` after the folder that holds it), so a configuration's
+median can span machines and days. ``all_runs`` pools every run whatever
+its flags: how often the per-adapter pause beat the global pause at all,
+and how often it met the issue's targets (1.2x tokens/s, 0.75x time to
+target). Standard library only.
 """
 
 from __future__ import annotations
@@ -117,12 +123,40 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
+def pooled(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every run, whatever its configuration: the sign and the targets, counted."""
+    tokens = [r["tenants_tokens_per_s_over_global"] for r in runs.values()]
+    target = [r["time_to_target_over_global"] for r in runs.values()]
+    return {
+        "runs": len(runs),
+        "tenants_tokens_per_s_over_global": {
+            "median": statistics.median(tokens),
+            "min": min(tokens),
+            "max": max(tokens),
+            "runs_over_1": sum(t > 1 for t in tokens),
+            "runs_at_least_1_2": sum(t >= 1.2 for t in tokens),
+        },
+        "time_to_target_over_global": {
+            "median": statistics.median(target),
+            "min": min(target),
+            "max": max(target),
+            "runs_under_1": sum(t < 1 for t in target),
+            "runs_at_most_0_75": sum(t <= 0.75 for t in target),
+        },
+        "runs_on_policy_every_tenant": sum(bool(r["on_policy_every_tenant"]) for r in runs.values()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+", help="NAME=DIR")
+    parser.add_argument("--prior", action="append", default=[], help="an earlier --json output")
     parser.add_argument("--json")
     args = parser.parse_args()
     runs = {}
+    for prior in map(Path, args.prior):
+        for name, run in json.loads(prior.read_text())["runs"].items():
+            runs[f"{prior.parent.name}/{name}"] = run
     for spec in args.runs:
         name, folder = spec.split("=", 1)
         runs[name] = run_figures(Path(folder))
@@ -135,6 +169,7 @@ def main() -> None:
             flags or "(default)": {"runs": names, **spread([runs[n] for n in names])}
             for flags, names in configs.items()
         },
+        "all_runs": pooled(runs),
     }
     for name, r in runs.items():
         steps = r["long_steps_whole_server_run"] or {}
@@ -153,6 +188,15 @@ def main() -> None:
             f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
             for k, v in s.items() if k != "runs"
         ))
+    every = out["all_runs"]
+    tok, ttt = every["tenants_tokens_per_s_over_global"], every["time_to_target_over_global"]
+    print(
+        f"all {every['runs']} runs: tenants {tok['median']:.3f}x [{tok['min']:.3f}-{tok['max']:.3f}], "
+        f"over 1 in {tok['runs_over_1']}, at least 1.2x in {tok['runs_at_least_1_2']}; "
+        f"time to target {ttt['median']:.2f}x [{ttt['min']:.2f}-{ttt['max']:.2f}], "
+        f"at most 0.75x in {ttt['runs_at_most_0_75']}; "
+        f"on-policy every tenant in {every['runs_on_policy_every_tenant']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
