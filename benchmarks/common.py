@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import json
@@ -9,13 +10,15 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from skyrl_lora.client import RemoteInferenceClient
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,17 +176,67 @@ async def serving_rate(
     return meter.rate(tenants, start, end)
 
 
+async def interleaved_rounds(
+    variants: Sequence[str],
+    rounds: int,
+    measure: Callable[[str], Awaitable[T]],
+    show: Callable[[T], str],
+) -> dict[str, list[T]]:
+    """``measure(variant)`` for every variant in each of ``rounds`` rounds, in
+    the order AB, BA, AB, ... so that neither variant always runs first;
+    each result printed as ``show`` writes it."""
+    results: dict[str, list[T]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant in variants if r % 2 == 0 else variants[::-1]:
+            results[variant].append(await measure(variant))
+            print(f"round {r + 1} {variant}: {show(results[variant][-1])}", flush=True)
+    return results
+
+
 async def interleaved_rates(
     variants: Sequence[str], rounds: int, rate: Callable[[str], Awaitable[float]]
 ) -> dict[str, list[float]]:
-    """``rate(variant)`` for every variant in each of ``rounds`` rounds, in
-    the order AB, BA, AB, ... so that neither variant always runs first."""
-    rates: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(rounds):
-        for variant in variants if r % 2 == 0 else variants[::-1]:
-            rates[variant].append(await rate(variant))
-            print(f"round {r + 1} {variant}: {rates[variant][-1]:.0f} tok/s", flush=True)
-    return rates
+    """:func:`interleaved_rounds` of a tokens/s figure."""
+    return await interleaved_rounds(variants, rounds, rate, lambda v: f"{v:.0f} tok/s")
+
+
+def add_ab_flags(parser: argparse.ArgumentParser, *, streams: int) -> None:
+    """The flags every two-server A/B on one GPU shares: its load's loops,
+    its rounds, each server's GPU share, and the labels of its JSON."""
+    parser.add_argument("--streams", type=int, default=streams, help="sample loops per tenant")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--round-s", type=float, default=20.0)
+    parser.add_argument("--settle-s", type=float, default=5.0)
+    parser.add_argument("--gpu-mem", type=float, default=0.3, help="each server's share")
+    parser.add_argument("--work", type=Path, help="where the model is built (default: a temp dir)")
+    parser.add_argument("--machine", default="")
+    parser.add_argument("--commit", default=current_commit())
+    parser.add_argument("--json", type=Path)
+
+
+def serve_side_by_side(
+    argv_of: dict[str, list[str]],
+    logs: Path,
+    measure: Callable[[dict[str, str]], Coroutine[Any, Any, dict[str, Any]]],
+) -> dict[str, Any]:
+    """Start one ``serve --no-ray`` per variant, run ``measure`` on their
+    URLs, and stop them all, however it ends.
+
+    The servers start one after the other: vLLM sizes its memory from what
+    is free at its start, and two servers profiling at once left one
+    without room.
+    """
+    from skyrl_lora.server.cluster.process import start_serve
+
+    servers = {}
+    try:
+        for variant, argv in argv_of.items():
+            servers[variant] = start_serve(["--no-ray", *argv], logs / f"{variant}.log")
+        return asyncio.run(measure({v: s.url for v, s in servers.items()}))
+    finally:
+        for server in servers.values():
+            server.stop()
+            server.kill_all()
 
 
 def finish_ab(

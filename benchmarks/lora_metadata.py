@@ -27,7 +27,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_commit, finish_ab, interleaved_rates, serving_rate
+from benchmarks.common import (
+    add_ab_flags,
+    finish_ab,
+    interleaved_rates,
+    serve_side_by_side,
+    serving_rate,
+)
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
 
@@ -130,18 +136,9 @@ async def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tenants", type=int, default=8)
-    parser.add_argument("--streams", type=int, default=32, help="sample loops per tenant")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--round-s", type=float, default=20.0)
-    parser.add_argument("--settle-s", type=float, default=5.0)
-    parser.add_argument("--gpu-mem", type=float, default=0.3, help="each server's share")
-    parser.add_argument("--work", type=Path, help="where the model is built (default: a temp dir)")
-    parser.add_argument("--machine", default="")
-    parser.add_argument("--commit", default=current_commit())
-    parser.add_argument("--json", type=Path)
+    add_ab_flags(parser, streams=32)
     args = parser.parse_args(argv)
 
-    from skyrl_lora.server.cluster.process import start_serve
     from skyrl_lora.server.embedded.random_model import (
         VOCAB_SIZE,
         build_random_model,
@@ -166,17 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for v, extra in VARIANTS.items()
     }
-    # One after the other: vLLM sizes its memory from what is free at its
-    # start, and two servers profiling at once left one without room.
-    servers = {}
-    try:
-        for v in VARIANTS:
-            servers[v] = start_serve(["--no-ray", *argv_of[v]], work / f"{v}.log")
-        result = asyncio.run(measure({v: s.url for v, s in servers.items()}, adapters, args))
-    finally:
-        for server in servers.values():
-            server.stop()
-            server.kill_all()
+    result = serve_side_by_side(argv_of, work, lambda urls: measure(urls, adapters, args))
     return finish_ab(
         result,
         args,

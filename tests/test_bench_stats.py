@@ -393,3 +393,29 @@ def test_ab_rounds_alternate_their_order_and_the_ab_is_written_and_checked(
     assert written["commit"] == "abc1234" and written["tenants"] == 3 and written["ok"]
     result["ok"] = False
     assert finish_ab(dict(result), args, tenants=3, ratio="ratio", what="a / b", check="ok") == 1
+
+
+def test_step_budget_rounds_give_ratios_round_by_round_and_refuse_thin_tails() -> None:
+    from benchmarks.stats import Tail
+    from benchmarks.step_budget import Round, summarize, variants
+
+    assert variants(256) == {
+        "default": [],
+        "budget256": ["--max-num-batched-tokens", "256", "--max-num-seqs", "256"],
+    }
+    base = [Round(1000.0, Tail.of([100.0] * 9 + [200.0])), Round(800.0, Tail.of([100.0] * 10))]
+    cut = [Round(1100.0, Tail.of([150.0] * 9 + [400.0])), Round(1000.0, Tail.of([120.0] * 10))]
+    out = summarize({"default": base, "budget256": cut}, "budget256")
+    # Each round's ratio to the default's round beside it, not a ratio of medians.
+    assert out["budget_over_default_tokens_per_s"] == {
+        "median": 1.175, "min": 1.1, "max": 1.25, "rounds": 2
+    }  # fmt: skip
+    assert out["budget_over_default_first_token_p50"]["median"] == pytest.approx(1.35)
+    assert out["budget_over_default_first_token_p99"]["max"] == 2.0
+    assert out["first_token_ms"]["budget256"]["max"]["max"] == 400.0
+    assert out["rounds"]["default"][0] == {
+        "tokens_per_s": 1000.0, "p50": 100.0, "p99": 200.0, "max": 200.0, "count": 10
+    }  # fmt: skip
+    assert out["enough_prompts"]
+    thin = [Round(1000.0, Tail.of([100.0] * 4)), base[1]]
+    assert not summarize({"default": thin, "budget256": cut}, "budget256")["enough_prompts"]
