@@ -15,7 +15,9 @@
 #                                            $BG_WAIT_S, default 560: set it below the call's
 #                                            limit when little device time is left, or the
 #                                            call is cut and brings nothing back); CMD gets
-#                                            $OUT=$HOME/bg/NAME and $SITE_RUN (this script)
+#                                            $OUT=$HOME/bg/NAME and $SITE_RUN (this script),
+#                                            but not vLLM on its path: run Python through
+#                                            bash "$SITE_RUN" run python3 ...
 #   scripts/gpu_device_run.sh wait NAME [S]  wait up to S s (default 560) for NAME, copy its
 #                                            log and $OUT into this call's $OUT; rc 3: still running
 #
