@@ -228,6 +228,7 @@ def serve_side_by_side(
     """
     from skyrl_lora.server.cluster.process import start_serve
 
+    logs.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
         for variant, argv in argv_of.items():
