@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import random
 import tempfile
 import time
@@ -145,7 +146,7 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
         tenants = sorted(a.lora_name for a in (await client.list_adapters()).adapters)
     tenants = tenants[: args.tenants]
     prompt = [FIRST_PLAIN_ID + i % 7 for i in range(16)]
-    seeds = iter(range(10_000))
+    seeds = itertools.count()  # a fresh prompt stream each round
 
     async def run(variant: str) -> Round:
         return await one_round(urls[variant], tenants, prompt, args, next(seeds))
