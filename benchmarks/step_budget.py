@@ -9,18 +9,21 @@ Why: RL on a GPU ran 1.11-1.39x faster with ``--max-num-batched-tokens 512
 re-prefill in chunks that fit vLLM's CUDA graphs beside the decodes, instead
 of in eager steps. A long prompt pays for the same cut: vLLM gives it only
 the room the decodes leave in each step, so its first token waits for
-several steps. Before that budget can be ``serve``'s default on GPUs, this
-measures the price, and what the decoders gain.
+several steps. This measures the price, and what the decoders gain; on an
+H100 at db2dbc1 (docs/gpu.md) the gain was 1.50x and the price 1.20x at the
+p50, so ``serve`` now makes the cut by itself on a GPU
+(``skyrl_lora.server.engine.step_budget``).
 
 Two servers on one GPU, started one after the other: vLLM's default budget
-and ``--budget`` tokens a step. Each round, every tenant keeps ``--streams``
-greedy sample loops of about ``--max-tokens`` tokens running, and one client
-sends prompts of ``--prompt-tokens`` random tokens (never the same twice, so
-the prefix cache cannot answer them) one at a time, each asking for one
-token. Rounds run in the order AB, BA, ...; per server and round: the
-decoders' tokens/s, and the long prompts' latency (p50, p99, max, in ms,
-through the client and the HTTP surface as a caller sees it). Ratios are
-the budget's over the default's, round by round.
+(``serve --no-graph-step-budget``) and ``--budget`` tokens a step. Each
+round, every tenant keeps ``--streams`` greedy sample loops of about
+``--max-tokens`` tokens running, and one client sends prompts of
+``--prompt-tokens`` random tokens (never the same twice, so the prefix cache
+cannot answer them) one at a time, each asking for one token. Rounds run in the
+order AB, BA, ...; per server and round: the decoders' tokens/s, and the
+long prompts' latency (p50, p99, max, in ms, through the client and the HTTP
+surface as a caller sees it). Ratios are the budget's over the default's,
+round by round.
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ class Round:
 
 
 def variants(budget: int) -> dict[str, list[str]]:
-    """Each server's extra flags. vLLM refuses a budget below ``max_num_seqs``."""
+    """Each server's extra flags: vLLM's own budget (``serve`` cuts it on a
+    GPU unless told not to) and the cut. vLLM refuses a budget below
+    ``max_num_seqs``."""
     cut = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(budget)]
-    return {"default": [], f"budget{budget}": cut}
+    return {"default": ["--no-graph-step-budget"], f"budget{budget}": cut}
 
 
 async def long_prompts(

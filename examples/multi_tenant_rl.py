@@ -203,6 +203,18 @@ async def warm_up(
         await asyncio.gather(*(one(n, lp) for n, lp in learners.items()))
 
 
+async def step_budget_of(url: str) -> dict[str, Any]:
+    """The most tokens and sequences an engine step holds, and whether
+    ``serve`` cut them to the largest CUDA graph."""
+    async with RemoteInferenceClient(url) as client:
+        info = await client.server_info()
+    return {
+        "tokens": info.engine_step_tokens,
+        "sequences": info.engine_step_sequences,
+        "graph_step_budget": info.graph_step_budget,
+    }
+
+
 async def run_all(
     server: contextlib.AbstractContextManager[tuple[str, Path]],
     shape: Shape,
@@ -210,9 +222,11 @@ async def run_all(
     work: Path,
     settle_s: float,
     warm_up_s: float = 0.0,
-) -> tuple[ModeRun | None, list[ModeRun]]:
+) -> tuple[ModeRun | None, list[ModeRun], dict[str, Any]]:
     """The server first (nothing else allocates GPU memory while vLLM sizes
     its cache), then the learners, a warm-up, and every mode of every round.
+    Also returns the engine's step budget as the server reports it, since
+    ``serve``'s default budget differs by device and version.
 
     With ``warm_up_s``, a first mode of that length runs before the timed
     ones and is returned apart, not counted: in all nine GPU runs before it
@@ -222,6 +236,7 @@ async def run_all(
     then charged to one mode."""
     with contextlib.ExitStack() as stack:
         url, model_dir = stack.enter_context(server)
+        budget = await step_budget_of(url)
         learners = {
             name: stack.enter_context(
                 LearnerProcess(
@@ -249,7 +264,7 @@ async def run_all(
                 runs.append(run)
                 print(f"{mode}: {run.wall_s:.1f} s\n", flush=True)
                 await asyncio.sleep(settle_s)
-        return warm, runs
+        return warm, runs, budget
 
 
 @contextlib.contextmanager
@@ -480,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--serve-flags",
         default="",
         help="GPU: more flags for the server, one string "
-        '(e.g. "--max-num-batched-tokens 512 --max-num-seqs 512")',
+        '(e.g. "--no-graph-step-budget" for vLLM\'s own step budget)',
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -539,7 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         warm_up_s = args.warm_up_s if args.warm_up_s is not None else (20.0 if args.gpu else 0.0)
         settle_s = 3.0 if args.gpu else 0.0
-        warm, runs = asyncio.run(run_all(server, shape, args.rounds, work, settle_s, warm_up_s))
+        warm, runs, budget = asyncio.run(
+            run_all(server, shape, args.rounds, work, settle_s, warm_up_s)
+        )
     if args.gpu:
         runs = with_engine_events(runs, gpu_server_log(), time.time() - time.monotonic())
     summary = summarize(runs, target, off_policy.max_staleness)
@@ -552,6 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "off_policy": dataclasses.asdict(off_policy),
         "rounds": args.rounds,
         "serve_flags": args.serve_flags,
+        "engine_step_budget": budget,
     }
     print("Reward per step:\n" + reward_rows(summary) + "\n")
     print(table(summary) + "\n")
@@ -564,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": args.date,
             "machine": args.machine,
             "serve_flags": args.serve_flags,
+            "engine_step_budget": budget,
         }
         top = headline(summary, meta)
         write_json(top, args.summary_json)

@@ -2,8 +2,8 @@
 # Run ON the lent GPU machine (after the stash calls), through scripts/gpu_device_run.sh:
 #
 #   bash scripts/gpu_device_run.sh bg cfg bash scripts/gpu_rl_configs.sh \
-#       "default=" "budget512=--max-num-batched-tokens 512 --max-num-seqs 512" \
-#       "default=" "budget512=--max-num-batched-tokens 512 --max-num-seqs 512"
+#       "default=" "vllm_budget=--no-graph-step-budget" \
+#       "default=" "vllm_budget=--no-graph-step-budget"
 #
 # The multi-tenant RL run under CUDA MPS once per NAME=SERVE_FLAGS argument, in
 # the order given (interleave them: A B A B), one server each, on one machine.

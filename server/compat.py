@@ -526,6 +526,13 @@ def max_loras(engine_client: Any) -> int:
     return int(getattr(lora_config, "max_loras", 0) or 0)
 
 
+def step_budget(engine_client: Any) -> tuple[int, int]:
+    """The most tokens and sequences one engine step may hold, as vLLM
+    resolved them (``--max-num-batched-tokens``, ``--max-num-seqs``)."""
+    scheduler = engine_client.vllm_config.scheduler_config
+    return int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs)
+
+
 async def engine_is_paused(engine_client: Any) -> bool:
     return bool(await engine_client.is_paused())
 

@@ -423,6 +423,13 @@ class ServerInfo(_Wire):
     #: with what they scheduled and what ran beside them (``serve
     #: --long-step-ms``; see ``skyrl_lora.server.step_watch``); None: not watched.
     engine_long_step_ms: float | None = None
+    #: The most tokens and sequences one engine step holds, as vLLM resolved
+    #: them (``--max-num-batched-tokens``, ``--max-num-seqs``); 0: unknown.
+    engine_step_tokens: int = 0
+    engine_step_sequences: int = 0
+    #: Whether ``serve`` cut that budget to the largest CUDA graph (a GPU,
+    #: neither flag given; ``serve --no-graph-step-budget`` keeps vLLM's).
+    graph_step_budget: bool = False
     #: Prefill tokens a resumed adapter's requests may bring into one engine
     #: step while they come back after a swap (``serve
     #: --resume-tokens-per-step``; see ``skyrl_lora.server.engine.gate``);

@@ -400,7 +400,7 @@ def test_step_budget_rounds_give_ratios_round_by_round_and_refuse_thin_tails() -
     from benchmarks.step_budget import Round, summarize, variants
 
     assert variants(256) == {
-        "default": [],
+        "default": ["--no-graph-step-budget"],
         "budget256": ["--max-num-batched-tokens", "256", "--max-num-seqs", "256"],
     }
     base = [Round(1000.0, Tail.of([100.0] * 9 + [200.0])), Round(800.0, Tail.of([100.0] * 10))]

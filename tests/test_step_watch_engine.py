@@ -54,7 +54,7 @@ _EVENT = re.compile(
 @pytest.fixture(scope="module")
 def server(embedded_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     log = tmp_path_factory.mktemp("step_watch") / "serve.log"
-    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1"]
+    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1", "--max-num-seqs", "48"]
     with serving([*argv, "--resume-tokens-per-step", "1"], log) as serve:
         yield serve
 
@@ -92,6 +92,9 @@ def _sample(url: str, prompt: list[int], max_tokens: int, lora: str | None = Non
 def test_a_real_engines_long_steps_are_logged_with_their_shape(server: ServeProcess) -> None:
     info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
     assert info["engine_long_step_ms"] == 1
+    # the step budget as vLLM resolved it; a CPU engine keeps vLLM's (no CUDA graphs)
+    assert info["engine_step_sequences"] == 48 and info["engine_step_tokens"] >= 48
+    assert info["graph_step_budget"] is False
     began = time.monotonic()
     _sample(server.url, [1, 2, 3], 64)
 

@@ -8,7 +8,8 @@ MPS, ``nvidia_smi_mid_run.txt``. One run's ratio (per-adapter over global)
 rests on two 40 s positions per mode; from run to run it moved by more than
 the per-adapter pause's gain (0.93x-1.21x for one configuration on two
 H100s), so a configuration's figure is the median of its runs, with the
-range. Runs with the same ``serve_flags`` are one configuration.
+range. Runs with the same step budget and other serve flags are one
+configuration (:func:`configuration`).
 
 Per run: the tenants' and the engine's tokens/s over the global pause's,
 the ceiling and the share of it won, the per-adapter engine's own pace
@@ -60,6 +61,32 @@ def mps_clients(smi: Path) -> int | None:
     return smi.read_text().count("M+C") if smi.exists() else None
 
 
+def configuration(run: dict[str, Any]) -> str:
+    """A run's configuration: its step budget, then its other serve flags.
+
+    ``serve_flags`` alone cannot say it: since ``serve`` cuts the budget to
+    512 tokens by itself on a GPU, no flags means that budget, where before
+    it meant vLLM's. Runs that recorded ``engine_step_budget`` say which;
+    older ones had vLLM's unless their flags cut it."""
+    flags = run["serve_flags"].split()
+    budget = run.get("engine_step_budget") or {}
+    rest = []
+    tokens = budget.get("tokens") if budget.get("graph_step_budget") else None
+    i = 0
+    while i < len(flags):
+        if flags[i] == "--max-num-batched-tokens":
+            tokens, i = int(flags[i + 1]), i + 2
+        elif flags[i] == "--max-num-seqs":
+            i += 2
+        elif flags[i] == "--no-graph-step-budget":
+            i += 1
+        else:
+            rest.append(flags[i])
+            i += 1
+    label = f"{tokens}-token steps" if tokens else "vLLM's step budget"
+    return " ".join([label, *rest])
+
+
 def run_figures(folder: Path) -> dict[str, Any]:
     data = json.loads((folder / "rl_gpu.json").read_text())
     mode = data["per_adapter_mode"]
@@ -74,6 +101,7 @@ def run_figures(folder: Path) -> dict[str, Any]:
         "date": data["date"],
         "machine": data["machine"],
         "serve_flags": data.get("serve_flags") or "",
+        "engine_step_budget": data.get("engine_step_budget"),
         "mode": mode,
         "tenants_tokens_per_s_over_global": data["ratios"]["tokens_per_s_per_adapter_over_global"],
         "engine_tokens_per_s_over_global": ceiling["engine_tokens_per_s_over_global"][mode],
@@ -156,25 +184,25 @@ def main() -> None:
     runs = {}
     for prior in map(Path, args.prior):
         for name, run in json.loads(prior.read_text())["runs"].items():
-            runs[f"{prior.parent.name}/{name}"] = run
+            runs[name if "/" in name else f"{prior.parent.name}/{name}"] = run
     for spec in args.runs:
         name, folder = spec.split("=", 1)
         runs[name] = run_figures(Path(folder))
     configs: dict[str, list[str]] = {}
     for name, run in runs.items():
-        configs.setdefault(run["serve_flags"], []).append(name)
+        configs.setdefault(configuration(run), []).append(name)
     out = {
         "runs": runs,
-        "by_serve_flags": {
-            flags or "(default)": {"runs": names, **spread([runs[n] for n in names])}
-            for flags, names in configs.items()
+        "by_configuration": {
+            config: {"runs": names, **spread([runs[n] for n in names])}
+            for config, names in configs.items()
         },
         "all_runs": pooled(runs),
     }
     for name, r in runs.items():
         steps = r["long_steps_whole_server_run"] or {}
         print(
-            f"{name}: [{r['serve_flags'] or 'default'}] tenants {r['tenants_tokens_per_s_over_global']:.3f}x, "
+            f"{name}: [{configuration(r)}] tenants {r['tenants_tokens_per_s_over_global']:.3f}x, "
             f"engine {r['engine_tokens_per_s_over_global']:.3f}x of ceiling {r['ceiling']:.3f}x "
             f"(won {r['share_of_ceiling_won']:.0%}), own pace {r['own_pace']:.3f}, "
             f"time to target {r['time_to_target_over_global']:.2f}x, "
@@ -183,7 +211,7 @@ def main() -> None:
             f"sync p99 {r['sync_p99_ms_median_tenant']:.0f} ms, long steps {steps.get('count')} "
             f"({steps.get('seconds', 0):.1f} s), MPS clients {r['mps_clients_mid_run']}"
         )
-    for flags, s in out["by_serve_flags"].items():
+    for flags, s in out["by_configuration"].items():
         print(f"{flags} ({', '.join(s['runs'])}): " + "; ".join(
             f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
             for k, v in s.items() if k != "runs"

@@ -86,7 +86,8 @@ class ResumePacing:
     modes' engines ran 1.17x faster than with the fixed room, but the steps
     left over the graphs were larger and the per-adapter engine's own pace
     fell to 0.89-0.90; vLLM's chunked prefill cut to the graphs
-    (``--max-num-batched-tokens 512``) did more (docs/gpu.md).
+    (``--max-num-batched-tokens 512``, now ``serve``'s default on a GPU:
+    :mod:`.step_budget`) did more (docs/gpu.md).
     """
 
     tokens_per_step: int = 256

@@ -36,6 +36,7 @@ from ..engine.gate import (
     ResumePacing,
 )
 from ..engine.gated import GatedEngine, admitted_versions
+from ..engine.step_budget import graph_step_budget
 from ..reaper import start_reaper
 from ..step_watch import DEFAULT_LONG_STEP_S
 from ..tinker.routes import tinker_surface
@@ -142,6 +143,15 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_false",
         help="let a resumed adapter's requests back in all at once (their re-prefill then "
         "stalls the other tenants for one long step)",
+    )
+    group.add_argument(
+        "--no-graph-step-budget",
+        dest="graph_step_budget",
+        action="store_false",
+        help="keep vLLM's own step budget on a GPU (default there, unless "
+        "--max-num-batched-tokens or --max-num-seqs is given: both cut to the largest CUDA "
+        "graph, 512, so no step runs eagerly; 1.3-1.6x the tokens a second on an H100, a "
+        "long prompt's first token about 1.2x later)",
     )
     group.add_argument(
         "--no-answer-pacing",
@@ -252,6 +262,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.resume_graph_tokens is not None and args.resume_graph_tokens < 1:
         parser.error("--resume-graph-tokens must be at least 1")
     _leave_cpu_cache_room_for_new_versions(args)
+    _fit_steps_to_cuda_graphs(args)
     compat.validate_serve_args(args)
     if not compat.add_worker_extension(args, staged_engine.EXTENSION_QUALNAME):
         logger.warning(
@@ -275,6 +286,23 @@ def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
         args.scheduler_cls,
     )
     return False
+
+
+def _fit_steps_to_cuda_graphs(args: argparse.Namespace) -> None:
+    """Cut vLLM's step budget to the largest CUDA graph on a GPU, unless the
+    user chose one (:mod:`..engine.step_budget` says why and when)."""
+    budget = graph_step_budget(args, on_cpu=compat.engine_on_cpu())
+    args.graph_step_budget_set = budget is not None
+    if budget is None:
+        return
+    args.max_num_batched_tokens = budget.max_num_batched_tokens
+    args.max_num_seqs = budget.max_num_seqs
+    logger.info(
+        "skyrl-lora cuts each engine step to %d tokens and %d sequences, the largest CUDA "
+        "graph (--no-graph-step-budget keeps vLLM's)",
+        budget.max_num_batched_tokens,
+        budget.max_num_seqs,
+    )
 
 
 def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
@@ -414,6 +442,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         )
     observability.register(gated.gate)
     max_model_len = int(engine_client.model_config.max_model_len)
+    step_tokens, step_sequences = compat.step_budget(engine_client)
     tokenizer = await compat.get_tokenizer(engine_client)
     frozen = compat.freeze_gc_heap() if getattr(args, "gc_freeze", True) else 0
     logger.info("skyrl-lora froze %d start-up objects out of the GC's reach", frozen)
@@ -446,6 +475,9 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         handover_open_shares=lora_engine.open_shares,
         adapter_pinned_reserve_bytes=lora_engine.pinned_reserve_bytes,
         engine_long_step_ms=lora_engine.long_step_ms,
+        engine_step_tokens=step_tokens,
+        engine_step_sequences=step_sequences,
+        graph_step_budget=getattr(args, "graph_step_budget_set", False),
         resume_tokens_per_step=pacing.tokens_per_step if pacing is not None else None,
         resume_graph_tokens=pacing.graph_tokens if pacing is not None else None,
         resume_pacing_sees_steps=pacing_sees_steps,
