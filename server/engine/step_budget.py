@@ -13,7 +13,7 @@ limit) was measured on an H100 (docs/gpu.md, 0b36222 and db2dbc1):
 RL engines ran 1.11-1.39x faster in both pause modes, four pairings out
 of four; a decoding batch beside a stream of fresh 1,536-token prompts
 generated 1.50x the tokens a second (1.30-1.64x over 4 rounds), and
-those prompts' first token came 1.20x later at the median (88 -> 105 ms)
+those prompts' first token came 1.20x later at the median (88 -> 110 ms)
 and 1.17x at the p99. For the throughput users of this server that is
 the better default, so ``serve`` sets it on a GPU unless the user chose
 a budget or a sequence limit (either flag), runs eagerly, or turns
