@@ -14,7 +14,9 @@ tail. Per hand-over: the engine's phases and the API's wait around them,
 and (``weights_answered``, servers from 128e394 on) the route's own time
 before the staging and after it.
 Medians close each table. A staging's phases are in ``staging_events.py``;
-this says how they overlap the receive.
+this says how they overlap the receive. Last, the routes' own times, in
+bursts (several adapters answered at once: every tenant of an RL run
+handing over at a mode's start) and outside them.
 """
 
 from __future__ import annotations
@@ -171,10 +173,43 @@ def table(title: str, rows: list[dict[str, float]]) -> None:
         print(f"{c:<26} {cells}  max {max(values):6.1f}")
 
 
+#: Answers of this many adapters within BURST_S of each other are a burst:
+#: every tenant handing over at once (an RL mode's start), their stagings
+#: one after the other on the worker's staging thread.
+BURST_ADAPTERS = 4
+BURST_S = 0.3
+
+
+def route_tails(found: list[Event]) -> None:
+    """The routes' own times (``weights_answered``), in bursts and outside
+    them: whether a sync's tail is the server's, or the caller's."""
+    answers = sorted((at, e["ms"]) for at, e in found if e["event"] == "weights_answered")
+    if not answers:
+        return
+    in_burst = {
+        i
+        for i, (at, _) in enumerate(answers)
+        if sum(abs(other - at) < BURST_S for other, _ in answers) >= BURST_ADAPTERS
+    }
+    print(f"== routes' own time, ms ({BURST_ADAPTERS}+ answers within {BURST_S} s: a burst)")
+    for name, picked in (
+        ("all", [ms for _, ms in answers]),
+        ("in bursts", [ms for i, (_, ms) in enumerate(answers) if i in in_burst]),
+        ("outside bursts", [ms for i, (_, ms) in enumerate(answers) if i not in in_burst]),
+    ):
+        if picked:
+            cells = "  ".join(
+                f"{q_name} {percentile(picked, q):6.1f}"
+                for q_name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+            )
+            print(f"{name:<16} {len(picked):4d}  {cells}  max {max(picked):6.1f}")
+
+
 def main(path: str, prefix: str = "swap") -> None:
     found = events(path, prefix)
     table("streamed pushes", pushes(found))
     table("hand-overs", handovers(found))
+    route_tails(found)
 
 
 if __name__ == "__main__":
