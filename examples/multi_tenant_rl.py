@@ -13,7 +13,10 @@ versions old (:mod:`skyrl_lora.rl_accounting`).
 The run repeats the same seeds and steps under each pause mode, interleaved
 over ``--rounds``: the per-adapter pause (abort and resume), the
 per-adapter swap that lets requests in flight finish on the old version
-(``finish_old``), and vLLM's global keep-mode pause. It prints a live line
+(``finish_old``), and vLLM's global keep-mode pause; ``--modes`` also
+offers the one-call staged swap (``per_adapter_staged``) and the
+per-adapter pause held across the tenant's own learner step
+(``per_adapter_on_policy``). It prints a live line
 per tenant and step, the tables, and writes the JSON and a plot.
 
 * CPU (``scripts/dev.sh rl``): the correctness demo anybody can run; three
@@ -74,7 +77,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}
 MODES: tuple[PauseMode, ...] = ("per_adapter", "finish_old", "global")
 #: Every mode a run may ask for (``--modes``).
-ALL_MODES: tuple[PauseMode, ...] = ("per_adapter", "per_adapter_staged", "finish_old", "global")
+ALL_MODES: tuple[PauseMode, ...] = (
+    "per_adapter",
+    "per_adapter_staged",
+    "per_adapter_on_policy",
+    "finish_old",
+    "global",
+)
 CPU_MODES: tuple[PauseMode, ...] = ("per_adapter", "global")
 #: GPU tenants' target tokens: tenant i says tokens [32 i, 32 i + 32) of the
 #: 256-token vocabulary, an eighth of it (a fresh LoRA says them ~12% of the time).
@@ -342,10 +351,19 @@ def warm_up_figures(warm: ModeRun, target: float, max_staleness: int) -> dict[st
     }
 
 
+#: The per-adapter pauses, in the order :func:`per_adapter_mode` prefers them.
+PER_ADAPTER_MODES: tuple[PauseMode, ...] = (
+    "per_adapter",
+    "per_adapter_staged",
+    "per_adapter_on_policy",
+)
+
+
 def per_adapter_mode(modes: Mapping[str, Any]) -> str | None:
     """The run's per-adapter pause: ``per_adapter`` (pause, send, resume),
-    else the one-call ``per_adapter_staged``; None if it ran neither."""
-    return next((m for m in ("per_adapter", "per_adapter_staged") if m in modes), None)
+    else the one-call ``per_adapter_staged``, else ``per_adapter_on_policy``
+    (paused from the learner's step on); None if it ran none of them."""
+    return next((m for m in PER_ADAPTER_MODES if m in modes), None)
 
 
 def on_policy_every_tenant(modes: Mapping[str, Any], mode: str | None) -> bool | None:

@@ -167,6 +167,50 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
             assert len(set(tokens.staleness)) == 1  # one version per sample
 
 
+async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_server: Any) -> None:
+    """``per_adapter_on_policy`` pauses the tenant's adapter as its learner
+    starts a step and resumes it after the sync: every learner call lies
+    inside the pause, the pause aborts the samples in flight, and the client
+    resumes them on the next version."""
+    from examples.rl.learner import LearnerConfig, LearnerProcess
+    from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
+    from skyrl_lora.client import RemoteInferenceClient
+    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+
+    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
+    # 32-token samples, as for the pinned run: a pause must find some mid-generation.
+    loop = LoopConfig(steps=4, groups_per_step=4, group_size=16, max_tokens=32, transfer=TRANSFER)
+    folder = engine_server.adapter_root / "rl-on-policy"
+    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
+        async with RemoteInferenceClient(
+            engine_server.url, api_key=engine_server.admin_key
+        ) as client:
+            await learner.ready()
+            log = await run_tenant(
+                client,
+                "rl-on-policy",
+                learner,
+                folder,
+                random_prompts(_word_ids(), loop.prompt_words, seed=2),
+                loop,
+                "per_adapter_on_policy",
+                time.monotonic(),
+            )
+            resubmits = client.metrics().resubmits
+            (served,) = [
+                a for a in (await client.list_adapters()).adapters if a.lora_name == "rl-on-policy"
+            ]
+    assert len(log.steps) == 4 and len(log.swaps) == 4
+    first = log.versions[0]
+    assert [s.version for s in log.swaps] == list(range(first + 1, first + 5))
+    assert served.version == first + 4 and not served.paused
+    for (start, end), swap in zip(log.train_windows, log.swaps):
+        assert swap.held_s > 0
+        assert swap.start - swap.held_s <= start < end <= swap.start
+        assert swap.sync_s == pytest.approx(swap.end - swap.start + swap.pause_s)
+    assert sum(s.aborted for s in log.swaps) > 0 and resubmits > 0
+
+
 async def _until(ready: Any, timeout_s: float = 30.0) -> None:
     """Return once ``ready()`` holds, or after ``timeout_s`` (the caller's asserts then fail)."""
     import asyncio

@@ -17,6 +17,9 @@ def test_the_per_adapter_pause_is_the_plain_one_else_the_one_call_one() -> None:
     assert per_adapter_mode({"per_adapter_staged#2": {}, "per_adapter_staged": {}}) == (
         "per_adapter_staged"
     )
+    assert per_adapter_mode({"per_adapter_on_policy": {}, "global": {}}) == (
+        "per_adapter_on_policy"
+    )
     assert per_adapter_mode({"global": {}, "finish_old": {}}) is None
 
 

@@ -252,7 +252,7 @@ def step_split(log: TenantLog) -> dict[str, float]:
         "training_s": train,
         "learner_call_overhead_s": max(learner - train, 0.0),
         "save_s": sum(log.save_s),
-        "sync_s": sum(s.end - s.start for s in log.swaps),
+        "sync_s": sum(s.sync_s for s in log.swaps),
     }
 
 
@@ -260,7 +260,7 @@ def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[st
     """One tenant's row of figures in one mode."""
     counts = tenant_staleness(log)
     total = max(sum(counts.values()), 1)
-    swap_ms = [(s.end - s.start) * 1000 for s in log.swaps]
+    swap_ms = [s.sync_s * 1000 for s in log.swaps]
     split = step_split(log)
     steps_s = sum(split.values())
     return {
@@ -292,7 +292,9 @@ def tenant_figures(log: TenantLog, target: float, max_staleness: int) -> dict[st
         "resume_ms_median": percentile([s.resume_s * 1000 for s in log.swaps], 50),
         **handover_split(log.swaps),
         "drain_ms_median": percentile([s.drain_s * 1000 for s in log.swaps], 50),
-        "swap_share_of_wall": sum(s.end - s.start for s in log.swaps) / max(log.end_s, 1e-9),
+        "swap_share_of_wall": sum(s.sync_s for s in log.swaps) / max(log.end_s, 1e-9),
+        # per_adapter_on_policy: the adapter paused across its learner's step too
+        "held_ms_median": percentile([s.held_s * 1000 for s in log.swaps if s.held_s], 50),
         "step_split_s": split,
         "step_split_share": {k: v / max(steps_s, 1e-9) for k, v in split.items()},
         "seconds_per_step": steps_s / max(len(log.steps), 1),

@@ -9,7 +9,14 @@ server load) it under a pause. With ``mode="per_adapter"`` only this tenant's re
 ``mode="finish_old"`` nothing is paused: the push's ``finish_old`` policy
 lets requests in flight finish on the old version while new ones get the
 new one; with ``mode="global"`` it is vLLM's keep-mode pause of the whole
-engine, which freezes every tenant for the length of the swap.
+engine, which freezes every tenant for the length of the swap. With
+``mode="per_adapter_on_policy"`` the tenant pauses its own adapter earlier,
+as its learner starts a step, and resumes after the sync: the samples in
+flight are aborted before the weights that make them are trained away, and
+go on under the new version, so no token comes from a version while its
+successor is being trained. Only a per-adapter pause makes that cheap: the
+engine keeps the other tenants' requests, where a global pause for every
+learner's step would stop it most of the time.
 
 Each step's wall time is split into waiting for samples, training (the
 learner's own time, and the round trip to its process), saving the adapter
@@ -28,11 +35,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from examples.rl.learner import Group, HandOver, LearnerProcess, StepResult
-from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.client import PauseResult, RemoteInferenceClient
 from skyrl_lora.errors import VersionGoneError
 from skyrl_lora.types import SwapPolicy
 
-PauseMode = Literal["per_adapter", "per_adapter_staged", "finish_old", "global"]
+PauseMode = Literal[
+    "per_adapter", "per_adapter_staged", "per_adapter_on_policy", "finish_old", "global"
+]
+#: Modes that pause this tenant's adapter alone, by an explicit pause call.
+ADAPTER_PAUSES = ("per_adapter", "per_adapter_on_policy")
 #: "push" sends the weights over HTTP (trainer and servers share no disk);
 #: "load" has the server read the trainer's folder (it must be under one of
 #: the server's ``--adapter-root`` folders when it has any); "handover" has the
@@ -84,6 +95,16 @@ class Swap:
     resume_s: float = 0.0
     #: a hand-over's times in the learner process (None for other transfers)
     handover: HandOver | None = None
+    #: ``per_adapter_on_policy``: how long the adapter was already paused when
+    #: the sync began (its learner's step and the save); ``start`` is then the
+    #: sync's own start, and ``pause_s`` the pause call made at the step's start
+    held_s: float = 0.0
+
+    @property
+    def sync_s(self) -> float:
+        """The sync's own time: the pause call, the send and the resume,
+        wherever the pause came (not the learner's step it was held across)."""
+        return self.end - self.start + (self.pause_s if self.held_s else 0.0)
 
 
 @dataclass
@@ -170,8 +191,12 @@ async def sync_adapter(
     mode: PauseMode,
     transfer: Transfer,
     version: int,
+    paused: PausedEarly | None = None,
 ) -> Swap:
     """Pause (this adapter or the engine), send the trainer's weights, resume.
+
+    ``paused``: the adapter was paused already, at the learner step's start
+    (``per_adapter_on_policy``), so the sync only sends and resumes.
 
     ``finish_old`` pauses nothing: the push itself keeps the old version
     for the requests in flight (or falls back to abort-resume where no
@@ -188,8 +213,10 @@ async def sync_adapter(
         )
         end = time.monotonic()
         return Swap(started, end, version, 0, 0.0, push_s=end - started, handover=handed)
-    lora = name if mode == "per_adapter" else None
-    paused = await client.pause_generation(lora_name=lora)
+    lora = name if mode in ADAPTER_PAUSES else None
+    early = paused is not None
+    if paused is None:
+        paused = PausedEarly(await client.pause_generation(lora_name=lora), 0.0, started)
     pushing = time.monotonic()
     handed = None
     try:
@@ -202,13 +229,31 @@ async def sync_adapter(
         started,
         end,
         version,
-        paused.aborted,
-        paused.drain_seconds,
-        pause_s=pushing - started,
+        paused.result.aborted,
+        paused.result.drain_seconds,
+        pause_s=paused.call_s if early else pushing - started,
         push_s=resuming - pushing,
         resume_s=end - resuming,
         handover=handed,
+        held_s=started - paused.at if early else 0.0,
     )
+
+
+@dataclass(frozen=True)
+class PausedEarly:
+    """A pause made before the sync: its answer, how long the call took, and
+    when it was made (``time.monotonic()``)."""
+
+    result: PauseResult
+    call_s: float
+    at: float
+
+
+async def pause_for_step(client: RemoteInferenceClient, name: str) -> PausedEarly:
+    """Pause ``name`` alone as its learner starts a step (``per_adapter_on_policy``)."""
+    at = time.monotonic()
+    result = await client.pause_generation(lora_name=name)
+    return PausedEarly(result, time.monotonic() - at, at)
 
 
 async def run_tenant(
@@ -275,6 +320,8 @@ async def run_tenant(
         for _ in range(cfg.steps):
             waiting = time.monotonic()
             batch = [await _next_group(queue, failed) for _ in range(cfg.groups_per_step)]
+            batched = time.monotonic()
+            early = await pause_for_step(client, name) if mode == "per_adapter_on_policy" else None
             training = time.monotonic()
             result = await learner.step(batch, version)
             saving = time.monotonic()
@@ -283,7 +330,7 @@ async def run_tenant(
             log.step_times.append(saving - clock_start)
             if saves:
                 await learner.save(folder)
-            log.wait_s.append(training - waiting)
+            log.wait_s.append(batched - waiting)
             log.learner_s.append(saving - training)
             log.train_windows.append((training, saving))
             log.save_s.append(time.monotonic() - saving)
@@ -293,7 +340,7 @@ async def run_tenant(
                 else []
             )
             swap = await sync_adapter(
-                client, name, learner, folder, mode, cfg.transfer, version + 1
+                client, name, learner, folder, mode, cfg.transfer, version + 1, early
             )
             log.swaps.append(swap)
             version = current[0] = swap.version
