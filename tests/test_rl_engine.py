@@ -120,12 +120,8 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
 async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
     """With ``pin_rollouts`` a group samples on the version it started on,
     leased across the next sync: aborted groups resume on their own version."""
-    from examples.rl.learner import LearnerConfig, LearnerProcess
-    from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
-    from skyrl_lora.client import RemoteInferenceClient
-    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+    from examples.rl.tenant import LoopConfig
 
-    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
     # Samples of 32 tokens, not the default 12: a sync's abort must find
     # samples mid-generation for a resume to show (``log.resumed`` counts
     # samples of two segments or more). With 12, one CI run (9a76dc3) aborted
@@ -139,25 +135,7 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
         transfer=TRANSFER,
         pin_rollouts=True,
     )
-    folder = engine_server.adapter_root / "rl-pinned"
-    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
-        async with RemoteInferenceClient(
-            engine_server.url, api_key=engine_server.admin_key
-        ) as client:
-            await learner.ready()
-            log = await run_tenant(
-                client,
-                "rl-pinned",
-                learner,
-                folder,
-                random_prompts(_word_ids(), loop.prompt_words, seed=1),
-                loop,
-                "per_adapter",
-                time.monotonic(),
-            )
-            (served,) = [
-                a for a in (await client.list_adapters()).adapters if a.lora_name == "rl-pinned"
-            ]
+    log, served, _ = await _short_run(engine_server, "rl-pinned", loop, "per_adapter", seed=1)
     assert len(log.steps) == 4
     assert sum(s.aborted for s in log.swaps) > 0 and log.resumed > 0
     assert log.spanning == 0, "a pinned sample mixed versions"
@@ -172,34 +150,13 @@ async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_ser
     starts a step and resumes it after the sync: every learner call lies
     inside the pause, the pause aborts the samples in flight, and the client
     resumes them on the next version."""
-    from examples.rl.learner import LearnerConfig, LearnerProcess
-    from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
-    from skyrl_lora.client import RemoteInferenceClient
-    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+    from examples.rl.tenant import LoopConfig
 
-    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
     # 32-token samples, as for the pinned run: a pause must find some mid-generation.
     loop = LoopConfig(steps=4, groups_per_step=4, group_size=16, max_tokens=32, transfer=TRANSFER)
-    folder = engine_server.adapter_root / "rl-on-policy"
-    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
-        async with RemoteInferenceClient(
-            engine_server.url, api_key=engine_server.admin_key
-        ) as client:
-            await learner.ready()
-            log = await run_tenant(
-                client,
-                "rl-on-policy",
-                learner,
-                folder,
-                random_prompts(_word_ids(), loop.prompt_words, seed=2),
-                loop,
-                "per_adapter_on_policy",
-                time.monotonic(),
-            )
-            resubmits = client.metrics().resubmits
-            (served,) = [
-                a for a in (await client.list_adapters()).adapters if a.lora_name == "rl-on-policy"
-            ]
+    log, served, resubmits = await _short_run(
+        engine_server, "rl-on-policy", loop, "per_adapter_on_policy", seed=2
+    )
     assert len(log.steps) == 4 and len(log.swaps) == 4
     first = log.versions[0]
     assert [s.version for s in log.swaps] == list(range(first + 1, first + 5))
@@ -209,6 +166,32 @@ async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_ser
         assert swap.start - swap.held_s <= start < end <= swap.start
         assert swap.sync_s == pytest.approx(swap.end - swap.start + swap.pause_s)
     assert sum(s.aborted for s in log.swaps) > 0 and resubmits > 0
+
+
+async def _short_run(
+    engine_server: Any, name: str, loop: Any, mode: str, seed: int
+) -> tuple[Any, Any, int]:
+    """One tenant's short run against ``name`` (learning to say animal words):
+    its log, the adapter as the server then lists it, the client's resubmits."""
+    from examples.rl.learner import LearnerConfig, LearnerProcess
+    from examples.rl.tenant import random_prompts, run_tenant
+    from skyrl_lora.client import RemoteInferenceClient
+    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+
+    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
+    folder = engine_server.adapter_root / name
+    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
+        async with RemoteInferenceClient(
+            engine_server.url, api_key=engine_server.admin_key
+        ) as client:
+            await learner.ready()
+            prompts = random_prompts(_word_ids(), loop.prompt_words, seed=seed)
+            log = await run_tenant(
+                client, name, learner, folder, prompts, loop, mode, time.monotonic()
+            )
+            listed = (await client.list_adapters()).adapters
+            (served,) = [a for a in listed if a.lora_name == name]
+            return log, served, client.metrics().resubmits
 
 
 async def _until(ready: Any, timeout_s: float = 30.0) -> None:
