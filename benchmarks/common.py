@@ -240,6 +240,48 @@ def serve_side_by_side(
             server.kill_all()
 
 
+def tenants_on_random_model(
+    args: argparse.Namespace,
+    work: Path,
+    flags: dict[str, list[str]],
+    *,
+    size: str | None = None,
+    preload: bool = False,
+) -> tuple[dict[str, Path], dict[str, list[str]]]:
+    """The GPU perf model (``size``; the default shape if None) with
+    ``args.tenants`` rank-16 adapters ``t0``, ``t1``, ... built under
+    ``work``, and one ``serve`` argv per variant of ``flags`` (its extra
+    flags) with each server's share ``args.gpu_mem``; with ``preload`` every
+    server loads the adapters at its start. Sets ``args.vocab``."""
+    from skyrl_lora.server.embedded.random_model import (
+        DEFAULT_SIZE,
+        VOCAB_SIZE,
+        build_random_model,
+        write_model_adapter,
+    )
+    from skyrl_lora.server.presets import random_model_server_argv
+
+    args.vocab = VOCAB_SIZE
+    model = build_random_model(work, rank=16, size=size or DEFAULT_SIZE)
+    adapters = {
+        f"t{i}": write_model_adapter(model.model_dir, work / "tenants" / f"t{i}", 16, seed=100 + i)
+        for i in range(args.tenants)
+    }
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    served = ["--lora-modules", *modules] if preload else []
+    argv_of = {
+        v: random_model_server_argv(
+            model.model_dir,
+            max_lora_rank=16,
+            max_loras=args.tenants,
+            gpu_memory_utilization=args.gpu_mem,
+            extra=[*served, *extra],
+        )
+        for v, extra in flags.items()
+    }
+    return adapters, argv_of
+
+
 def finish_ab(
     result: dict[str, Any],
     args: Any,

@@ -33,6 +33,7 @@ from benchmarks.common import (
     interleaved_rates,
     serve_side_by_side,
     serving_rate,
+    tenants_on_random_model,
 )
 from benchmarks.stats import Spread
 from skyrl_lora.client import RemoteInferenceClient
@@ -139,30 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     add_ab_flags(parser, streams=32)
     args = parser.parse_args(argv)
 
-    from skyrl_lora.server.embedded.random_model import (
-        VOCAB_SIZE,
-        build_random_model,
-        write_model_adapter,
-    )
-    from skyrl_lora.server.presets import random_model_server_argv
-
-    args.vocab = VOCAB_SIZE
     work = args.work or Path(tempfile.mkdtemp(prefix="skyrl-lora-metadata-"))
-    model = build_random_model(work, rank=16)
-    adapters = {
-        f"t{i}": write_model_adapter(model.model_dir, work / "tenants" / f"t{i}", 16, seed=100 + i)
-        for i in range(args.tenants)
-    }
-    argv_of = {
-        v: random_model_server_argv(
-            model.model_dir,
-            max_lora_rank=16,
-            max_loras=args.tenants,
-            gpu_memory_utilization=args.gpu_mem,
-            extra=extra,
-        )
-        for v, extra in VARIANTS.items()
-    }
+    adapters, argv_of = tenants_on_random_model(args, work, VARIANTS)
     result = serve_side_by_side(argv_of, work, lambda urls: measure(urls, adapters, args))
     return finish_ab(
         result,

@@ -45,6 +45,7 @@ from benchmarks.common import (
     interleaved_rounds,
     keep_sampling,
     serve_side_by_side,
+    tenants_on_random_model,
 )
 from benchmarks.stats import Spread, Tail, tails_spread
 from skyrl_lora.client import RemoteInferenceClient
@@ -167,35 +168,6 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
     return {"tenants_served": tenants, **summarize(rounds, list(urls)[1])}
 
 
-def _random_model_servers(
-    args: argparse.Namespace, work: Path, flags: dict[str, list[str]]
-) -> dict[str, list[str]]:
-    """The GPU perf model with ``--tenants`` rank-16 adapters, one argv per server."""
-    from skyrl_lora.server.embedded.random_model import (
-        VOCAB_SIZE,
-        build_random_model,
-        write_model_adapter,
-    )
-    from skyrl_lora.server.presets import random_model_server_argv
-
-    args.vocab = VOCAB_SIZE
-    model = build_random_model(work, rank=16, size=args.size)
-    modules = [
-        f"t{i}={write_model_adapter(model.model_dir, work / 'tenants' / f't{i}', 16, seed=100 + i)}"
-        for i in range(args.tenants)
-    ]
-    return {
-        v: random_model_server_argv(
-            model.model_dir,
-            max_lora_rank=16,
-            max_loras=args.tenants,
-            gpu_memory_utilization=args.gpu_mem,
-            extra=["--lora-modules", *modules, *extra],
-        )
-        for v, extra in flags.items()
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--embedded", action="store_true", help="the CPU's tiny model (a check)")
@@ -219,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab = VOCAB_SIZE
         argv_of = {v: ["--embedded", "--port", "0", *extra] for v, extra in flags.items()}
     else:
-        argv_of = _random_model_servers(args, work, flags)
+        _, argv_of = tenants_on_random_model(args, work, flags, size=args.size, preload=True)
     result = serve_side_by_side(argv_of, work, lambda urls: measure(urls, args))
     result.update(
         model="embedded" if args.embedded else args.size,
