@@ -191,7 +191,7 @@ async def sync_adapter(
     mode: PauseMode,
     transfer: Transfer,
     version: int,
-    paused: PausedEarly | None = None,
+    paused: Paused | None = None,
 ) -> Swap:
     """Pause (this adapter or the engine), send the trainer's weights, resume.
 
@@ -216,7 +216,7 @@ async def sync_adapter(
     lora = name if mode in ADAPTER_PAUSES else None
     early = paused is not None
     if paused is None:
-        paused = PausedEarly(await client.pause_generation(lora_name=lora), 0.0, started)
+        paused = await pause_now(client, lora)
     pushing = time.monotonic()
     handed = None
     try:
@@ -231,7 +231,7 @@ async def sync_adapter(
         version,
         paused.result.aborted,
         paused.result.drain_seconds,
-        pause_s=paused.call_s if early else pushing - started,
+        pause_s=paused.call_s,
         push_s=resuming - pushing,
         resume_s=end - resuming,
         handover=handed,
@@ -240,20 +240,20 @@ async def sync_adapter(
 
 
 @dataclass(frozen=True)
-class PausedEarly:
-    """A pause made before the sync: its answer, how long the call took, and
-    when it was made (``time.monotonic()``)."""
+class Paused:
+    """A pause call: its answer, how long the call took, and when it was made
+    (``time.monotonic()``)."""
 
     result: PauseResult
     call_s: float
     at: float
 
 
-async def pause_for_step(client: RemoteInferenceClient, name: str) -> PausedEarly:
-    """Pause ``name`` alone as its learner starts a step (``per_adapter_on_policy``)."""
+async def pause_now(client: RemoteInferenceClient, lora_name: str | None) -> Paused:
+    """Pause one adapter (the whole engine with None), timing the call."""
     at = time.monotonic()
-    result = await client.pause_generation(lora_name=name)
-    return PausedEarly(result, time.monotonic() - at, at)
+    result = await client.pause_generation(lora_name=lora_name)
+    return Paused(result, time.monotonic() - at, at)
 
 
 async def run_tenant(
@@ -321,7 +321,7 @@ async def run_tenant(
             waiting = time.monotonic()
             batch = [await _next_group(queue, failed) for _ in range(cfg.groups_per_step)]
             batched = time.monotonic()
-            early = await pause_for_step(client, name) if mode == "per_adapter_on_policy" else None
+            early = await pause_now(client, name) if mode == "per_adapter_on_policy" else None
             training = time.monotonic()
             result = await learner.step(batch, version)
             saving = time.monotonic()
