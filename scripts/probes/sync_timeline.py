@@ -165,12 +165,16 @@ def table(title: str, rows: list[dict[str, float]]) -> None:
     print("median: " + " | ".join(f"{statistics.median(r[c] for r in rows):.1f}" for c in columns))
     print("pooled percentiles, ms:")
     for c in columns:
-        values = [r[c] for r in rows]
-        cells = "  ".join(
-            f"{name} {percentile(values, q):6.1f}"
-            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-        )
-        print(f"{c:<26} {cells}  max {max(values):6.1f}")
+        print(f"{c:<26} {tail_cells([r[c] for r in rows])}")
+
+
+def tail_cells(values: list[float]) -> str:
+    """p50, p90, p99 and max of ``values``, one line."""
+    cells = "  ".join(
+        f"{name} {percentile(values, q):6.1f}"
+        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+    )
+    return f"{cells}  max {max(values):6.1f}"
 
 
 #: Answers of this many adapters within BURST_S of each other are a burst:
@@ -198,11 +202,7 @@ def route_tails(found: list[Event]) -> None:
         ("outside bursts", [ms for i, (_, ms) in enumerate(answers) if i not in in_burst]),
     ):
         if picked:
-            cells = "  ".join(
-                f"{q_name} {percentile(picked, q):6.1f}"
-                for q_name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-            )
-            print(f"{name:<16} {len(picked):4d}  {cells}  max {max(picked):6.1f}")
+            print(f"{name:<16} {len(picked):4d}  {tail_cells(picked)}")
 
 
 def main(path: str, prefix: str = "swap") -> None:
