@@ -62,7 +62,9 @@ def mps_clients(smi: Path) -> int | None:
 
 
 def configuration(run: dict[str, Any]) -> str:
-    """A run's configuration: its step budget, then its other serve flags.
+    """A run's configuration: its step budget, its other serve flags, and its
+    per-adapter mode where that is not ``per_adapter_staged`` (every run
+    before 3675b5e).
 
     ``serve_flags`` alone cannot say it: since ``serve`` cuts the budget to
     512 tokens by itself on a GPU, no flags means that budget, where before
@@ -84,6 +86,8 @@ def configuration(run: dict[str, Any]) -> str:
             rest.append(flags[i])
             i += 1
     label = f"{tokens}-token steps" if tokens else "vLLM's step budget"
+    if run["mode"] != "per_adapter_staged":
+        rest.append(run["mode"])
     return " ".join([label, *rest])
 
 
