@@ -141,6 +141,9 @@ def tenant_points(url: str, model: Any, counts: list[int], commit: str) -> list[
                 "gap_ms": figures["stall_ms"],
                 "longest_gaps_during_swaps": figures["longest_gaps_during_swaps"],
                 "swaps": figures["swaps"],
+                # Each window's span on this process's clock, for the log's probes
+                # (scripts/probes/gap_causes.py: the engine's long steps by window).
+                "windows": figures["windows"],
                 "untrustworthy": trusted,
             }
         )

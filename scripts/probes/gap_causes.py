@@ -7,7 +7,9 @@ converted with its ``wall_minus_monotonic_s``) and prints, for each, the
 server's events that ended inside it or within 0.1 s after: the engine's
 long steps (``engine_long_step``: what the step scheduled and what of ours
 ran beside it), its garbage collections, stagings, pauses and resumes, in ms
-relative to the gap's start. Then every long step of the run, counted by
+relative to the gap's start. Then, for JSONs that keep the windows (a tenant
+point's `windows`), each window's long steps and API loop stalls beside the others'
+tokens/s. Then every long step of the run, counted by
 what it scheduled, and by how many tokens it scheduled in all (vLLM runs a
 step of more tokens than its largest CUDA graph, 512 by default, eagerly),
 and the long steps that ended within 0.3 s after a resume.
@@ -55,6 +57,8 @@ def main() -> None:
         ms = sorted(s["ms"] for s in long_steps if low <= s["tokens"] <= high)
         if ms:
             print(f"   {low:4d}-{min(high, 99999):5d}: {len(ms)}, ms p50 {ms[len(ms) // 2]} max {ms[-1]}")
+    for point in figures["tenants"]:
+        by_window(point, events)
     resumes = [e.at for e in events if e.name == "resume"]
     after = [e.fields for e in events if e.name == "engine_long_step"
              and any(0 <= e.at - r <= 0.3 for r in resumes)]
@@ -62,6 +66,22 @@ def main() -> None:
         print(f"== {len(after)} long steps within 0.3 s after the {len(resumes)} resumes: "
               f"ms max {max(s['ms'] for s in after)}, prefill tokens max "
               f"{max(s['prefill_tokens'] for s in after)}, tokens max {max(s['tokens'] for s in after)}")
+
+
+def by_window(point: dict, events: list) -> None:
+    """What each window of a tenant point cost the engine and the API loop:
+    the engine's long steps (count, their ms in all) and the API event loop's
+    stalls (ms in all), beside the others' tokens/s."""
+    windows = point.get("windows")
+    if not windows:
+        return
+    print(f"== {point['tenants']} tenants, by window: long steps (n, ms in all), API loop stalls (ms in all), others' tok/s")
+    for w in windows:
+        inside = [e for e in events if w["start"] <= e.at < w["end"]]
+        steps = [e.fields["ms"] for e in inside if e.name == "engine_long_step"]
+        stalls = [e.fields["ms"] for e in inside if e.name == "event_loop_stall"]
+        print(f"   round {w['round']} {w['mode']:12s} {w['end'] - w['start']:4.1f} s: long steps {len(steps):3d} "
+              f"{sum(steps):6.0f} ms, stalls {sum(stalls):5.0f} ms, {w['others_tok_s']:7.0f} tok/s")
 
 
 if __name__ == "__main__":
