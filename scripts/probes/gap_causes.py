@@ -7,7 +7,7 @@ converted with its ``wall_minus_monotonic_s``) and prints, for each, the
 server's events that ended inside it or within 0.1 s after: the engine's
 long steps (``engine_long_step``: what the step scheduled and what of ours
 ran beside it), its garbage collections, stagings, pauses and resumes, in ms
-relative to the gap's start. Then, for JSONs that keep the windows (a tenant
+relative to the gap's start, and, for JSONs that keep the windows (a tenant
 point's `windows`), each window's long steps and API loop stalls beside the others'
 tokens/s. Then every long step of the run, counted by
 what it scheduled, and by how many tokens it scheduled in all (vLLM runs a
@@ -41,6 +41,7 @@ def main() -> None:
                 if e.name in SHOWN and start - 0.02 <= e.at <= end + 0.1:
                     fields = {k: v for k, v in e.fields.items() if k != "event"}
                     print(f"   {(e.at - start) * 1000:+7.1f} {e.name} {json.dumps(fields)[:200]}")
+        by_window(point, events)
     long_steps = [e.fields for e in events if e.name == "engine_long_step"]
     kinds = collections.Counter(
         ("prefill" if s["prefill_tokens"] else "decode only", tuple(s["busy"])) for s in long_steps
@@ -57,8 +58,6 @@ def main() -> None:
         ms = sorted(s["ms"] for s in long_steps if low <= s["tokens"] <= high)
         if ms:
             print(f"   {low:4d}-{min(high, 99999):5d}: {len(ms)}, ms p50 {ms[len(ms) // 2]} max {ms[-1]}")
-    for point in figures["tenants"]:
-        by_window(point, events)
     resumes = [e.at for e in events if e.name == "resume"]
     after = [e.fields for e in events if e.name == "engine_long_step"
              and any(0 <= e.at - r <= 0.3 for r in resumes)]
