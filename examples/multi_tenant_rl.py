@@ -370,7 +370,7 @@ def on_policy_every_tenant(modes: Mapping[str, Any], mode: str | None) -> bool |
     """Whether every tenant's on-policy share under ``mode`` is at least its
     share under the global pause, each the mean over the mode's positions
     (``mode``, ``mode#2``: an ABBA order puts each first once)."""
-    if mode is None or "global" not in modes:
+    if mode is None or mode not in modes or "global" not in modes:
         return None
 
     def share(base: str, tenant: str) -> float:
@@ -380,21 +380,40 @@ def on_policy_every_tenant(modes: Mapping[str, Any], mode: str | None) -> bool |
     return all(share(mode, n) >= share("global", n) for n in modes[mode]["tenants"])
 
 
+def mode_ratios(modes: dict[str, Any], mode: str) -> dict[str, Any]:
+    """``mode`` against the global pause: tokens/s and time to target as
+    ratios of each mode's mean over its positions (:func:`order_balanced`),
+    None where either mode lacks the figure or the run had no global pause;
+    and whether every tenant was at least as on-policy."""
+    balanced = order_balanced(modes)["ratios"]
+    return {
+        "tokens_per_s_over_global": balanced.get(f"tokens_per_s_{mode}_over_global"),
+        "time_to_target_over_global": balanced.get(f"time_to_target_s_{mode}_over_global"),
+        "on_policy_every_tenant": on_policy_every_tenant(modes, mode),
+    }
+
+
 def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """The figures issue 30 asks for (medians over tenants), then the summary.
     ``per_adapter`` in the ratios and the swap figures is the run's
-    per-adapter pause (:func:`per_adapter_mode`), named in ``per_adapter_mode``."""
+    per-adapter pause (:func:`per_adapter_mode`), named in ``per_adapter_mode``;
+    ``by_per_adapter_mode`` gives the same ratios for every per-adapter pause
+    the run held.
+
+    The ratios are of each mode's mean over its positions (ABBA, or
+    ABCCBA: every mode first once). A JSON without ``by_per_adapter_mode``
+    (written before 2026-11-27) compared the first positions alone, which
+    one run's order moves by more than the gain: 1.34x tokens/s there
+    against 1.20x over both positions (0b36222's ``a_default_1``)."""
     modes = summary["modes"]
     ours = per_adapter_mode(modes)
+    balanced = order_balanced(modes)
 
     def per_mode(key: str) -> dict[str, Any]:
         return {m: d["median_over_tenants"][key] for m, d in modes.items()}
 
-    def ratio(key: str, a: str | None = ours, b: str = "global") -> float | None:
-        if a not in modes or b not in modes:
-            return None
-        x, y = modes[a]["median_over_tenants"][key], modes[b]["median_over_tenants"][key]
-        return x / y if x is not None and y else None
+    def ratio(key: str, mode: str | None = ours) -> float | None:
+        return mode_ratios(modes, mode)[key] if mode else None
 
     pa = modes[ours]["median_over_tenants"] if ours else {}
     return {
@@ -431,13 +450,18 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         "engine_steps": {m: d["engine_steps"] for m, d in modes.items()},
         "warm_up_mode": summary.get("warm_up_mode"),
         "ratios": {
-            "time_to_target_per_adapter_over_global": ratio("time_to_target_s"),
-            "time_to_target_finish_old_over_global": ratio("time_to_target_s", "finish_old"),
-            "tokens_per_s_per_adapter_over_global": ratio("tokens_per_s"),
-            "tokens_per_s_finish_old_over_global": ratio("tokens_per_s", "finish_old"),
+            "time_to_target_per_adapter_over_global": ratio("time_to_target_over_global"),
+            "time_to_target_finish_old_over_global": ratio(
+                "time_to_target_over_global", "finish_old"
+            ),
+            "tokens_per_s_per_adapter_over_global": ratio("tokens_per_s_over_global"),
+            "tokens_per_s_finish_old_over_global": ratio("tokens_per_s_over_global", "finish_old"),
         },
         "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant(modes, ours),
-        "order_balanced": order_balanced(modes),
+        "by_per_adapter_mode": {
+            mode: mode_ratios(modes, mode) for mode in PER_ADAPTER_MODES if mode in modes
+        },
+        "order_balanced": balanced,
         "tokens_per_s_ceiling": sync_ceiling(modes),
         "learners_overlap": overlap_explains(modes),
         "summary": summary,

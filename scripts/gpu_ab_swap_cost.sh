@@ -18,25 +18,11 @@ export PYTHONUNBUFFERED=1
 keep="$HOME/keep"; mkdir -p "$keep"
 work="$HOME/scale-work"
 root="$(pwd)"
-SPY=""
-if [[ -n "${PYSPY_WHEEL:-}" ]]; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target "$HOME/pyspy" "$PYSPY_WHEEL"
-  SPY="$HOME/pyspy/bin/py-spy"; "$SPY" --version
-fi
-spy() {  # NAME: sample the engine of the server that NAME's log says is up
-  local name="$1" eng=""
-  for _ in $(seq 1 900); do grep -q "server up" "$keep/$name.txt" 2>/dev/null && break; sleep 1; done
-  eng=$(pgrep -f "VLLM::EngineCore" | head -1)
-  [[ -n "$eng" ]] || return
-  "$SPY" record --idle --nonblocking -r 100 -f raw -p "$eng" -o "$keep/$name.idle.raw" > "$keep/$name.spy.log" 2>&1 &
-  "$SPY" record --gil --nonblocking -r 100 -f raw -p "$eng" -o "$keep/$name.gil.raw" >> "$keep/$name.spy.log" 2>&1 &
-  wait
-}
 one() {  # NAME DIR COMMIT
   local name="$1" dir="$2" commit="$3"
   echo "== $name ($commit) $(date +%T)"
   mkdir -p "$keep/$name"
-  [[ -n "$SPY" ]] && spy "$name" &
+  bash "$root/scripts/gpu_spy_engine.sh" "$keep/$name.txt" "$keep/$name" &
   (cd "$dir" && SKYRL_COMMIT="$commit" OUT="$keep/$name" timeout 900 bash "$SITE_RUN" run \
       python3 -m benchmarks.scale --parts swap_cost --ranks 64 --work "$work" --commit "$commit" \
       --json "$keep/$name/scale.json") > "$keep/$name.txt" 2>&1

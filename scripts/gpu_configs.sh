@@ -8,7 +8,13 @@
 #       "default=" "vllm_metadata=--no-host-lora-metadata" "default="
 #
 # One benchmark server per NAME=SERVE_FLAGS argument, in the order given
-# (interleave them: A B A B), one after the other on one machine:
+# (interleave them: A B A B), one after the other on one machine. NAME@TREE
+# runs it from TREE instead of this checkout: an older commit's files, made
+# here with `git archive C server skyrl_lora client benchmarks scripts
+# examples pyproject.toml README.md | tar -x -C TREE; echo C > TREE/COMMIT`
+# and carried with the call, for an A/B across commits on one machine.
+# PYSPY_WHEEL (a carried wheel) samples each server's engine with py-spy
+# (scripts/gpu_spy_engine.sh) into its run's engine.{idle,gil}.raw.
 #
 #   rl     the multi-tenant RL run under CUDA MPS (`gpu_device_run.sh rl`);
 #          RL_ARGS replaces its arguments below. One run takes 380-500 s
@@ -37,28 +43,43 @@ scale_args="${SCALE_ARGS:---parts tenants,swap_cost --tenants 8 --ranks 64 --tra
 case "$kind" in
     rl | scale) ;;
     *)
-        sed -n '2,30p' "$0" >&2
+        sed -n '2,37p' "$0" >&2
         exit 2
         ;;
 esac
 n=0
 for spec in "$@"; do
     n=$((n + 1))
-    name="${spec%%=*}_$n"
+    head="${spec%%=*}"
+    name="${head%%@*}_$n"
     flags="${spec#*=}"
+    tree="$(pwd)" commit=""
+    if [[ "$head" == *@* ]]; then
+        tree="${head#*@}"
+        commit="$(cat "$tree/COMMIT")"
+    fi
     dir="$HOME/runs/$name"
     mkdir -p "$dir"
-    echo "== $name $kind [${flags:-default}] $(date +%T)"
+    echo "== $name $kind [${flags:-default}]${commit:+ at $commit} $(date +%T)"
+    bash scripts/gpu_spy_engine.sh "$dir/$kind.log" "$dir/engine" &
+    spying=$!
     if [[ "$kind" == rl ]]; then
         # shellcheck disable=SC2086
         SKYRL_GPU_MPS=1 OUT="$dir" bash "$SITE_RUN" rl $rl_args ${flags:+"--serve-flags=$flags"} \
             > "$dir/rl.log" 2>&1
     else
         # shellcheck disable=SC2086
-        OUT="$dir" bash "$SITE_RUN" run python3 -m benchmarks.scale $scale_args \
+        (cd "$tree" && SKYRL_COMMIT="$commit" OUT="$dir" bash "$SITE_RUN" run \
+            python3 -m benchmarks.scale $scale_args \
             "--serve-flags=--long-step-ms 30${flags:+ $flags}" --work "$HOME/scale-work" \
-            --json "$dir/scale.json" > "$dir/scale.log" 2>&1
+            --json "$dir/scale.json") > "$dir/scale.log" 2>&1
     fi
     echo "$name rc $? $(date +%T)"
+    # py-spy writes its files once the engine is gone; a run that never came up leaves it waiting.
+    for _ in $(seq 1 20); do
+        kill -0 "$spying" 2> /dev/null || break
+        sleep 0.5
+    done
+    kill "$spying" 2> /dev/null
     tar czf "$OUT/$name.tgz" -C "$HOME/runs" "$name"
 done

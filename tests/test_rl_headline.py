@@ -1,11 +1,12 @@
-"""The GPU RL run's headline JSON names the per-adapter pause it ran and
-compares each tenant's on-policy share over every position of a mode."""
+"""The GPU RL run's headline JSON names the per-adapter pause it ran,
+compares each tenant's on-policy share over every position of a mode, and
+takes its ratios over every position, not the first alone."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from examples.multi_tenant_rl import on_policy_every_tenant, per_adapter_mode
+from examples.multi_tenant_rl import mode_ratios, on_policy_every_tenant, per_adapter_mode
 
 
 def shares(**by_tenant: float) -> dict[str, Any]:
@@ -36,3 +37,38 @@ def test_every_tenant_is_compared_on_its_mean_over_positions() -> None:
     assert on_policy_every_tenant(modes, "per_adapter_staged") is False
     assert on_policy_every_tenant(modes, None) is None
     assert on_policy_every_tenant({"per_adapter": shares(t0=1.0)}, "per_adapter") is None
+
+
+def position(tokens_per_s: float, time_to_target_s: float, share: float) -> dict[str, Any]:
+    medians = {
+        "tokens_per_s": tokens_per_s,
+        "time_to_target_s": time_to_target_s,
+        "on_policy_share": share,
+        "seconds_per_step": 4.0,
+    }
+    return {"median_over_tenants": medians, **shares(t0=share)}
+
+
+def test_ratios_are_of_each_modes_mean_over_its_positions() -> None:
+    # ABCCBA: the first positions alone would say 1.20x tokens/s and 0.50x to target
+    modes = {
+        "per_adapter_staged": position(1200.0, 20.0, 0.30),
+        "per_adapter_on_policy": position(1100.0, 30.0, 0.42),
+        "global": position(1000.0, 40.0, 0.34),
+        "global#2": position(1200.0, 20.0, 0.36),
+        "per_adapter_on_policy#2": position(1100.0, 30.0, 0.40),
+        "per_adapter_staged#2": position(1000.0, 40.0, 0.30),
+    }
+    assert mode_ratios(modes, "per_adapter_staged") == {
+        "tokens_per_s_over_global": 1.0,
+        "time_to_target_over_global": 1.0,
+        "on_policy_every_tenant": False,
+    }
+    on_policy = mode_ratios(modes, "per_adapter_on_policy")
+    assert on_policy["tokens_per_s_over_global"] == 1.0
+    assert on_policy["on_policy_every_tenant"] is True
+    assert mode_ratios(modes, "finish_old") == {
+        "tokens_per_s_over_global": None,
+        "time_to_target_over_global": None,
+        "on_policy_every_tenant": None,
+    }

@@ -1,14 +1,20 @@
 """Several GPU RL runs side by side: each run's ratios, and their median and spread.
 
-    python3 scripts/probes/rl_runs.py NAME=DIR [NAME=DIR ...] [--prior RUNS.json ...] [--json OUT.json]
+    python3 scripts/probes/rl_runs.py NAME=PATH [NAME=PATH ...] [--json OUT.json]
 
-Each DIR is what ``scripts/gpu_device_run.sh rl`` leaves in its ``$OUT``:
-``rl_gpu.json`` (the headline summary), ``rl_gpu_server.log`` and, under
-MPS, ``nvidia_smi_mid_run.txt``. One run's ratio (per-adapter over global)
-rests on two 40 s positions per mode; from run to run it moved by more than
-the per-adapter pause's gain (0.93x-1.21x for one configuration on two
-H100s), so a configuration's figure is the median of its runs, with the
-range. Runs with the same step budget and other serve flags are one
+Each PATH is what ``scripts/gpu_device_run.sh rl`` leaves in its ``$OUT``
+(a folder: ``rl_gpu.json``, the headline summary, ``rl_gpu_server.log`` and,
+under MPS, ``nvidia_smi_mid_run.txt``), or a run's headline JSON alone as
+``docs/gpu/`` keeps it (no long steps, no MPS count). A run that held
+several per-adapter pauses (``--modes per_adapter_staged,per_adapter_on_policy,
+global,...``) gives one entry per pause, ``NAME:MODE``.
+
+The ratios (per-adapter over global) are of each mode's mean over its
+positions in the run (``order_balanced``: ABBA puts each mode first once),
+never of the first positions alone. One run's ratio rests on two 40 s
+positions per mode; from run to run it moved by more than the per-adapter
+pause's gain, so a configuration's figure is the median of its runs, with
+the range. Runs with the same step budget and other serve flags are one
 configuration (:func:`configuration`).
 
 Per run: the tenants' and the engine's tokens/s over the global pause's,
@@ -16,15 +22,14 @@ the ceiling and the share of it won, the per-adapter engine's own pace
 (``learners_overlap``), time to target, the engine's tokens/s by position
 and its mean, the mean of the positions' seconds a step (both modes: these
 two compare configurations, which run on different servers), sync
-p99 (median tenant, and pooled over the per-adapter positions), the lowest
-on-policy margin over the global's, the whole server run's long steps
+p99 (median tenant in the worse position, and pooled over the per-adapter
+positions), whether every tenant's on-policy share was at least its share
+under the global pause, the whole server run's long steps
 (the step watch's events: count, seconds, median tokens, share past 512
 tokens), and whether ``nvidia-smi`` saw the processes as MPS clients (``M+C``).
 
-``--prior`` adds the runs of an earlier ``--json`` output (named
-``FOLDER/NAME`` after the folder that holds it), so a configuration's
-median can span machines and days. ``all_runs`` pools every run whatever
-its flags: how often the per-adapter pause beat the global pause at all,
+Give the headline JSONs of earlier runs so a configuration's median spans
+machines and days. ``all_runs`` pools every run whatever its flags: how often the per-adapter pause beat the global pause at all,
 and how often it met the issue's targets (1.2x tokens/s, 0.75x time to
 target). Standard library only.
 """
@@ -91,44 +96,61 @@ def configuration(run: dict[str, Any]) -> str:
     return " ".join([label, *rest])
 
 
-def run_figures(folder: Path) -> dict[str, Any]:
-    data = json.loads((folder / "rl_gpu.json").read_text())
-    mode = data["per_adapter_mode"]
+def run_figures(path: Path) -> dict[str, dict[str, Any]]:
+    """One run's figures for each per-adapter pause it held, by mode."""
+    folder = path if path.is_dir() else path.parent
+    data = json.loads((path / "rl_gpu.json" if path.is_dir() else path).read_text())
+    logs = path.is_dir()
+    balanced = data["order_balanced"]["ratios"]
+    by_mode = data.get("by_per_adapter_mode") or {
+        data["per_adapter_mode"]: {
+            "on_policy_every_tenant": data["on_policy_per_adapter_ge_global_every_tenant"]
+        }
+    }
     ceiling = data["tokens_per_s_ceiling"]
-    overlap = data["learners_overlap"][mode]
-    pooled = data["swap_ms"]["pooled"]
     shares = data["on_policy_share"]
-    per_adapter = [v for k, v in shares.items() if k.split("#")[0] == mode]
-    global_ = [v for k, v in shares.items() if k.split("#")[0] == "global"]
+
+    def positions(figures: dict[str, Any], mode: str) -> list[Any]:
+        return [v for k, v in figures.items() if k.split("#")[0] == mode]
+
     return {
-        "commit": data["commit"],
-        "date": data["date"],
-        "machine": data["machine"],
-        "serve_flags": data.get("serve_flags") or "",
-        "engine_step_budget": data.get("engine_step_budget"),
-        "mode": mode,
-        "tenants_tokens_per_s_over_global": data["ratios"]["tokens_per_s_per_adapter_over_global"],
-        "engine_tokens_per_s_over_global": ceiling["engine_tokens_per_s_over_global"][mode],
-        "ceiling": ceiling["ceiling"],
-        "share_of_ceiling_won": ceiling["won"][mode],
-        "own_pace": overlap["own_pace"],
-        "none_training_over_global": overlap["none_training_over_global"],
-        "time_to_target_over_global": data["ratios"]["time_to_target_per_adapter_over_global"],
-        "engine_tok_s_by_position": data["engine_tok_s"],
-        # Across configurations (other servers: compare medians of several runs)
-        "engine_tok_s_mean": statistics.mean(data["engine_tok_s"].values()),
-        "seconds_per_step_mean": statistics.mean(data["seconds_per_step"].values()),
-        "sync_p99_ms_median_tenant": data["swap_ms"]["p99"],
-        "sync_p99_ms_pooled_max_position": max(
-            v["p99"] for k, v in pooled.items() if k.split("#")[0] == mode
-        ),
-        "on_policy_mean": {
-            mode: statistics.mean(per_adapter),
-            "global": statistics.mean(global_),
-        },
-        "on_policy_every_tenant": data["on_policy_per_adapter_ge_global_every_tenant"],
-        "long_steps_whole_server_run": long_steps(folder / "rl_gpu_server.log"),
-        "mps_clients_mid_run": mps_clients(folder / "nvidia_smi_mid_run.txt"),
+        mode: {
+            "commit": data["commit"],
+            "date": data["date"],
+            "machine": data["machine"],
+            "serve_flags": data.get("serve_flags") or "",
+            "engine_step_budget": data.get("engine_step_budget"),
+            "mode": mode,
+            "tenants_tokens_per_s_over_global": balanced[f"tokens_per_s_{mode}_over_global"],
+            "engine_tokens_per_s_over_global": ceiling["engine_tokens_per_s_over_global"][mode],
+            "ceiling": ceiling["ceiling"],
+            "share_of_ceiling_won": ceiling["won"][mode],
+            "own_pace": data["learners_overlap"][mode]["own_pace"],
+            "none_training_over_global": data["learners_overlap"][mode][
+                "none_training_over_global"
+            ],
+            "time_to_target_over_global": balanced[f"time_to_target_s_{mode}_over_global"],
+            "engine_tok_s_by_position": data["engine_tok_s"],
+            # Across configurations (other servers: compare medians of several runs)
+            "engine_tok_s_mean": statistics.mean(data["engine_tok_s"].values()),
+            "seconds_per_step_mean": statistics.mean(data["seconds_per_step"].values()),
+            "sync_p99_ms_median_tenant": max(positions(data["swap_ms"]["by_mode_p99"], mode)),
+            "sync_p99_ms_pooled_max_position": max(
+                v["p99"] for v in positions(data["swap_ms"]["pooled"], mode)
+            ),
+            "on_policy_mean": {
+                mode: statistics.mean(positions(shares, mode)),
+                "global": statistics.mean(positions(shares, "global")),
+            },
+            "on_policy_every_tenant": figures["on_policy_every_tenant"],
+            "long_steps_whole_server_run": (
+                long_steps(folder / "rl_gpu_server.log") if logs else None
+            ),
+            "mps_clients_mid_run": (
+                mps_clients(folder / "nvidia_smi_mid_run.txt") if logs else None
+            ),
+        }
+        for mode, figures in by_mode.items()
     }
 
 
@@ -181,17 +203,15 @@ def pooled(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", help="NAME=DIR")
-    parser.add_argument("--prior", action="append", default=[], help="an earlier --json output")
+    parser.add_argument("runs", nargs="+", help="NAME=PATH: a run's $OUT folder or headline JSON")
     parser.add_argument("--json")
     args = parser.parse_args()
     runs = {}
-    for prior in map(Path, args.prior):
-        for name, run in json.loads(prior.read_text())["runs"].items():
-            runs[name if "/" in name else f"{prior.parent.name}/{name}"] = run
     for spec in args.runs:
-        name, folder = spec.split("=", 1)
-        runs[name] = run_figures(Path(folder))
+        name, path = spec.split("=", 1)
+        by_mode = run_figures(Path(path))
+        for mode, figures in by_mode.items():
+            runs[name if len(by_mode) == 1 else f"{name}:{mode}"] = figures
     configs: dict[str, list[str]] = {}
     for name, run in runs.items():
         configs.setdefault(configuration(run), []).append(name)
@@ -204,7 +224,8 @@ def main() -> None:
         "all_runs": pooled(runs),
     }
     for name, r in runs.items():
-        steps = r["long_steps_whole_server_run"] or {}
+        steps = r["long_steps_whole_server_run"]
+        long = f"{steps['count']} ({steps['seconds']:.1f} s)" if steps else "not kept"
         print(
             f"{name}: [{configuration(r)}] tenants {r['tenants_tokens_per_s_over_global']:.3f}x, "
             f"engine {r['engine_tokens_per_s_over_global']:.3f}x of ceiling {r['ceiling']:.3f}x "
@@ -212,8 +233,9 @@ def main() -> None:
             f"time to target {r['time_to_target_over_global']:.2f}x, "
             f"engine tok/s {', '.join(f'{v:.0f}' for v in r['engine_tok_s_by_position'].values())}, "
             f"{r['seconds_per_step_mean']:.2f} s a step, "
-            f"sync p99 {r['sync_p99_ms_median_tenant']:.0f} ms, long steps {steps.get('count')} "
-            f"({steps.get('seconds', 0):.1f} s), MPS clients {r['mps_clients_mid_run']}"
+            f"sync p99 {r['sync_p99_ms_median_tenant']:.0f} ms, "
+            f"on-policy every tenant {r['on_policy_every_tenant']}, long steps {long}, "
+            f"MPS clients {r['mps_clients_mid_run']}"
         )
     for flags, s in out["by_configuration"].items():
         print(f"{flags} ({', '.join(s['runs'])}): " + "; ".join(
