@@ -38,7 +38,7 @@
 set -u
 kind="${1:-}"
 shift || true
-rl_args="${RL_ARGS:---transfer handover --modes per_adapter_staged,global,global,per_adapter_staged --max-wall-s 40 --warm-up-s 20}"
+rl_args="${RL_ARGS:---transfer handover --max-wall-s 40 --warm-up-s 20}"
 scale_args="${SCALE_ARGS:---parts tenants,swap_cost --tenants 8 --ranks 64 --transports path,handover,handover_swap}"
 case "$kind" in
     rl | scale) ;;
