@@ -1,13 +1,13 @@
 """Where a sync's time goes between the server's processes, from its event log.
 
-``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]``, from the
-repository's root, lines up, for each version of ``ADAPTER`` (default:
+``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]`` (a Python
+with skyrl_lora installed: ``.venv/bin/python`` here) lines up, for each version of ``ADAPTER`` (default:
 every adapter whose name starts with ``swap``) staged from a streamed push
 or a hand-over, the API server's events (``pause``,
 ``push_stream_received``, ``adapter_staged``, ``resume``: log time,
 millisecond resolution) with the engine's ``adapter_staging`` (its ``at``,
-the wall clock of the same host), read as :mod:`benchmarks.timeline` reads
-them. Per push: when the receive began
+the wall clock of the same host), read by
+:func:`skyrl_lora.server.event_log.read_events`. Per push: when the receive began
 after the pause, how long it took, when the engine's staging began after
 the receive began and ended after the receive ended, and the answer's
 tail. Per hand-over: the engine's phases and the API's wait around them,
@@ -21,13 +21,11 @@ handing over at a mode's start) and outside them.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from typing import Any
 
-sys.path.insert(0, os.getcwd())  # run from the repository's root
-from benchmarks.timeline import read_events  # noqa: E402
+from skyrl_lora.server.event_log import read_events
 
 Event = tuple[float, dict[str, Any]]
 
