@@ -410,7 +410,7 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
 
     The ratios are of each mode's mean over its positions (ABBA, or
     ABCCBA: every mode first once). A JSON without ``by_per_adapter_mode``
-    (written before 2026-11-27) compared the first positions alone, which
+    (written before fef8358) compared the first positions alone, which
     one run's order moves by more than the gain: 1.34x tokens/s there
     against 1.20x over both positions (0b36222's ``a_default_1``)."""
     modes = summary["modes"]

@@ -29,9 +29,10 @@ under the global pause, the whole server run's long steps
 tokens), and whether ``nvidia-smi`` saw the processes as MPS clients (``M+C``).
 
 Give the headline JSONs of earlier runs so a configuration's median spans
-machines and days. ``all_runs`` pools every run whatever its flags: how often the per-adapter pause beat the global pause at all,
-and how often it met the issue's targets (1.2x tokens/s, 0.75x time to
-target). Standard library only.
+machines and days. ``all_runs`` pools every run whatever its flags: how
+often the per-adapter pause beat the global pause at all, and how often it
+met the issue's targets (1.2x tokens/s, 0.75x time to target). Standard
+library only.
 """
 
 from __future__ import annotations
