@@ -21,8 +21,10 @@
 #          (the first on a machine compiles): four runs a machine at most.
 #   scale  `benchmarks.scale` on the random 8B shape (the tenant curve at 8
 #          tenants and the rank-64 swap cost, `--long-step-ms 30`); SCALE_ARGS
-#          replaces its arguments below. The model is built once into
-#          $HOME/scale-work; a server after the first takes about 250 s.
+#          replaces its arguments below, so name `--ranks 64` in it (left
+#          out, the slots are sized for rank 128). The model is built once
+#          into $HOME/scale-work; a server after the first takes about 250 s
+#          (about 210 s with `--parts tenants`).
 #
 # Each run's $OUT (JSON, server log, and for rl the plot and nvidia-smi
 # mid-run) is packed into $OUT/NAME_N.tgz as soon as it ends, so a `wait`
@@ -43,7 +45,7 @@ scale_args="${SCALE_ARGS:---parts tenants,swap_cost --tenants 8 --ranks 64 --tra
 case "$kind" in
     rl | scale) ;;
     *)
-        sed -n '2,37p' "$0" >&2
+        sed -n '2,39p' "$0" >&2
         exit 2
         ;;
 esac
