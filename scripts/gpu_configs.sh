@@ -33,7 +33,7 @@
 #
 #   for f in DIR/*.tgz; do tar xzf "$f" -C runs; done
 #   python3 scripts/probes/rl_runs.py $(cd runs && for d in *; do echo "$d=runs/$d"; done)
-#   python3 scripts/probes/gap_causes.py runs/NAME_N/scale.json runs/NAME_N/scale_server.log
+#   .venv/bin/python scripts/probes/gap_causes.py runs/NAME_N/scale.json runs/NAME_N/scale_server.log
 #
 # rl_runs.py groups runs by their effective step budget, other serve flags
 # and per-adapter mode.
