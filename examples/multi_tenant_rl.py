@@ -415,13 +415,17 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     against 1.20x over both positions (0b36222's ``a_default_1``)."""
     modes = summary["modes"]
     ours = per_adapter_mode(modes)
-    balanced = order_balanced(modes)
+    compared = {
+        mode: mode_ratios(modes, mode)
+        for mode in (*PER_ADAPTER_MODES, "finish_old")
+        if mode in modes
+    }
 
     def per_mode(key: str) -> dict[str, Any]:
         return {m: d["median_over_tenants"][key] for m, d in modes.items()}
 
     def ratio(key: str, mode: str | None = ours) -> float | None:
-        return mode_ratios(modes, mode)[key] if mode else None
+        return compared[mode][key] if mode in compared else None
 
     pa = modes[ours]["median_over_tenants"] if ours else {}
     return {
@@ -466,10 +470,8 @@ def headline(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s_finish_old_over_global": ratio("tokens_per_s_over_global", "finish_old"),
         },
         "on_policy_per_adapter_ge_global_every_tenant": on_policy_every_tenant(modes, ours),
-        "by_per_adapter_mode": {
-            mode: mode_ratios(modes, mode) for mode in PER_ADAPTER_MODES if mode in modes
-        },
-        "order_balanced": balanced,
+        "by_per_adapter_mode": {m: r for m, r in compared.items() if m in PER_ADAPTER_MODES},
+        "order_balanced": order_balanced(modes),
         "tokens_per_s_ceiling": sync_ceiling(modes),
         "learners_overlap": overlap_explains(modes),
         "summary": summary,
