@@ -1,18 +1,18 @@
 """What the engine did during the other tenants' longest gaps of a tenant curve.
 
-``python3 scripts/probes/gap_causes.py scale.json scale_server.log`` (run from
-the repository root) takes each tenant point's ``longest_gaps_during_swaps``
+``python scripts/probes/gap_causes.py scale.json scale_server.log`` (a Python
+with skyrl_lora installed: ``.venv/bin/python`` here) takes each tenant point's ``longest_gaps_during_swaps``
 of a ``benchmarks.scale`` JSON (times on the benchmark's monotonic clock,
 converted with its ``wall_minus_monotonic_s``) and prints, for each, the
 server's events that ended inside it or within 0.1 s after: the engine's
 long steps (``engine_long_step``: what the step scheduled and what of ours
 ran beside it), its garbage collections, stagings, pauses and resumes, in ms
 relative to the gap's start, and, for JSONs that keep the windows (a tenant
-point's `windows`), each window's long steps and API loop stalls beside the others'
-tokens/s. Then every long step of the run, counted by
-what it scheduled, and by how many tokens it scheduled in all (vLLM runs a
-step of more tokens than its largest CUDA graph, 512 by default, eagerly),
-and the long steps that ended within 0.3 s after a resume.
+point's `windows`), each window's long steps and API loop stalls beside the
+others' tokens/s. Then every long step of the run, counted by what it
+scheduled, and by how many tokens it scheduled in all (vLLM runs a step of
+more tokens than its largest CUDA graph, 512 by default, eagerly), and the
+long steps that ended within 0.3 s after a resume.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Where a sync's time goes between the server's processes, from its event log.
 
 ``python scripts/probes/sync_timeline.py SERVER_LOG [ADAPTER]`` (a Python
-with skyrl_lora installed: ``.venv/bin/python`` here) lines up, for each version of ``ADAPTER`` (default:
-every adapter whose name starts with ``swap``) staged from a streamed push
-or a hand-over, the API server's events (``pause``,
-``push_stream_received``, ``adapter_staged``, ``resume``: log time,
-millisecond resolution) with the engine's ``adapter_staging`` (its ``at``,
-the wall clock of the same host), read by
-:func:`skyrl_lora.server.event_log.read_events`. Per push: when the receive began
-after the pause, how long it took, when the engine's staging began after
-the receive began and ended after the receive ended, and the answer's
-tail. Per hand-over: the engine's phases and the API's wait around them,
-and (``weights_answered``, servers from 128e394 on) the route's own time
-before the staging and after it.
+with skyrl_lora installed: ``.venv/bin/python`` here) lines up, for each
+version of ``ADAPTER`` (default: every adapter whose name starts with
+``swap``) staged from a streamed push or a hand-over, the API server's
+events (``pause``, ``push_stream_received``, ``adapter_staged``, ``resume``:
+log time, millisecond resolution) with the engine's ``adapter_staging`` (its
+``at``, the wall clock of the same host), read by
+:func:`skyrl_lora.server.event_log.read_events`. Per push: when the receive
+began after the pause, how long it took, when the engine's staging began
+after the receive began and ended after the receive ended, and the answer's
+tail. Per hand-over: the engine's phases and the API's wait around them, and
+(``weights_answered``, servers from 128e394 on) the route's own time before
+the staging and after it.
 Medians close each table. A staging's phases are in ``staging_events.py``;
 this says how they overlap the receive. Last, the routes' own times, in
 bursts (several adapters answered at once: every tenant of an RL run
