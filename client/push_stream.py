@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -125,26 +126,47 @@ def _send_chunks(
     total: int,
     digest: ChunkedDigest,
 ) -> None:
-    """Send one lane's chunks while other threads hash them."""
-    with contextlib.ExitStack() as stack:
-        if isinstance(weights, Path):
-            fd = stack.enter_context(weights.open("rb", buffering=0)).fileno()
+    """Send one lane's chunks while other threads hash them.
 
-            def piece(start: int, length: int) -> bytes | memoryview:
-                chunk = os.pread(fd, length, start)
-                if len(chunk) != length:
-                    raise ValueError(f"{weights} shrank while it was being sent")
-                return chunk
-        else:
-            view = memoryview(weights)
-
-            def piece(start: int, length: int) -> bytes | memoryview:
-                return view[start : start + length]
-
+    A file's chunks go with ``sendfile``: the kernel moves them from the
+    page cache to the socket, and this process never copies them (a read
+    into memory and a send were each a copy of the whole file on the lanes'
+    threads). The hashing threads read their own copy of each chunk beside
+    the send (:meth:`ChunkedDigest.add_read`). The file must stay as it is
+    until the push is answered, as before: a chunk changed between its
+    hash's read and its send fails the server's digest check."""
+    if not isinstance(weights, Path):
+        view = memoryview(weights)
         for index in lane_chunks(lane, lanes, total):
-            chunk = piece(*chunk_span(index, total))
-            digest.add(chunk, index)
-            sock.sendall(chunk)
+            start, length = chunk_span(index, total)
+            digest.add(view[start : start + length], index)
+            sock.sendall(view[start : start + length])
+        return
+    with weights.open("rb", buffering=0) as file:
+        fd = file.fileno()
+        reads: list[Future[bytes]] = []
+        try:
+            for index in lane_chunks(lane, lanes, total):
+                start, length = chunk_span(index, total)
+                read = functools.partial(_read_whole, weights, fd, start, length)
+                reads.append(digest.add_read(index, read))
+                if sock.sendfile(file, start, length) != length:
+                    raise ValueError(f"{weights} shrank while it was being sent")
+        finally:
+            wait(reads)  # they read through this file: it stays open for them
+
+
+def _read_whole(path: Path, fd: int, start: int, length: int) -> bytes:
+    """A chunk of the file for its hash. Any failure is the file's, not the
+    stream's: a ValueError, so that the lanes stop at once instead of
+    waiting for the server's answer (:func:`_send_lanes`)."""
+    try:
+        chunk = os.pread(fd, length, start)
+    except OSError as exc:
+        raise ValueError(f"{path} could not be read while it was being sent: {exc}") from exc
+    if len(chunk) != length:
+        raise ValueError(f"{path} shrank while it was being sent")
+    return chunk
 
 
 def _parsed_answer(line: bytes, where: str) -> tuple[int, dict[str, Any], bytes]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Final
 
@@ -74,6 +74,13 @@ def _sha256(chunk: bytes | memoryview) -> bytes:
     return hashlib.sha256(chunk).digest()
 
 
+def _sha256_read(read: Callable[[], bytes], index: int, length: int) -> bytes:
+    chunk = read()
+    if len(chunk) != length:
+        raise ValueError(f"chunk {index} holds {length} bytes, not {len(chunk)}")
+    return _sha256(chunk)
+
+
 class ChunkedDigest:
     """Hashes chunks on a pool of threads as they are added; :meth:`hexdigest` waits.
 
@@ -121,6 +128,22 @@ class ChunkedDigest:
                 if index in self._parts:
                     raise ValueError(f"chunk {index} was added already")
             future = self._pool.submit(_sha256, chunk)
+            self._parts[index] = future
+        return future
+
+    def add_read(self, index: int, read: Callable[[], bytes]) -> Future[bytes]:
+        """Hash chunk ``index`` of ``total_bytes`` as ``read`` returns it, on
+        the hashing threads: a sender that hands its bytes to the kernel
+        (``sendfile``) never holds them, so the copy hashed is read there,
+        beside the send. An error of ``read``, or bytes not of the chunk's
+        length, fails the digest (:meth:`hexdigest` raises it)."""
+        with self._lock:
+            if self._total is None:
+                raise ValueError("chunks are read by index only where total_bytes is known")
+            length = chunk_span(index, self._total)[1]
+            if index in self._parts:
+                raise ValueError(f"chunk {index} was added already")
+            future = self._pool.submit(_sha256_read, read, index, length)
             self._parts[index] = future
         return future
 

@@ -8,9 +8,10 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,30 @@ def test_chunked_digest_takes_chunks_by_index_from_lanes() -> None:
         assert digest.hexdigest() == digest_of(data)
     with ChunkedDigest(threads=1) as digest, pytest.raises(ValueError, match="total_bytes"):
         digest.add(b"x", 0)
+
+
+def test_chunked_digest_hashes_chunks_its_threads_read() -> None:
+    """A sender that never holds its bytes (``sendfile``) hands the read of
+    each chunk to the hashing threads; a short read fails the digest."""
+    data = os.urandom(2 * CHUNK_BYTES + 7)
+
+    def reader(index: int, cut: int = 0) -> Callable[[], bytes]:
+        start, length = chunk_span(index, len(data))
+        return lambda: data[start : start + length - cut]
+
+    with ChunkedDigest(threads=2, total_bytes=len(data)) as digest:
+        for index in (2, 0, 1):
+            digest.add_read(index, reader(index))
+        with pytest.raises(ValueError, match="chunk 1 was added already"):
+            digest.add_read(1, reader(1))
+        assert digest.hexdigest() == digest_of(data)
+    with ChunkedDigest(threads=2, total_bytes=len(data)) as digest:
+        for index in range(3):
+            digest.add_read(index, reader(index, cut=1 if index == 1 else 0))
+        with pytest.raises(ValueError, match="chunk 1 holds 8388608 bytes, not 8388607"):
+            digest.hexdigest()
+    with ChunkedDigest(threads=1) as digest, pytest.raises(ValueError, match="total_bytes"):
+        digest.add_read(0, lambda: b"x")
 
 
 def test_chunked_digest_refuses_chunks_off_the_boundaries() -> None:
@@ -346,23 +371,36 @@ async def test_a_closed_listener_takes_nothing(tmp_path: Path) -> None:
         await send(ticket, b"0123456789")
 
 
+@pytest.mark.parametrize("where", ["read_for_its_hash", "truncated_on_disk"])
 async def test_a_file_that_shrinks_while_sent_stops_every_lane(
-    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """The client's own failure on one lane ends the others at once, not
-    after a timeout, and the server loads nothing."""
+    after a timeout, and the server loads nothing: whether the hashing
+    threads' read of a chunk comes back short, or the file is cut short on
+    disk before its last chunk is sent (``sendfile`` then sends less)."""
     data = os.urandom(4 * CHUNK_BYTES)
     path = tmp_path / "weights.safetensors"
     path.write_bytes(data)
     ticket, folder = server.open("tenant-a", len(data), lanes=4)
-    real_pread = os.pread
+    if where == "read_for_its_hash":
+        real_pread = os.pread
 
-    def shrinking(fd: int, length: int, offset: int) -> bytes:
-        if offset == 3 * CHUNK_BYTES:
-            return real_pread(fd, length - 1, offset)
-        return real_pread(fd, length, offset)
+        def shrinking(fd: int, length: int, offset: int) -> bytes:
+            if offset == 3 * CHUNK_BYTES:
+                return real_pread(fd, length - 1, offset)
+            return real_pread(fd, length, offset)
 
-    monkeypatch.setattr(os, "pread", shrinking)
+        monkeypatch.setattr(os, "pread", shrinking)
+    else:
+        real_sendfile = socket.socket.sendfile
+
+        def truncating(sock: socket.socket, file: Any, offset: int = 0, count: Any = None) -> int:
+            if offset == 3 * CHUNK_BYTES:
+                os.truncate(path, offset + 10)
+            return real_sendfile(sock, file, offset, count)
+
+        monkeypatch.setattr(socket.socket, "sendfile", truncating)
     started = asyncio.get_running_loop().time()
     with pytest.raises(ValueError, match="shrank"):
         await send(ticket, path)
