@@ -141,6 +141,12 @@ def build_random_model(root: Path, rank: int = 16, size: str = DEFAULT_SIZE) -> 
             model: Any = LlamaForCausalLM(config)
             model = model.to(torch.bfloat16)
         model.save_pretrained(model_dir, safe_serialization=True)
+        # Built on the GPU, the model's memory stays in torch's cache after it
+        # is gone: 27 GB for the 8B shape, which the servers a benchmark then
+        # starts from this process no longer found free (H100, 2026-11-27).
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         # The embedded model's tokenizer alone: building the whole embedded
         # model (trained adapters) took minutes of a 10-minute device call.
         build_tokenizer(model_dir)
