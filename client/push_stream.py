@@ -139,8 +139,9 @@ def _send_chunks(
         view = memoryview(weights)
         for index in lane_chunks(lane, lanes, total):
             start, length = chunk_span(index, total)
-            digest.add(view[start : start + length], index)
-            sock.sendall(view[start : start + length])
+            chunk = view[start : start + length]
+            digest.add(chunk, index)
+            sock.sendall(chunk)
         return
     with weights.open("rb", buffering=0) as file:
         fd = file.fileno()

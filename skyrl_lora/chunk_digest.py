@@ -120,13 +120,9 @@ class ChunkedDigest:
                 self._last_short = len(chunk) < CHUNK_BYTES
                 index = len(self._parts)
             else:
-                if self._total is None:
-                    raise ValueError("chunks are added by index only where total_bytes is known")
-                length = chunk_span(index, self._total)[1]
+                length = self._new_chunk_length(index)
                 if len(chunk) != length:
                     raise ValueError(f"chunk {index} holds {length} bytes, not {len(chunk)}")
-                if index in self._parts:
-                    raise ValueError(f"chunk {index} was added already")
             future = self._pool.submit(_sha256, chunk)
             self._parts[index] = future
         return future
@@ -138,14 +134,18 @@ class ChunkedDigest:
         beside the send. An error of ``read``, or bytes not of the chunk's
         length, fails the digest (:meth:`hexdigest` raises it)."""
         with self._lock:
-            if self._total is None:
-                raise ValueError("chunks are read by index only where total_bytes is known")
-            length = chunk_span(index, self._total)[1]
-            if index in self._parts:
-                raise ValueError(f"chunk {index} was added already")
+            length = self._new_chunk_length(index)
             future = self._pool.submit(_sha256_read, read, index, length)
             self._parts[index] = future
         return future
+
+    def _new_chunk_length(self, index: int) -> int:
+        """The length of chunk ``index`` of ``total_bytes``, not added yet (lock held)."""
+        if self._total is None:
+            raise ValueError("chunks are added by index only where total_bytes is known")
+        if index in self._parts:
+            raise ValueError(f"chunk {index} was added already")
+        return chunk_span(index, self._total)[1]
 
     def hexdigest(self) -> str:
         """The digest of every chunk added, once each is hashed."""
