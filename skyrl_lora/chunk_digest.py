@@ -76,9 +76,13 @@ def _sha256(chunk: bytes | memoryview) -> bytes:
 
 def _sha256_read(read: Callable[[], bytes], index: int, length: int) -> bytes:
     chunk = read()
+    _check_length(chunk, index, length)
+    return _sha256(chunk)
+
+
+def _check_length(chunk: bytes | memoryview, index: int, length: int) -> None:
     if len(chunk) != length:
         raise ValueError(f"chunk {index} holds {length} bytes, not {len(chunk)}")
-    return _sha256(chunk)
 
 
 class ChunkedDigest:
@@ -120,9 +124,7 @@ class ChunkedDigest:
                 self._last_short = len(chunk) < CHUNK_BYTES
                 index = len(self._parts)
             else:
-                length = self._new_chunk_length(index)
-                if len(chunk) != length:
-                    raise ValueError(f"chunk {index} holds {length} bytes, not {len(chunk)}")
+                _check_length(chunk, index, self._new_chunk_length(index))
             future = self._pool.submit(_sha256, chunk)
             self._parts[index] = future
         return future
