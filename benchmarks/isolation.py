@@ -85,6 +85,10 @@ class IsolationConfig:
     #: first pinned allocations), are not the steady state the windows compare.
     warmup_s: float = 2.0
     hold_s: float = 0.3
+    #: How the swapper's new weights come in: ``"path"`` (a reload from the
+    #: shared disk) or ``"push_stream"`` (the bytes over the server's push
+    #: stream, as a trainer on another host sends them).
+    swap_transport: str = "path"
     #: A swap's cost to the others outlasts its resume: the swapper's aborted
     #: requests all come back at once and re-prefill prompt and partial
     #: completion under the new weights (the old KV cache belongs to the old
@@ -177,6 +181,7 @@ class IsolationResult:
                 "window_s": self.config.window_s,
                 "settle_s": self.config.settle_s,
                 "hold_s": self.config.hold_s,
+                "swap_transport": self.config.swap_transport,
                 "aftermath_s": self.config.aftermath_s,
                 "baseline_tolerance": self.config.checks.baseline_tolerance,
                 "length_spread": self.config.length_spread,
@@ -222,7 +227,10 @@ async def _swap_window(
         await client.pause_generation(lora_name=lora)
         try:
             await asyncio.sleep(cfg.hold_s)
-            await client.reload_lora_adapter(swapper, paths[i % 2])
+            if cfg.swap_transport == "push_stream":
+                await client.push_lora_adapter(swapper, paths[i % 2], push_stream=True)
+            else:
+                await client.reload_lora_adapter(swapper, paths[i % 2])
         finally:
             await client.resume_generation(lora_name=lora)
         swaps.append((paused_at, time.monotonic()))
@@ -412,6 +420,8 @@ async def run(
             await asyncio.sleep(cfg.warmup_s)
             with collector_paused():
                 windows = await _windows(client, swapper, paths, cfg)
+            if cfg.swap_transport == "push_stream" and not client.metrics().pushes_streamed:
+                raise RuntimeError("the swapper's pushes went over HTTP, not the push stream")
         except BaseException:
             for streamer in streamers:
                 streamer.kill()

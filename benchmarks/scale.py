@@ -11,8 +11,9 @@ curves on that one server:
   7 other tenants sample, in interleaved rounds
   (:func:`benchmarks.transport_swap.measure`);
 * **the other tenants' cost against tenant count**: for each count
-  (``--tenants``), one tenant reloads once a period while the others
-  stream, per-adapter pause against vLLM's global keep-mode pause, in
+  (``--tenants``), one tenant reloads once a period (by each of
+  ``--swap-transports``: a path load, or its bytes over the push stream)
+  while the others stream, per-adapter pause against vLLM's global keep-mode pause, in
   interleaved windows (:func:`benchmarks.isolation.run`): the others'
   tokens/s over no-swap windows and their inter-token gaps during and
   outside swaps.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -103,19 +105,35 @@ def swap_cost_points(
     return points
 
 
-def tenant_points(url: str, model: Any, counts: list[int], commit: str) -> list[dict[str, Any]]:
-    """One point per tenant count: the others' rate ratio and gap tails by mode."""
+def tenant_points(
+    url: str, model: Any, counts: list[int], commit: str, transports: list[str]
+) -> list[dict[str, Any]]:
+    """One point per tenant count and swapper's transport: the others' rate
+    ratio and gap tails by mode."""
     prompt = list(range(10, 74))  # 64 prompt tokens
     points = []
-    for tenants in counts:
+    for tenants, transport in itertools.product(counts, transports):
         streams = streams_per_tenant(tenants)
-        cfg = replace(TENANT_LOAD, tenants=tenants, streams=streams, streamed=min(4, streams))
+        cfg = replace(
+            TENANT_LOAD,
+            tenants=tenants,
+            streams=streams,
+            streamed=min(4, streams),
+            swap_transport=transport,
+        )
         started = time.monotonic()
         try:
             result = asyncio.run(isolation.run(url, model, prompt, cfg))
         except UntrustworthyRunError as why:  # the other points still count
-            print(f"{tenants} tenants: no figures, {why}", flush=True)
-            points.append({"commit": commit, "tenants": tenants, "untrustworthy": str(why)})
+            print(f"{tenants} tenants, {transport}: no figures, {why}", flush=True)
+            points.append(
+                {
+                    "commit": commit,
+                    "tenants": tenants,
+                    "swap_transport": transport,
+                    "untrustworthy": str(why),
+                }
+            )
             continue
         finally:
             asyncio.run(unload(url, cfg.names))
@@ -126,7 +144,7 @@ def tenant_points(url: str, model: Any, counts: list[int], commit: str) -> list[
             trusted = str(why)
         figures = result.to_json()
         print(
-            f"{tenants} tenants ({time.monotonic() - started:.0f} s): "
+            f"{tenants} tenants, {transport} ({time.monotonic() - started:.0f} s): "
             f"{json.dumps(figures['others_ratio'])} untrusted={trusted}",
             flush=True,
         )
@@ -134,6 +152,7 @@ def tenant_points(url: str, model: Any, counts: list[int], commit: str) -> list[
             {
                 "commit": commit,
                 "tenants": tenants,
+                "swap_transport": transport,
                 "streams_per_other": streams,
                 "others_ratio": figures["others_ratio"],
                 "others_ratio_pooled": figures["others_ratio_pooled"],
@@ -203,7 +222,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["server"]["info"] = asyncio.run(server_info(running.url))
         save()
         if "tenants" in args.parts:
-            result["tenants"] = tenant_points(running.url, model, args.tenants, args.commit)
+            result["tenants"] = tenant_points(
+                running.url, model, args.tenants, args.commit, args.swap_transports.split(",")
+            )
             save()
         if "swap_cost" in args.parts:
             result["swap_cost"] = swap_cost_points(running.url, folders, load, args.commit)
@@ -267,8 +288,13 @@ def plot(path: Path) -> list[Path]:
         fig.savefig(made[-1], dpi=110)
         plt.close(fig)
     if data["tenants"]:
-        points = sorted(
-            (p for p in data["tenants"] if "others_ratio" in p), key=lambda p: p["tenants"]
+        points = sorted(  # the path reloads' curve (push points are in the JSON)
+            (
+                p
+                for p in data["tenants"]
+                if "others_ratio" in p and p.get("swap_transport", "path") == "path"
+            ),
+            key=lambda p: p["tenants"],
         )
         counts = [p["tenants"] for p in points]
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -346,6 +372,11 @@ def main() -> int:
         "--transports",
         default=",".join(transport_swap.TRANSPORTS),
         help="the swap-cost part's transports (path always among them)",
+    )
+    parser.add_argument(
+        "--swap-transports",
+        default="path",
+        help="the tenant part's swapper reloads by each of these in turn (path, push_stream)",
     )
     parser.add_argument(
         "--swapper-samples",

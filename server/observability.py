@@ -40,7 +40,11 @@ STAGINGS = Counter(
 #: adapter reader process (``server/weights/adapter_reader.py``), ``"one_buffer"`` on
 #: the engine process's staging thread in one call (``server/weights/adapter_file.py``),
 #: ``"safetensors"`` there tensor by tensor; both of the latter share the
-#: engine process's GIL with the step loop.
+#: engine process's GIL with the step loop. The rest (``staging_status.py``)
+#: are built from a template: a file read in one call (``"file_template"``),
+#: a hand-over (``"handover"``, ``"handover_template"``), and a streamed
+#: push's receive area copied to the GPU as it landed (``"area_upload"``,
+#: ``server/weights/area_upload.py``).
 READS = Counter(
     "skyrl_adapter_reads",
     "Adapter versions staged, by how their files were read.",

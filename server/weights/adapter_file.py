@@ -27,13 +27,15 @@ with safetensors as before.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
@@ -101,11 +103,13 @@ class _ArrivingBytes:
 FOLLOW_BYTES = 8 << 20
 
 
-def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
-    """Fill ``buffer`` with ``nbytes`` from the source's position, slice by
-    slice as the writer says each is there; say how long it waited for bytes
-    and how long it read after its wait for the last slice."""
-    view = memoryview(buffer.numpy()).cast("B")
+def follow_slices(
+    source: _ArrivingBytes, nbytes: int, copy: Callable[[int, int], None]
+) -> FollowedRead:
+    """Call ``copy(begin, end)`` for ``nbytes`` from the source's position on,
+    slice by slice, each once the writer says its bytes are there (``begin``
+    and ``end`` count from that position); say how long it waited for bytes
+    and how long it copied after its wait for the last slice."""
     start = source.tell()
     waited, there = 0.0, time.perf_counter()
     for begin in range(0, nbytes, FOLLOW_BYTES):
@@ -114,9 +118,32 @@ def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
         source.wait_for(start + end)
         there = time.perf_counter()
         waited += there - asked
-        pread_exactly(source.fileno(), view[begin:end], start + begin, source.path)
+        copy(begin, end)
     done = time.perf_counter()
-    note_followed(FollowedRead(round(waited * 1000, 2), round((done - there) * 1000, 2)))
+    followed = FollowedRead(round(waited * 1000, 2), round((done - there) * 1000, 2))
+    note_followed(followed)
+    return followed
+
+
+def slice_follower(
+    file: io.FileIO | _ArrivingBytes, nbytes: int
+) -> Callable[[Callable[[int, int], None]], FollowedRead] | None:
+    """For a file still arriving (from :func:`opened_for_reading`, at its
+    data): :func:`follow_slices` over its next ``nbytes``; None for a whole file."""
+    if not isinstance(file, _ArrivingBytes):
+        return None
+    return lambda copy: follow_slices(file, nbytes, copy)
+
+
+def _read_following(source: _ArrivingBytes, buffer: Any, nbytes: int) -> None:
+    """Fill ``buffer`` with ``nbytes`` from the source's position, as they land."""
+    view = memoryview(buffer.numpy()).cast("B")
+    start = source.tell()
+
+    def read(begin: int, end: int) -> None:
+        pread_exactly(source.fileno(), view[begin:end], start + begin, source.path)
+
+    follow_slices(source, nbytes, read)
 
 
 def _entry(name: str, info: Any, data_bytes: int, torch: Any) -> tuple[Any, list[int], int, int]:
@@ -162,6 +189,61 @@ def read_header(file: Readable, size: int) -> tuple[dict[str, Any], int]:
     return header, size - 8 - header_bytes
 
 
+@dataclass(frozen=True)
+class FileHeader:
+    """A safetensors file's header, checked: each tensor's place in the data
+    that follows it."""
+
+    #: The file's first bytes, up to its data.
+    head: bytes
+    metadata: dict[str, str] | None
+    #: By name: ``(dtype, shape, begin, end)``, offsets into the data.
+    entries: dict[str, tuple[Any, list[int], int, int]]
+    data_bytes: int
+
+    @classmethod
+    def read(cls, path: str, file: io.FileIO | _ArrivingBytes, size: int) -> FileHeader:
+        """The header of ``file`` (at its start, ``size`` bytes long), which is
+        left at its data; :class:`UnsupportedFile` where this reader cannot
+        map it exactly."""
+        import torch
+
+        try:
+            header, data_bytes = read_header(file, size)
+        except ValueError as exc:
+            raise UnsupportedFile(f"{path}: {exc}") from exc
+        metadata: dict[str, str] | None = header.pop("__metadata__", None)
+        entries = {name: _entry(name, info, data_bytes, torch) for name, info in header.items()}
+        return cls(os.pread(file.fileno(), file.tell(), 0), metadata, entries, data_bytes)
+
+    def layout(self) -> dict[str, Any] | None:
+        """The tensors' places in the data in a hand-over's terms
+        (:class:`skyrl_lora.types.HandoverTensor` fields), so a file's model
+        can be built like a hand-over's (:mod:`.handover_template`); None
+        for a file with a tensor a hand-over cannot carry (another dtype,
+        a scalar, an empty dimension)."""
+        tensors = []
+        for name, (dtype, shape, begin, _) in self.entries.items():
+            dtype_name = str(dtype).removeprefix("torch.")
+            if dtype_name not in HANDOVER_ITEM_BYTES or not shape or min(shape) < 1:
+                return None
+            tensors.append({"name": name, "dtype": dtype_name, "shape": shape, "offset": begin})
+        return {"buffer": {"nbytes": self.data_bytes}, "tensors": tensors}
+
+
+@contextlib.contextmanager
+def opened_for_reading(path: str) -> Iterator[tuple[io.FileIO | _ArrivingBytes, int]]:
+    """``path`` open at its start, and its size: a whole file as it is, one
+    still arriving (:mod:`.arrival`) as bytes read once they are there."""
+    with open(path, "rb", buffering=0) as opened:
+        arrival = Arrival.beside(path)
+        if arrival is None:
+            yield opened, os.fstat(opened.fileno()).st_size
+            return
+        with arrival:
+            yield _ArrivingBytes(path, opened.fileno(), arrival), arrival.total_bytes
+
+
 class OneBufferFile:
     """What vLLM's loader uses of ``safetensors.safe_open(path, framework="pt")``,
     read in one call into ``allocate(nbytes)`` (a uint8 tensor); a file still
@@ -170,42 +252,21 @@ class OneBufferFile:
     bytes are not to be read by anything else either."""
 
     def __init__(self, path: str, allocate: Callable[[int], Any]) -> None:
-        with open(path, "rb", buffering=0) as opened:
-            arrival = Arrival.beside(path)
-            if arrival is None:
-                self._read(path, opened, os.fstat(opened.fileno()).st_size, allocate)
-                return
-            with arrival:
-                source = _ArrivingBytes(path, opened.fileno(), arrival)
-                self._read(path, source, arrival.total_bytes, allocate)
+        with opened_for_reading(path) as (file, size):
+            self.header = FileHeader.read(path, file, size)
+            self._buffer = allocate(self.header.data_bytes)
+            try:
+                if isinstance(file, _ArrivingBytes):
+                    _read_following(file, self._buffer, self.header.data_bytes)
+                else:
+                    read_exactly(file, self._buffer, self.header.data_bytes, path)
+            except EOFError as exc:
+                raise UnsupportedFile(str(exc)) from exc
 
-    def _read(
-        self,
-        path: str,
-        file: io.FileIO | _ArrivingBytes,
-        size: int,
-        allocate: Callable[[int], Any],
-    ) -> None:
-        import torch
-
-        try:
-            header, data_bytes = read_header(file, size)
-        except ValueError as exc:
-            raise UnsupportedFile(f"{path}: {exc}") from exc
-        #: The file's first bytes, up to its data: with :attr:`buffer`, the file again.
-        self.head = os.pread(file.fileno(), file.tell(), 0)
-        self._metadata: dict[str, str] | None = header.pop("__metadata__", None)
-        self._entries = {
-            name: _entry(name, info, data_bytes, torch) for name, info in header.items()
-        }
-        self._buffer = allocate(data_bytes)
-        try:
-            if isinstance(file, _ArrivingBytes):
-                _read_following(file, self._buffer, data_bytes)
-            else:
-                read_exactly(file, self._buffer, data_bytes, path)
-        except EOFError as exc:
-            raise UnsupportedFile(str(exc)) from exc
+    @property
+    def head(self) -> bytes:
+        """The file's first bytes, up to its data: with :attr:`buffer`, the file again."""
+        return self.header.head
 
     @property
     def buffer(self) -> Any:
@@ -213,30 +274,20 @@ class OneBufferFile:
         return self._buffer
 
     def layout(self) -> dict[str, Any] | None:
-        """The tensors' places in :attr:`buffer` in a hand-over's terms
-        (:class:`skyrl_lora.types.HandoverTensor` fields), so a file's model
-        can be built like a hand-over's (:mod:`.handover_template`); None
-        for a file with a tensor a hand-over cannot carry (another dtype,
-        a scalar, an empty dimension)."""
-        tensors = []
-        for name, (dtype, shape, begin, _) in self._entries.items():
-            dtype_name = str(dtype).removeprefix("torch.")
-            if dtype_name not in HANDOVER_ITEM_BYTES or not shape or min(shape) < 1:
-                return None
-            tensors.append({"name": name, "dtype": dtype_name, "shape": shape, "offset": begin})
-        return {"buffer": {"nbytes": int(self._buffer.numel())}, "tensors": tensors}
+        """:meth:`FileHeader.layout`, for this buffer."""
+        return self.header.layout()
 
     def keys(self) -> list[str]:
         """The tensor names, sorted, as safetensors lists them."""
-        return sorted(self._entries)
+        return sorted(self.header.entries)
 
     def get_tensor(self, name: str) -> Any:
         """A view of the buffer; it keeps the whole buffer alive."""
-        dtype, shape, begin, end = self._entries[name]
+        dtype, shape, begin, end = self.header.entries[name]
         return self._buffer[begin:end].view(dtype).view(shape)
 
     def metadata(self) -> dict[str, str] | None:
-        return self._metadata
+        return self.header.metadata
 
     def __enter__(self) -> OneBufferFile:
         return self

@@ -23,11 +23,17 @@ stretched the other tenants' longest gap between two tokens during swaps
 to 186 ms p99, against 98 ms built on the host and 54-58 ms without swaps
 (H100, cc51ce4, one run of each); the swapping tenant's reload gained
 little, since the bytes cross to the GPU either way.
+
+The exception is a streamed push's receive area, once registered for DMA
+(:mod:`.area_upload`), of a layout with a template: its bytes go to the
+GPU as they land, with no copy on the host at all, and its model is built
+there as a GPU hand-over's is.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +45,14 @@ import torch
 
 from ..observability import log_engine_event
 from . import handover
-from .adapter_file import OneBufferFile, UnsupportedFile
+from .adapter_file import (
+    FileHeader,
+    OneBufferFile,
+    UnsupportedFile,
+    opened_for_reading,
+    slice_follower,
+)
+from .area_upload import CudaPinning, RegisteredAreas, copy_up
 from .cuda_streams import AFTER_SWAP, side_stream
 from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
 from .host_pool import HostBufferPool
@@ -103,7 +116,12 @@ class BufferSource:
         self._host_buffers = self._timed(host_buffers)
         #: The trainers' CUDA shares, kept open between hand-overs (:mod:`.open_shares`).
         self.shares = OpenShares(0) if shares is None else shares
+        self._device = device
         self._device_buffers = device_buffers(device)
+        #: Push receive areas registered for DMA (:mod:`.area_upload`), on a GPU worker.
+        self.areas = (
+            RegisteredAreas(CudaPinning(device)) if self._device_buffers is not None else None
+        )
         self._templates = templates
         #: Snapshots' copies, which no GPU copy reads: kept and reused (:mod:`.host_pool`).
         self.snapshot_buffers = HostBufferPool(host_buffers)
@@ -197,6 +215,9 @@ class BufferSource:
         weights = folder / handover.WEIGHTS_FILE
         if weights_fd is not None:
             weights = Path(f"/proc/self/fd/{weights_fd}")
+            uploaded = self.take_area(lora_request, weights_fd)
+            if uploaded is not None:
+                return uploaded
         # Held open, the file is read into the snapshot's copy, which no GPU
         # copy reads: a pooled buffer; the model is built from a copy of it.
         read_into = self._host_buffers if weights_fd is None else self._snapshot_buffers
@@ -229,6 +250,43 @@ class BufferSource:
             alloc_ms=self._alloc_ms(),
         )
 
+    def take_area(self, lora_request: Any, weights_fd: int) -> TakenBuffer | None:
+        """A streamed push's receive area, copied to the GPU as its bytes land
+        (:mod:`.area_upload`); None where it goes the host way: off a GPU, a
+        file that is no area in shared memory, an area not registered yet,
+        or a layout with no template."""
+        weights = f"/proc/self/fd/{weights_fd}"
+        if self.areas is None or not in_shared_memory(weights):
+            return None
+        folder = Path(lora_request.lora_path)
+        with self.areas.borrowed(weights_fd) as host:
+            if host is None:
+                return None
+            config = (folder / handover.CONFIG_FILE).read_text()
+            with opened_for_reading(weights) as (file, size):
+                try:
+                    header = FileHeader.read(weights, file, size)
+                except UnsupportedFile:
+                    return None
+                description = header.layout()
+                if description is None:
+                    return None
+                layout = layout_key(description, config, request_extra(lora_request))
+                if not self._templates.known(layout):
+                    return None
+                assert self._device_buffers is not None
+                model_buffer, as_read = copy_up(
+                    host,
+                    len(header.head),
+                    header.data_bytes,
+                    self._device_buffers,
+                    side_stream(self._device),
+                    slice_follower(file, header.data_bytes),
+                )
+        return TakenBuffer(
+            folder, description, model_buffer, as_read, layout, file_head=header.head
+        )
+
     def settle_on_host(self, model: Any, template: HandoverTemplate, taken: TakenBuffer) -> Any:
         """After the swap of a hand-over staged on the GPU: copy its model
         and its snapshot's buffer to the host, point the model at its host
@@ -259,6 +317,12 @@ class BufferSource:
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
         return host_snapshot
+
+
+def in_shared_memory(path: str) -> bool:
+    """Whether ``path`` (a link followed) is a file in ``/dev/shm``, where
+    receive areas live: a file on disk is never mapped and pinned."""
+    return os.path.realpath(path).startswith(f"{handover.SHM_DIR}/")
 
 
 def request_extra(lora_request: Any) -> tuple[Any, ...]:

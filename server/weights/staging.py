@@ -101,6 +101,7 @@ from .stage_channel import StageListener, socket_path
 from .staged_buffer import BufferSource, TakenBuffer
 from .staging_profile import StagingProfiler
 from .staging_status import (
+    AREA_UPLOAD,
     FAILED,
     FILE_TEMPLATE,
     HANDOVER,
@@ -608,6 +609,8 @@ class _WorkerStaging:
         read = SAFETENSORS
         if handed is not None and not handed.is_handover:
             read = ONE_BUFFER if template is None else FILE_TEMPLATE
+            if handed.on_device:
+                read = AREA_UPLOAD
         elif template is not None:
             read = HANDOVER_TEMPLATE
         elif handed is not None:

@@ -35,6 +35,9 @@ HANDOVER_TEMPLATE = "handover_template"
 #: Read in one call (as ``one_buffer``) and built from the template of the
 #: file's layout, as a hand-over is (:mod:`.staged_buffer`).
 FILE_TEMPLATE = "file_template"
+#: A streamed push's receive area, copied to the GPU as its bytes landed and
+#: built there from its layout's template (:mod:`.area_upload`).
+AREA_UPLOAD = "area_upload"
 
 
 def status_file(lora_int_id: int, worker: str) -> str:
