@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,10 +64,28 @@ class RecordingPinning:
         self.unregistered.append(address)
 
 
-def _area(tmp_path: Path, name: str, data: bytes) -> int:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return os.open(path, os.O_RDWR)
+@pytest.fixture
+def area(tmp_path: Path) -> Iterator[Callable[[str, bytes], int]]:
+    """``area(name, data)``: a file of ``data`` open as the API server hands
+    an area over (closed after the test)."""
+    opened: list[int] = []
+
+    def make(name: str, data: bytes) -> int:
+        (tmp_path / name).write_bytes(data)
+        opened.append(os.open(tmp_path / name, os.O_RDWR))
+        return opened[-1]
+
+    yield make
+    for fd in opened:
+        os.close(fd)
+
+
+def _look(areas: RegisteredAreas, *fds: int) -> None:
+    """Borrow each area once, as a staging would, and let the area thread catch up."""
+    for fd in fds:
+        with areas.borrowed(fd):
+            pass
+    areas.settled()
 
 
 @pytest.fixture
@@ -81,112 +100,80 @@ def areas(pinning: RecordingPinning) -> RegisteredAreas:
     made.close()
 
 
+Area = Callable[[str, bytes], int]
+
+
 def test_an_area_is_registered_after_its_first_look_and_copied_from_after(
-    tmp_path: Path, areas: RegisteredAreas, pinning: RecordingPinning
+    area: Area, areas: RegisteredAreas, pinning: RecordingPinning
 ) -> None:
     data = bytes(range(256)) * 64
-    fd = _area(tmp_path, "a", data)
-    try:
-        with areas.borrowed(fd) as host:
-            assert host is None  # the first push reads it the host way
-        areas.settled()
-        assert list(pinning.registered.values()) == [len(data)]
-        with areas.borrowed(fd) as host:
-            assert host is not None and host.data_ptr() in pinning.registered
-            assert bytes(host.numpy()) == data
-        with areas.borrowed(fd):  # once only
-            pass
-        areas.settled()
-        assert pinning.asked == 1
-    finally:
-        os.close(fd)
+    fd = area("a", data)
+    with areas.borrowed(fd) as host:
+        assert host is None  # the first push reads it the host way
+    areas.settled()
+    assert list(pinning.registered.values()) == [len(data)]
+    with areas.borrowed(fd) as host:
+        assert host is not None and host.data_ptr() in pinning.registered
+        assert bytes(host.numpy()) == data
+    _look(areas, fd)
+    assert pinning.asked == 1  # once only
 
 
 def test_a_removed_area_is_unregistered_but_not_while_a_staging_copies_from_it(
-    tmp_path: Path, areas: RegisteredAreas, pinning: RecordingPinning
+    tmp_path: Path, area: Area, areas: RegisteredAreas, pinning: RecordingPinning
 ) -> None:
-    fds = [_area(tmp_path, name, name.encode() * 1000) for name in "ab"]
-    try:
-        for fd in fds:
-            with areas.borrowed(fd):
-                pass
-        areas.settled()
-        assert areas.registered() == 2
-        with areas.borrowed(fds[0]) as host:
-            assert host is not None
-            (tmp_path / "a").unlink()  # the API server closed it (a failed push)
-            with areas.borrowed(fds[1]):
-                pass
-            areas.settled()
-            assert areas.registered() == 2 and not pinning.unregistered  # in use
-            assert bytes(host[:3].numpy()) == b"aaa"
-        with areas.borrowed(fds[1]):  # the next look prunes it
-            pass
-        areas.settled()
-        assert areas.registered() == 1 and len(pinning.unregistered) == 1
-    finally:
-        for fd in fds:
-            os.close(fd)
+    first, second = (area(name, name.encode() * 1000) for name in "ab")
+    _look(areas, first, second)
+    assert areas.registered() == 2
+    with areas.borrowed(first) as host:
+        assert host is not None
+        (tmp_path / "a").unlink()  # the API server closed it (a failed push)
+        _look(areas, second)
+        assert areas.registered() == 2 and not pinning.unregistered  # in use
+        assert bytes(host[:3].numpy()) == b"aaa"
+    _look(areas, second)  # the next look prunes it
+    assert areas.registered() == 1 and len(pinning.unregistered) == 1
 
 
 def test_the_least_recently_used_area_goes_beyond_the_cap(
-    tmp_path: Path, areas: RegisteredAreas, pinning: RecordingPinning
+    area: Area, areas: RegisteredAreas, pinning: RecordingPinning
 ) -> None:
-    fds = [_area(tmp_path, name, name.encode() * 100) for name in "abc"]
-    try:
-        for fd in fds[:2]:
-            with areas.borrowed(fd):
-                pass
-        areas.settled()
-        with areas.borrowed(fds[0]) as first:  # a used again: b is now the oldest
-            assert first is not None
-            kept = first.data_ptr()
-        with areas.borrowed(fds[2]):
-            pass
-        areas.settled()
-        assert areas.registered() == 2 and len(pinning.unregistered) == 1
-        assert kept in pinning.registered
-        with areas.borrowed(fds[1]) as second:
-            assert second is None  # registered again, later
-    finally:
-        for fd in fds:
-            os.close(fd)
+    a, b, c = (area(name, name.encode() * 100) for name in "abc")
+    _look(areas, a, b)
+    with areas.borrowed(a) as first:  # a used again: b is now the oldest
+        assert first is not None
+        kept = first.data_ptr()
+    _look(areas, c)
+    assert areas.registered() == 2 and len(pinning.unregistered) == 1
+    assert kept in pinning.registered
+    with areas.borrowed(b) as again:
+        assert again is None  # registered again, later
 
 
-def test_an_area_the_driver_refuses_is_read_the_host_way_and_not_asked_again(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("pinning", "asked", "registered"),
+    [
+        # refused either way: read the host way, and the driver not asked again
+        (RecordingPinning(refuse="operation not supported"), 2, 0),
+        # no read-only registration: mapped for writing too (nothing writes)
+        (RecordingPinning(writable_only=True), 2, 1),
+    ],
+    ids=["refused", "writable_only"],
+)
+def test_what_the_driver_refuses(
+    area: Area, pinning: RecordingPinning, asked: int, registered: int
 ) -> None:
-    pinning = RecordingPinning(refuse="operation not supported")
     areas = RegisteredAreas(pinning)
-    fd = _area(tmp_path, "a", b"x" * 4096)
+    fd = area("a", b"y" * 4096)
     try:
-        for _ in range(3):
-            with areas.borrowed(fd) as host:
-                assert host is None
-            areas.settled()
-        assert pinning.asked == 2 and areas.registered() == 0  # read only, then writable
-    finally:
-        areas.close()
-        os.close(fd)
-
-
-def test_a_driver_without_read_only_registration_gets_a_writable_mapping(
-    tmp_path: Path,
-) -> None:
-    pinning = RecordingPinning(writable_only=True)
-    areas = RegisteredAreas(pinning)
-    fd = _area(tmp_path, "a", b"y" * 4096)
-    try:
-        with areas.borrowed(fd):
-            pass
-        areas.settled()
+        _look(areas, fd, fd, fd)
         with areas.borrowed(fd) as host:
-            assert host is not None and bytes(host[:2].numpy()) == b"yy"
-        assert pinning.asked == 2 and areas.registered() == 1
+            assert (host is not None) == bool(registered)
+            assert host is None or bytes(host[:2].numpy()) == b"yy"
+        assert pinning.asked == asked and areas.registered() == registered
     finally:
         areas.close()
-        os.close(fd)
-    assert pinning.unregistered and not pinning.registered
+    assert not pinning.registered  # closing let go of it
 
 
 def _arriving(tmp_path: Path, data: bytes) -> tuple[Path, int, ArrivalWriter]:

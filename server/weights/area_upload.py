@@ -197,8 +197,11 @@ class RegisteredAreas:
                     break
                 _unmap(area)
                 area = None
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # the area is read the host way: nothing is lost
             why = repr(exc)
+            if area is not None:
+                _unmap(area)
+                area = None
         finally:
             os.close(fd)
         with self._lock:

@@ -269,7 +269,7 @@ class BufferSource:
                 except UnsupportedFile:
                     return None
                 description = header.layout()
-                if description is None:
+                if description is None or len(header.head) + header.data_bytes > host.numel():
                     return None
                 layout = layout_key(description, config, request_extra(lora_request))
                 if not self._templates.known(layout):
