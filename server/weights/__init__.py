@@ -2,7 +2,8 @@
 
 Owns the registry of names and versions (``registry``), reading adapter files
 (``adapter_file``, ``adapter_reader``, ``tensor_pickle``, ``chunked``), also
-while a streamed push still writes them (``arrival``),
+while a streamed push still writes them (``arrival``; on a GPU, straight
+from the push's receive area into GPU memory: ``area_upload``),
 copying them out of a colocated trainer's memory (``handover``, its CUDA
 shares kept open between hand-overs: ``open_shares``), building a
 known layout's model from its template (``handover_template``, with the
