@@ -409,10 +409,10 @@ class ServerInfo(_Wire):
     #: the step loop, not by an RPC served between two steps (see
     #: ``skyrl_lora.server.weights.stage_channel``).
     adapter_stage_channel: bool = False
-    #: Whether GPU hand-overs of a known layout are built and written into
-    #: their slot in GPU memory, their host copies made after the swap
-    #: (see ``skyrl_lora.server.weights.staged_buffer``); off on a CPU engine
-    #: or with ``serve --no-gpu-staging``.
+    #: Whether GPU hand-overs of a known layout, and streamed pushes' receive
+    #: areas, are built and written into their slot in GPU memory, their host
+    #: copies made after the swap (see ``skyrl_lora.server.weights.staged_buffer``
+    #: and ``area_upload``); off on a CPU engine or with ``serve --no-gpu-staging``.
     adapter_gpu_staging: bool = False
     #: Pinned host memory the engine's workers took for stagings before
     #: serving, in bytes (``serve --pinned-reserve-adapters``; see

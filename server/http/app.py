@@ -173,7 +173,9 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_false",
         help="build GPU hand-overs of a known layout in pinned host memory and copy them "
         "into their slot from there, instead of in GPU memory (which holds twice the "
-        "adapter while a staging is in flight); files are always built in host memory",
+        "adapter while a staging is in flight), and read streamed pushes' receive areas "
+        "into host memory instead of copying them to the GPU as they land; files are "
+        "always built in host memory",
     )
     group.add_argument(
         "--handover-open-shares",

@@ -76,9 +76,10 @@ class StagingConfig:
     #: Copy staged adapters into a free engine slot on the staging thread
     #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
-    #: On a GPU worker, build GPU hand-overs of a known layout in GPU memory
-    #: (:mod:`skyrl_lora.server.weights.staged_buffer`); off, in pinned host
-    #: memory, copied into the slot from there. Files are built on the host.
+    #: On a GPU worker, build GPU hand-overs of a known layout, and streamed
+    #: pushes' receive areas, in GPU memory (:mod:`skyrl_lora.server.weights.staged_buffer`,
+    #: :mod:`~skyrl_lora.server.weights.area_upload`); off, in pinned host
+    #: memory, copied into the slot from there. Other files are built on the host.
     gpu_staging: bool = True
     #: Keep this many adapters' trainer CUDA shares open from one hand-over
     #: to the next (:mod:`skyrl_lora.server.weights.open_shares`); 0 opens
