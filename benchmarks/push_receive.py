@@ -19,6 +19,13 @@ a receive area (:mod:`skyrl_lora.server.http.receive_area`), and
 without areas), the baseline of the areas. No engine and no
 staging: the swap's cost (``benchmarks.scale``) comes on top.
 
+The server's event loop is watched as the API server's is
+(:mod:`skyrl_lora.server.loop_monitor`, its stacks sampled while late):
+that loop also streams every other tenant's tokens, so how long a route
+holds it up while a push arrives is a cost to them (``loop_stalls``: per
+route, the stalls summed over each send, their longest, and where the
+loop was).
+
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
 """
 
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +60,7 @@ from skyrl_lora.client.transport import Transport
 from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
+
 ROUTES = ("sink", "push", "stream", "lanes", "lanes_file")
 #: (top, bottom, what the ratio says), each as ``ratio_{top}_over_{bottom}``.
 RATIOS = (
@@ -73,6 +85,7 @@ def serve(port: int, events: Path | None) -> None:
     from skyrl_lora.server.http.push import check_safetensors, checked_push, receive_push
     from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
     from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
+    from skyrl_lora.server.loop_monitor import LoopMonitorConfig, monitoring
     from skyrl_lora.types import AdapterInfo
 
     listeners: dict[str, PushStreamListener] = {}  # by where the lanes receive
@@ -129,12 +142,23 @@ def serve(port: int, events: Path | None) -> None:
         Route("/sink", sink, methods=["POST"]),
         Route("/stream/open", open_stream, methods=["POST"]),
     ]
+
+    @contextlib.asynccontextmanager
+    async def watched(_: Starlette) -> AsyncIterator[None]:
+        # A wake-up every 2 ms; stalls over 5 ms logged, with the loop's stacks.
+        watch = LoopMonitorConfig(interval_s=0.002, report_over_s=0.005, stall_stacks=True)
+        async with monitoring(watch):
+            yield
+
     if events is not None:
         from skyrl_lora.server.observability import event_logger
 
         event_logger.setLevel(logging.INFO)
-        event_logger.addHandler(logging.FileHandler(events))
-    uvicorn.run(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning")
+        handler = logging.FileHandler(events)
+        handler.setFormatter(logging.Formatter("%(created).6f %(message)s"))
+        event_logger.addHandler(handler)
+    app = Starlette(routes=routes, lifespan=watched)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 def adapter(folder: Path, mb: int) -> Path:
@@ -170,9 +194,10 @@ async def send_once(transport: Transport, url: str, route: str, folder: Path, la
 
 
 async def measure(
-    url: str, folder: Path, rounds: int, sends: int, lanes: int
+    url: str, folder: Path, rounds: int, sends: int, lanes: int, spans: list[Span] | None = None
 ) -> dict[str, list[list[float]]]:
-    """Per route, per round, each send's milliseconds (routes alternate within a round)."""
+    """Per route, per round, each send's milliseconds (routes alternate within
+    a round); each measured send's wall-clock span goes to ``spans``."""
     transport = Transport(ClientConfig(), {})
     times: dict[str, list[list[float]]] = {route: [] for route in ROUTES}
     try:
@@ -182,9 +207,11 @@ async def measure(
                 shift = (round_index + send) % len(ROUTES)
                 order = ROUTES[shift:] + ROUTES[:shift]
                 for route in order:
-                    started = time.perf_counter()
+                    started, wall = time.perf_counter(), time.time()
                     await send_once(transport, url, route, folder, lanes)
                     this_round[route].append((time.perf_counter() - started) * 1000)
+                    if round_index and spans is not None:
+                        spans.append(Span(route, wall, time.time()))
             if round_index:
                 for route in ROUTES:
                     times[route].append(this_round[route])
@@ -265,6 +292,52 @@ def receive_parts(events: Path) -> dict[str, dict[str, float]]:
     }
 
 
+@dataclass(frozen=True)
+class Span:
+    """One measured send: its route and its wall-clock start and end."""
+
+    route: str
+    start: float
+    end: float
+
+
+def loop_stalls(events: Path, spans: list[Span]) -> dict[str, dict[str, Any]]:
+    """The server loop's stalls by route: each stall (an ``event_loop_stall``
+    line, stamped with its end) counts for the send it overlaps; per route,
+    the median and largest sum of stalls over one send, the longest stall,
+    and the stacks seen most often while the loop was late."""
+    stalls: list[tuple[float, float, dict[str, Any]]] = []
+    for line in events.read_text().splitlines() if events.exists() else []:
+        stamp, _, rest = line.partition(" ")
+        if "skyrl_event " not in rest:
+            continue
+        event = json.loads(rest.split("skyrl_event ", 1)[1])
+        if event.get("event") == "event_loop_stall":
+            end = float(stamp)
+            stalls.append((end - event["ms"] / 1000, end, event))
+    out: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        mine = [span for span in spans if span.route == route]
+        if not mine:
+            continue
+        summed, longest = [], 0.0
+        seen: collections.Counter[tuple[str, ...]] = collections.Counter()
+        for span in mine:
+            during = [e for b, a, e in stalls if b < span.end and a > span.start]
+            summed.append(sum(e["ms"] for e in during))
+            longest = max([longest, *(e["ms"] for e in during)])
+            for event in during:
+                for stack in event.get("stacks", []):
+                    seen[tuple(stack["stack"][-3:])] += stack["seen"]
+        out[route] = {
+            "sends": len(mine),
+            "stalled_ms_per_send": Spread.of(summed).__dict__,
+            "longest_stall_ms": longest,
+            "stacks": [{"seen": n, "innermost": list(k)} for k, n in seen.most_common(3)],
+        }
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -301,11 +374,13 @@ def main() -> int:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
-            times = asyncio.run(measure(url, folder, args.rounds, args.sends, args.lanes))
+            spans: list[Span] = []
+            times = asyncio.run(measure(url, folder, args.rounds, args.sends, args.lanes, spans))
         finally:
             server.terminate()
             server.wait(30)
         receives = receive_parts(events)
+        stalls = loop_stalls(events, spans)
     result = {
         "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d"),
@@ -316,6 +391,7 @@ def main() -> int:
         "lanes": args.lanes,
         **summarise(times, args.mb),
         "receive_parts": receives,
+        "loop_stalls": stalls,
         "raw_ms": times,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -323,6 +399,12 @@ def main() -> int:
     print(report(result))
     for where, parts in receives.items():
         print(f"receive over {where}, medians over pushes: {parts}")
+    for route, stalled in stalls.items():
+        per_send = Spread(**stalled["stalled_ms_per_send"])
+        print(
+            f"server loop during {route}: stalled {per_send.median:.1f} ms a send "
+            f"({per_send.min:.1f}-{per_send.max:.1f}), longest {stalled['longest_stall_ms']:.1f} ms"
+        )
     print(f"wrote {args.json}")
     return 0
 
