@@ -36,6 +36,7 @@ import os
 import shlex
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,15 @@ async def unload(url: str, names: list[str]) -> None:
 
 
 def swap_cost_points(
-    url: str, folders: dict[int, list[Path]], load: transport_swap.TransportConfig, commit: str
-) -> list[dict[str, Any]]:
-    """One point per rank, load and transport: the sync's spread over rounds and its tail."""
-    points = []
+    url: str,
+    folders: dict[int, list[Path]],
+    load: transport_swap.TransportConfig,
+    commit: str,
+    points: list[dict[str, Any]],
+    saved: Callable[[], None] = lambda: None,
+) -> None:
+    """One point per rank, load and transport (the sync's spread over rounds
+    and its tail), appended to ``points``, ``saved()`` after each rank."""
     for rank, pair in folders.items():
         cfg = replace(load, swapper=f"swap-r{rank}")
         started = time.monotonic()
@@ -102,16 +108,22 @@ def swap_cost_points(
                         **figures,
                     }
                 )
-    return points
+        saved()
 
 
 def tenant_points(
-    url: str, model: Any, counts: list[int], commit: str, transports: list[str]
-) -> list[dict[str, Any]]:
-    """One point per tenant count and swapper's transport: the others' rate
-    ratio and gap tails by mode."""
+    url: str,
+    model: Any,
+    counts: list[int],
+    commit: str,
+    transports: list[str],
+    points: list[dict[str, Any]],
+    saved: Callable[[], None] = lambda: None,
+) -> None:
+    """One point per tenant count and swapper's transport (the others' rate
+    ratio and gap tails by mode), appended to ``points``, ``saved()`` after
+    each: a run cut short keeps the points it measured."""
     prompt = list(range(10, 74))  # 64 prompt tokens
-    points = []
     for tenants, transport in itertools.product(counts, transports):
         streams = streams_per_tenant(tenants)
         cfg = replace(
@@ -134,6 +146,7 @@ def tenant_points(
                     "untrustworthy": str(why),
                 }
             )
+            saved()
             continue
         finally:
             asyncio.run(unload(url, cfg.names))
@@ -166,7 +179,7 @@ def tenant_points(
                 "untrustworthy": trusted,
             }
         )
-    return points
+        saved()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,13 +235,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["server"]["info"] = asyncio.run(server_info(running.url))
         save()
         if "tenants" in args.parts:
-            result["tenants"] = tenant_points(
-                running.url, model, args.tenants, args.commit, args.swap_transports.split(",")
+            transports = args.swap_transports.split(",")
+            tenant_points(
+                running.url, model, args.tenants, args.commit, transports, result["tenants"], save
             )
-            save()
         if "swap_cost" in args.parts:
-            result["swap_cost"] = swap_cost_points(running.url, folders, load, args.commit)
-            save()
+            swap_cost_points(running.url, folders, load, args.commit, result["swap_cost"], save)
     return result
 
 

@@ -20,6 +20,8 @@
 #                                            bash "$SITE_RUN" run python3 ...
 #   scripts/gpu_device_run.sh wait NAME [S]  wait up to S s (default 560) for NAME, copy its
 #                                            log and $OUT into this call's $OUT; rc 3: still running
+#                                            (then also partial.tgz: what gpu_configs.sh's runs
+#                                            wrote so far)
 #
 # The machine keeps $HOME only while it stays warm (about 30 s after a call),
 # so the stash calls and the test call must follow each other closely.
@@ -53,6 +55,13 @@ wait_bg() {
         return 0
     fi
     echo "$name still running after ${waited} s"
+    # What the runs of scripts/gpu_configs.sh wrote so far (their JSON, saved
+    # after each point, and their own logs): a job the device time cuts off
+    # still brings its finished points back.
+    if [[ -d "$HOME/runs" ]]; then
+        (cd "$HOME/runs" && tar czf "${OUT:-$HOME/out}/$name/partial.tgz" \
+            $(ls -d */*.json */scale.log */rl.log 2>/dev/null)) 2>/dev/null || true
+    fi
     return 3
 }
 
