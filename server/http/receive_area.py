@@ -46,10 +46,13 @@ import threading
 from concurrent.futures import Executor
 from pathlib import Path
 
+from ..weights.handover import SHM_DIR
 from .push import WEIGHTS_FILE
 
-#: Where areas live: memory-backed, so their pages never go to disk.
-SHM_ROOT = Path("/dev/shm")
+#: Where areas live: memory-backed, so their pages never go to disk. The
+#: engine maps and pins only files there (:func:`..weights.staged_buffer.in_shared_memory`),
+#: so both name the one directory.
+SHM_ROOT = SHM_DIR
 _PAGE = mmap.PAGESIZE
 
 
