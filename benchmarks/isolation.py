@@ -55,6 +55,8 @@ from skyrl_lora.client import RemoteInferenceClient
 
 MODES = ("no_swap", "per_adapter", "global")
 SWAP_MODES = ("per_adapter", "global")
+#: How the swapper's new weights come in (:attr:`IsolationConfig.swap_transport`).
+SWAP_TRANSPORTS = ("path", "push_stream")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,11 @@ class IsolationConfig:
     #: this long after the resume count as the swap's, not as outside it.
     aftermath_s: float = 0.2
     checks: IsolationChecks = field(default_factory=IsolationChecks)
+
+    def __post_init__(self) -> None:
+        if self.swap_transport not in SWAP_TRANSPORTS:
+            # a misspelt one would be measured as a path load, and labelled otherwise
+            raise ValueError(f"swap_transport is one of {SWAP_TRANSPORTS}: {self.swap_transport!r}")
 
     @property
     def window_s(self) -> float:

@@ -412,6 +412,9 @@ def main() -> int:
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only draw the curves of JSON")
     args = parser.parse_args()
+    unknown = set(args.swap_transports.split(",")) - set(isolation.SWAP_TRANSPORTS)
+    if unknown:  # before a server starts: minutes of a lent GPU
+        parser.error(f"--swap-transports: {sorted(unknown)} not among {isolation.SWAP_TRANSPORTS}")
     if args.plot:
         for made in plot(args.plot):
             print(f"wrote {made}")
