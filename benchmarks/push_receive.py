@@ -14,9 +14,11 @@ ticket and the weights go over the listener's socket, received, written,
 hashed and checked as a push is (the client's
 :func:`~skyrl_lora.client.push_stream.stream_weights`), over one connection;
 ``lanes`` is the same over ``--lanes`` connections at once, received into
-a receive area (:mod:`skyrl_lora.server.http.receive_area`), and
+a receive area (:mod:`skyrl_lora.server.http.receive_area`),
 ``lanes_file`` the same written into the push's folder instead (a listener
-without areas), the baseline of the areas. No engine and no
+without areas), the baseline of the areas, and ``lanes_process`` the
+``lanes`` received by a listener in a process of its own, as ``serve`` runs
+it (:mod:`skyrl_lora.server.http.push_stream_process`). No engine and no
 staging: the swap's cost (``benchmarks.scale``) comes on top.
 
 The server's event loop is watched as the API server's is
@@ -61,7 +63,7 @@ from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
 
-ROUTES = ("sink", "push", "stream", "lanes", "lanes_file")
+ROUTES = ("sink", "push", "stream", "lanes", "lanes_file", "lanes_process")
 #: (top, bottom, what the ratio says), each as ``ratio_{top}_over_{bottom}``.
 RATIOS = (
     ("push", "sink", "what parsing, writing and hashing add over uvicorn"),
@@ -70,6 +72,7 @@ RATIOS = (
     ("lanes", "stream", "the push stream's lanes against one lane"),
     ("lanes", "push", "the push stream's lanes against the HTTP push"),
     ("lanes", "lanes_file", "lanes into a receive area against lanes into the folder's file"),
+    ("lanes_process", "lanes", "lanes received in a process of their own against in the server's"),
 )
 
 
@@ -85,10 +88,11 @@ def serve(port: int, events: Path | None) -> None:
     from skyrl_lora.server.http.push import check_safetensors, checked_push, receive_push
     from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
     from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
+    from skyrl_lora.server.http.push_stream_process import PushStream, PushStreamProcess
     from skyrl_lora.server.loop_monitor import LoopMonitorConfig, monitoring
     from skyrl_lora.types import AdapterInfo
 
-    listeners: dict[str, PushStreamListener] = {}  # by where the lanes receive
+    listeners: dict[str, PushStream] = {}  # by where the lanes receive
 
     async def checked(push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         try:
@@ -114,13 +118,16 @@ def serve(port: int, events: Path | None) -> None:
         into = str(opened.get("into", "area"))
         if into not in listeners:
             config = PushStreamConfig(idle_areas=0 if into == "file" else 2)
-            loop = asyncio.get_running_loop()
-            listeners[into] = PushStreamListener("127.0.0.1", 0, checked, loop, config)
+            if into == "process":
+                listeners[into] = await PushStreamProcess.start("127.0.0.1", 0, checked, config)
+            else:
+                loop = asyncio.get_running_loop()
+                listeners[into] = PushStreamListener("127.0.0.1", 0, checked, loop, config)
         folder = Path(tempfile.mkdtemp(prefix="skyrl-push-bench-"))
         (folder / "adapter_config.json").write_text("{}")
         size, lanes = int(opened["weights_bytes"]), int(opened["lanes"])
         fields = {"lora_name": "bench"}
-        ticket = listeners[into].open(OpenedPush("bench", folder, size, fields, lanes))
+        ticket = await listeners[into].open(OpenedPush("bench", folder, size, fields, lanes))
         return JSONResponse(ticket.model_dump())
 
     async def push(request: Request) -> JSONResponse:
@@ -179,14 +186,14 @@ def adapter(folder: Path, mb: int) -> Path:
 async def send_once(transport: Transport, url: str, route: str, folder: Path, lanes: int) -> None:
     """One push of the adapter as a trainer's client sends it to ``route``."""
     payload = await asyncio.to_thread(adapter_payload, str(folder))
-    if route not in ("stream", "lanes", "lanes_file"):
+    if not route.startswith(("stream", "lanes")):
         form = payload.form("bench", "abort_resume")
         await transport.call("POST", f"{url}/{route}", form, timeout=300)
         return
     opened = {
         "weights_bytes": payload.weights_bytes,
         "lanes": 1 if route == "stream" else lanes,
-        "into": "file" if route == "lanes_file" else "area",
+        "into": {"lanes_file": "file", "lanes_process": "process"}.get(route, "area"),
     }
     raw = await transport.call("POST", f"{url}/stream/open", opened, timeout=300)
     ticket = PushStreamTicket.model_validate_json(raw)

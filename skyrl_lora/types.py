@@ -470,6 +470,9 @@ class ServerInfo(_Wire):
     #: (``serve --push-stream-port``; :class:`PushStreamRequest`), on the
     #: server's own host; None where pushes go in the HTTP body only.
     push_stream_port: int | None = None
+    #: Whether that stream is received in a process of its own, outside the
+    #: API server's (``serve --push-stream-in-process`` turns it off).
+    push_stream_process: bool = False
     #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
     #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled

@@ -34,6 +34,7 @@ from skyrl_lora.errors import (
 )
 from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
 from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
+from skyrl_lora.server.http.push_stream_process import PushStream, PushStreamProcess
 from skyrl_lora.types import PUSH_STREAM_HELLO as HELLO
 from skyrl_lora.types import AdapterInfo, PushStreamTicket
 from tests.conftest import until
@@ -124,6 +125,16 @@ class FakeServer:
         self.listener = PushStreamListener(
             "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
         )
+        #: What the tests push to: the listener, or a process running another.
+        self.stream: PushStream = self.listener
+
+    @classmethod
+    async def in_own_process(cls, tmp: Path, config: PushStreamConfig) -> FakeServer:
+        """The same, with its listener in a process of its own, as a server runs it."""
+        fake = cls(tmp, config)
+        fake.listener.close()
+        fake.stream = await PushStreamProcess.start("127.0.0.1", 0, fake._finish, config)
+        return fake
 
     async def _finish(self, push: OpenedPush, receipt: Receipt) -> AdapterInfo:
         if push.lora_name == "refused-early":
@@ -151,21 +162,30 @@ class FakeServer:
             engine_requests=0,
         )
 
-    def open(self, name: str, size: int, lanes: int = 1) -> tuple[PushStreamTicket, Path]:
+    async def open(self, name: str, size: int, lanes: int = 1) -> tuple[PushStreamTicket, Path]:
+        folder = self._new_folder()
+        opened = OpenedPush(name, folder, size, {"version": "3"}, lanes)
+        return await self.stream.open(opened), folder
+
+    def _new_folder(self) -> Path:
         folder = Path(self.tmp / f"push-{len(os.listdir(self.tmp))}")
         folder.mkdir()
         (folder / "adapter_config.json").write_text('{"r": 8}')
-        opened = OpenedPush(name, folder, size, {"version": "3"}, lanes)
-        return self.listener.open(opened), folder
+        return folder
 
 
-@pytest.fixture(params=[2, 0], ids=["into_area", "into_folder"])
+@pytest.fixture(params=["into_area", "into_folder", "own_process"])
 async def server(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[FakeServer]:
-    """A listener receiving into shared-memory areas, and one writing each
-    push's weights file in its folder (a host without ``/dev/shm``)."""
-    fake = FakeServer(tmp_path, PushStreamConfig(idle_areas=request.param))
+    """A listener receiving into shared-memory areas, one writing each
+    push's weights file in its folder (a host without ``/dev/shm``), and
+    one receiving into areas in a process of its own, as a server runs it."""
+    config = PushStreamConfig(idle_areas=0 if request.param == "into_folder" else 2)
+    if request.param == "own_process":
+        fake = await FakeServer.in_own_process(tmp_path, config)
+    else:
+        fake = FakeServer(tmp_path, config)
     yield fake
-    fake.listener.close()
+    fake.stream.close()
 
 
 async def send(ticket: PushStreamTicket, weights: bytes | Path) -> AdapterInfo:
@@ -177,7 +197,7 @@ async def test_weights_arrive_whole_and_are_loaded_with_their_digest(
     server: FakeServer, tmp_path: Path
 ) -> None:
     data = os.urandom(3 * CHUNK_BYTES + 777)
-    ticket, _ = server.open("tenant-a", len(data))
+    ticket, _ = await server.open("tenant-a", len(data))
     info = await send(ticket, data)
     ((name, weights, config, digest),) = server.loaded
     assert (name, weights, config) == ("tenant-a", data, b'{"r": 8}')
@@ -186,7 +206,7 @@ async def test_weights_arrive_whole_and_are_loaded_with_their_digest(
     # A file is sent from disk the same way.
     path = tmp_path / "weights.safetensors"
     path.write_bytes(data[: CHUNK_BYTES - 1])
-    ticket, _ = server.open("tenant-a", CHUNK_BYTES - 1)
+    ticket, _ = await server.open("tenant-a", CHUNK_BYTES - 1)
     await send(ticket, path)
     assert server.loaded[-1][1] == data[: CHUNK_BYTES - 1]
 
@@ -195,19 +215,19 @@ async def test_lanes_carry_the_chunks_at_once_and_each_answers(
     server: FakeServer, tmp_path: Path
 ) -> None:
     data = os.urandom(5 * CHUNK_BYTES + 4321)
-    ticket, _ = server.open("tenant-a", len(data), lanes=4)
+    ticket, _ = await server.open("tenant-a", len(data), lanes=4)
     assert ticket.lanes == 4
     info = await send(ticket, data)
     ((_, weights, _, digest),) = server.loaded
     assert weights == data and digest == digest_of(data) == info.lora_path.split(":")[1]
     path = tmp_path / "weights.safetensors"
     path.write_bytes(data)
-    ticket, _ = server.open("tenant-a", len(data), lanes=3)
+    ticket, _ = await server.open("tenant-a", len(data), lanes=3)
     await send(ticket, path)
     assert server.loaded[-1][1] == data
     # Granted: no more lanes than chunks, nor than the listener's max_lanes.
-    assert server.open("tenant-a", CHUNK_BYTES + 1, lanes=8)[0].lanes == 2
-    assert server.open("tenant-a", 100 * CHUNK_BYTES, lanes=60)[0].lanes == 8
+    assert (await server.open("tenant-a", CHUNK_BYTES + 1, lanes=8))[0].lanes == 2
+    assert (await server.open("tenant-a", 100 * CHUNK_BYTES, lanes=60))[0].lanes == 8
 
 
 async def test_the_header_is_handed_to_the_load_once_its_chunk_is_in(server: FakeServer) -> None:
@@ -215,10 +235,10 @@ async def test_the_header_is_handed_to_the_load_once_its_chunk_is_in(server: Fak
     longer than that chunk is left to the whole file (None)."""
     short = (16).to_bytes(8, "little") + b'{"__metadata__":{}}'[:16]
     data = short + os.urandom(3 * CHUNK_BYTES)
-    await send(server.open("tenant-a", len(data), lanes=2)[0], data)
+    await send((await server.open("tenant-a", len(data), lanes=2))[0], data)
     assert server.heads[-1] == short
     long = (CHUNK_BYTES + 1).to_bytes(8, "little") + os.urandom(2 * CHUNK_BYTES)
-    await send(server.open("tenant-a", len(long), lanes=2)[0], long)
+    await send((await server.open("tenant-a", len(long), lanes=2))[0], long)
     assert server.heads[-1] is None
 
 
@@ -234,8 +254,8 @@ def lane_answers(port: int, lanes: list[list[bytes]]) -> list[dict[str, object]]
 
 async def test_a_lane_that_fails_fails_the_push_on_every_lane(server: FakeServer) -> None:
     data = os.urandom(2 * CHUNK_BYTES + 10)
-    port = server.listener.port
-    ticket, folder = server.open("tenant-a", len(data), lanes=3)
+    port = server.stream.port
+    ticket, folder = await server.open("tenant-a", len(data), lanes=3)
     whole = digest_of(data).encode()
     chunks = [data[:CHUNK_BYTES], data[CHUNK_BYTES : 2 * CHUNK_BYTES], data[2 * CHUNK_BYTES :]]
     cut = [[lane_hello(ticket, lane), chunks[lane], whole] for lane in range(3)]
@@ -246,7 +266,7 @@ async def test_a_lane_that_fails_fails_the_push_on_every_lane(server: FakeServer
     assert "broke off" in str(answers[0]["error"]) and "after 1000 of" in str(answers[0]["error"])
     assert not folder.exists() and not server.loaded
     # A lane whose digest differs from the bytes': damaged, on every lane.
-    ticket, folder = server.open("tenant-a", len(data), lanes=3)
+    ticket, folder = await server.open("tenant-a", len(data), lanes=3)
     lies = [[lane_hello(ticket, lane), chunks[lane], whole] for lane in range(3)]
     lies[2][2] = digest_of(data[1:]).encode()
     answers = await asyncio.to_thread(lane_answers, port, lies)
@@ -260,7 +280,7 @@ async def test_lanes_are_checked_and_a_missing_lane_fails_the_push(tmp_path: Pat
     port = fake.listener.port
     data = os.urandom(CHUNK_BYTES + 5)
     try:
-        ticket, folder = fake.open("tenant-a", len(data), lanes=2)
+        ticket, folder = await fake.open("tenant-a", len(data), lanes=2)
         # A lane the ticket has not is refused, and the ticket stays good.
         beyond = await asyncio.to_thread(raw_stream, port, lane_hello(ticket, 2))
         assert beyond["status"] == 400 and "lanes 0 to 1, not 2" in str(beyond["error"])
@@ -277,7 +297,7 @@ async def test_lanes_are_checked_and_a_missing_lane_fails_the_push(tmp_path: Pat
 
 
 async def test_a_ticket_is_good_for_one_stream(server: FakeServer) -> None:
-    ticket, _ = server.open("tenant-a", 10)
+    ticket, _ = await server.open("tenant-a", 10)
     await send(ticket, b"0123456789")
     with pytest.raises(AuthenticationError, match="unknown push stream ticket"):
         await send(ticket, b"0123456789")
@@ -290,7 +310,7 @@ async def test_a_ticket_is_good_for_one_stream(server: FakeServer) -> None:
 async def test_an_unused_ticket_expires_and_its_folder_goes(tmp_path: Path) -> None:
     fake = FakeServer(tmp_path, PushStreamConfig(ticket_ttl_s=0.05))
     try:
-        ticket, folder = fake.open("tenant-a", 10)
+        ticket, folder = await fake.open("tenant-a", 10)
         await asyncio.sleep(0.1)
         with pytest.raises(AuthenticationError):
             await send(ticket, b"0123456789")
@@ -302,15 +322,15 @@ async def test_an_unused_ticket_expires_and_its_folder_goes(tmp_path: Path) -> N
 async def test_too_many_open_pushes_are_refused(tmp_path: Path) -> None:
     fake = FakeServer(tmp_path, PushStreamConfig(max_open=1))
     try:
-        fake.open("tenant-a", 10)
+        await fake.open("tenant-a", 10)
         with pytest.raises(ConflictError, match="1 pushes are open"):
-            fake.open("tenant-b", 10)
+            await fake.open("tenant-b", 10)
     finally:
         fake.listener.close()
 
 
 async def test_the_loads_error_reaches_the_sender(server: FakeServer) -> None:
-    ticket, folder = server.open("refused", 3)
+    ticket, folder = await server.open("refused", 3)
     with pytest.raises(BadRequestError, match="the load refused it"):
         await send(ticket, b"abc")
     assert not folder.exists()
@@ -320,7 +340,7 @@ async def test_a_load_that_fails_before_the_bytes_came_stops_the_lanes(
     server: FakeServer,
 ) -> None:
     data = os.urandom(6 * CHUNK_BYTES)
-    ticket, folder = server.open("refused-early", len(data), lanes=2)
+    ticket, folder = await server.open("refused-early", len(data), lanes=2)
     with pytest.raises(ConflictError, match="before its bytes came"):
         await send(ticket, data)
     assert not folder.exists() and not server.loaded
@@ -340,19 +360,19 @@ def raw_stream(port: int, *parts: bytes) -> dict[str, object]:
 
 async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeServer) -> None:
     data = os.urandom(1000)
-    port = server.listener.port
-    ticket, folder = server.open("tenant-a", len(data))
+    port = server.stream.port
+    ticket, folder = await server.open("tenant-a", len(data))
     hello = HELLO + ticket.ticket.encode() + b"00\n"
     damaged = await asyncio.to_thread(raw_stream, port, hello, data, digest_of(data[1:]).encode())
     assert damaged["status"] == 400 and "damaged" in str(damaged["error"])
     assert not folder.exists()
-    ticket, folder = server.open("tenant-a", len(data))
+    ticket, folder = await server.open("tenant-a", len(data))
     hello = HELLO + ticket.ticket.encode() + b"00\n"
     cut = await asyncio.to_thread(raw_stream, port, hello, data[:500])
     assert cut["status"] == 400 and "after 500 of 1000 bytes" in str(cut["error"])
     assert not folder.exists()
     big = os.urandom(CHUNK_BYTES + 1000)  # cut in its second chunk: the count is the stream's
-    ticket, folder = server.open("tenant-a", len(big))
+    ticket, folder = await server.open("tenant-a", len(big))
     hello = HELLO + ticket.ticket.encode() + b"00\n"
     cut = await asyncio.to_thread(raw_stream, port, hello, big[: CHUNK_BYTES + 10])
     assert f"after {CHUNK_BYTES + 10} of {CHUNK_BYTES + 1000} bytes" in str(cut["error"])
@@ -364,7 +384,7 @@ async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeSe
 
 async def test_a_closed_listener_takes_nothing(tmp_path: Path) -> None:
     fake = FakeServer(tmp_path)
-    ticket, folder = fake.open("tenant-a", 10)
+    ticket, folder = await fake.open("tenant-a", 10)
     fake.listener.close()
     assert not folder.exists()
     with pytest.raises(ServerUnavailableError):
@@ -382,7 +402,7 @@ async def test_a_file_that_shrinks_while_sent_stops_every_lane(
     data = os.urandom(4 * CHUNK_BYTES)
     path = tmp_path / "weights.safetensors"
     path.write_bytes(data)
-    ticket, folder = server.open("tenant-a", len(data), lanes=4)
+    ticket, folder = await server.open("tenant-a", len(data), lanes=4)
     if where == "read_for_its_hash":
         real_pread = os.pread
 
@@ -418,20 +438,20 @@ async def test_an_area_serves_the_next_push_of_its_size_and_a_failed_one_goes(
     fake = FakeServer(tmp_path, PushStreamConfig(idle_areas=1))
     try:
         data = os.urandom(2 * CHUNK_BYTES + 5)
-        await send(fake.open("tenant-a", len(data), lanes=2)[0], data)
-        await send(fake.open("tenant-a", len(data), lanes=2)[0], data[::-1])
+        await send((await fake.open("tenant-a", len(data), lanes=2))[0], data)
+        await send((await fake.open("tenant-a", len(data), lanes=2))[0], data[::-1])
         first, second = fake.areas
         assert first is not None and first == second and first.is_dir()
         assert fake.loaded[-1][1] == data[::-1]  # the area's bytes are the new push's
         other = os.urandom(1000)  # another size: a new area; only one is kept idle
-        await send(fake.open("tenant-a", len(other))[0], other)
+        await send((await fake.open("tenant-a", len(other)))[0], other)
         assert fake.areas[-1] not in (None, first)
         await until(lambda: not first.exists())  # closed off the event loop's thread
         kept = fake.areas[-1]
         assert kept is not None and sorted(p.name for p in kept.iterdir()) == [
             "adapter_model.safetensors"  # the arrival marker went with the digest's match
         ]
-        ticket, _ = fake.open("tenant-a", len(other))
+        ticket, _ = await fake.open("tenant-a", len(other))
         hello = HELLO + ticket.ticket.encode() + b"00\n"
         damaged = await asyncio.to_thread(
             raw_stream, fake.listener.port, hello, other, digest_of(other[1:]).encode()
@@ -450,7 +470,7 @@ async def test_a_push_maps_one_area_however_many_lanes_connect_at_once(tmp_path:
     try:
         data = os.urandom(4 * CHUNK_BYTES)
         for _ in range(2):
-            await send(fake.open("tenant-a", len(data), lanes=4)[0], data)
+            await send((await fake.open("tenant-a", len(data), lanes=4))[0], data)
             assert fake.listener.idle_areas() == 1
         assert fake.areas[0] is not None and fake.areas[0] == fake.areas[1]
     finally:

@@ -3,7 +3,7 @@
 Owns the app and its start-up (``app``), the ``/skyrl/v1`` routes
 (``routes``), API keys scoped to adapters (``auth``), the token-in ``sample``
 route (``sample``) and adapter uploads (``push``; over a stream of their
-own, ``push_stream``, each push's lanes meeting in ``push_assembly``). May
-import ``engine``,
-``weights``, ``tinker`` and the server's top-level modules.
+own, ``push_stream``, each push's lanes meeting in ``push_assembly``,
+received in a process of their own, ``push_stream_process``). May import
+``engine``, ``weights``, ``tinker`` and the server's top-level modules.
 """

@@ -50,6 +50,7 @@ from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .push_stream import PushStreamListener, load_opened
+from .push_stream_process import PushStream, PushStreamProcess
 from .routes import build_router, error_response
 from .sample import Sampler
 
@@ -103,6 +104,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "(0: any free port), outside the HTTP body, for trainers on other hosts: opened "
         "with a one-time ticket from POST /skyrl/v1/adapters/push/stream, which the client "
         "does by itself; without it pushes go in the HTTP body only",
+    )
+    group.add_argument(
+        "--push-stream-in-process",
+        action="store_true",
+        help="receive the push stream in the API server's process instead of a process of "
+        "its own (its threads then compete with the event loop that streams every "
+        "tenant's tokens for the GIL)",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -453,15 +461,20 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         staging=lora_engine.available,
         device_uuids=lora_engine.device_uuids,
     )
-    push_stream = None
+    push_stream: PushStream | None = None
     if getattr(args, "push_stream_port", None) is not None:
-        push_stream = PushStreamListener(
-            args.host,
-            args.push_stream_port,
-            functools.partial(load_opened, gated),
-            asyncio.get_running_loop(),
+        load = functools.partial(load_opened, gated)
+        if getattr(args, "push_stream_in_process", False):
+            push_stream = PushStreamListener(
+                args.host, args.push_stream_port, load, asyncio.get_running_loop()
+            )
+        else:
+            push_stream = await PushStreamProcess.start(args.host, args.push_stream_port, load)
+        logger.info(
+            "skyrl-lora takes pushed weights on stream port %d (%s)",
+            push_stream.port,
+            "in process" if isinstance(push_stream, PushStreamListener) else "own process",
         )
-        logger.info("skyrl-lora takes pushed weights on stream port %d", push_stream.port)
     app.state.skyrl_push_stream = push_stream
     info = ServerInfo(
         model=app.state.openai_serving_models.model_name(),
@@ -488,6 +501,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         host_lora_metadata=lora_engine.host_lora_metadata,
         new_kv_blocks_zeroed=getattr(args, "new_kv_blocks_zeroed", False),
         push_stream_port=None if push_stream is None else push_stream.port,
+        push_stream_process=isinstance(push_stream, PushStreamProcess),
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
     )

@@ -177,8 +177,9 @@ class PushStreamListener:
         return 0 if self._areas is None else self._areas.idle()
 
     # -- tickets (called on the event loop) ---------------------------------
-    def open(self, push: OpenedPush) -> PushStreamTicket:
-        """A ticket for ``push``, whose folder the listener owns from now on."""
+    async def open(self, push: OpenedPush) -> PushStreamTicket:
+        """A ticket for ``push``, whose folder the listener owns from now on
+        (a coroutine, as :meth:`.push_stream_process.PushStreamProcess.open` is)."""
         with self._lock:
             self._expire_locked()
             if self._closed or len(self._tickets) >= self.config.max_open:

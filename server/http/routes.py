@@ -54,7 +54,7 @@ from .push import (
     receive_push,
 )
 from .push_assembly import OpenedPush
-from .push_stream import PushStreamListener
+from .push_stream_process import PushStream
 from .sample import Sampler
 
 PREFIX = "/skyrl/v1"
@@ -100,7 +100,7 @@ def build_router(
     info: ServerInfo,
     max_adapter_bytes: int,
     handovers: HandoverAccess = NO_HANDOVERS,
-    push_stream: PushStreamListener | None = None,
+    push_stream: PushStream | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
@@ -251,7 +251,7 @@ def build_router(
         folder = engine.registry.upload_dir()
         (folder / CONFIG_FILE).write_bytes(config)
         opened = OpenedPush(body.lora_name, folder, body.weights_bytes, fields, body.lanes)
-        return push_stream.open(opened)
+        return await push_stream.open(opened)
 
     @router.post(
         "/adapters/handover",
