@@ -51,7 +51,7 @@ from benchmarks.stream_process import (
     TenantLoad,
     TenantRecord,
 )
-from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.client import ClientConfig, RemoteInferenceClient
 
 MODES = ("no_swap", "per_adapter", "global")
 SWAP_MODES = ("per_adapter", "global")
@@ -91,6 +91,9 @@ class IsolationConfig:
     #: shared disk) or ``"push_stream"`` (the bytes over the server's push
     #: stream, as a trainer on another host sends them).
     swap_transport: str = "path"
+    #: Connections of the swapper's pushes (``ClientConfig.push_stream_lanes``);
+    #: None: the client's default.
+    push_lanes: int | None = None
     #: A swap's cost to the others outlasts its resume: the swapper's aborted
     #: requests all come back at once and re-prefill prompt and partial
     #: completion under the new weights (the old KV cache belongs to the old
@@ -189,6 +192,7 @@ class IsolationResult:
                 "settle_s": self.config.settle_s,
                 "hold_s": self.config.hold_s,
                 "swap_transport": self.config.swap_transport,
+                "push_lanes": self.config.push_lanes,
                 "aftermath_s": self.config.aftermath_s,
                 "baseline_tolerance": self.config.checks.baseline_tolerance,
                 "length_spread": self.config.length_spread,
@@ -403,7 +407,8 @@ async def run(
         )
         for t in other_names
     ]
-    async with RemoteInferenceClient(url) as client:
+    lanes = {} if cfg.push_lanes is None else {"push_stream_lanes": cfg.push_lanes}
+    async with RemoteInferenceClient(url, config=ClientConfig(**lanes)) as client:
         for i, tenant in enumerate(names):
             await client.load_lora_adapter(tenant, str(model.adapters[weights[i % len(weights)]]))
         for streamer in streamers:

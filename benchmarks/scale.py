@@ -119,6 +119,7 @@ def tenant_points(
     transports: list[str],
     points: list[dict[str, Any]],
     saved: Callable[[], None] = lambda: None,
+    push_lanes: int | None = None,
 ) -> None:
     """One point per tenant count and swapper's transport (the others' rate
     ratio and gap tails by mode), appended to ``points``, ``saved()`` after
@@ -132,6 +133,7 @@ def tenant_points(
             streams=streams,
             streamed=min(4, streams),
             swap_transport=transport,
+            push_lanes=push_lanes,
         )
         started = time.monotonic()
         try:
@@ -237,7 +239,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "tenants" in args.parts:
             transports = args.swap_transports.split(",")
             tenant_points(
-                running.url, model, args.tenants, args.commit, transports, result["tenants"], save
+                running.url,
+                model,
+                args.tenants,
+                args.commit,
+                transports,
+                result["tenants"],
+                save,
+                args.push_lanes,
             )
         if "swap_cost" in args.parts:
             swap_cost_points(running.url, folders, load, args.commit, result["swap_cost"], save)
@@ -389,6 +398,12 @@ def main() -> int:
         "--swap-transports",
         default="path",
         help="the tenant part's swapper reloads by each of these in turn (path, push_stream)",
+    )
+    parser.add_argument(
+        "--push-lanes",
+        type=int,
+        default=None,
+        help="connections of the tenant part's swapper's pushes (default: the client's)",
     )
     parser.add_argument(
         "--swapper-samples",
