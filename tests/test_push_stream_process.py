@@ -15,7 +15,7 @@ import pytest
 from skyrl_lora.chunk_digest import CHUNK_BYTES, digest_of
 from skyrl_lora.errors import PushStreamUnavailableError
 from skyrl_lora.server.http.push_stream import PushStreamConfig
-from skyrl_lora.server.http.push_stream_process import PushStreamProcess
+from skyrl_lora.server.http.push_stream_process import NICE, PushStreamProcess
 from tests.conftest import until
 from tests.test_push_stream import FakeServer, lane_hello, send
 
@@ -73,5 +73,18 @@ async def test_the_child_listens_where_it_is_told(tmp_path: Path) -> None:
         data = b"0123456789"
         info = await send((await fake.open("tenant-a", len(data)))[0], data)
         assert info.lora_path == f"stream:{digest_of(data)}"
+    finally:
+        fake.stream.close()
+
+
+async def test_the_child_runs_below_the_servers_cpu_priority(tmp_path: Path) -> None:
+    """Where a push's byte movers outnumber free cores, the engine's and the
+    API server's threads are to run first."""
+    fake = await FakeServer.in_own_process(tmp_path, PushStreamConfig())
+    try:
+        stream = fake.stream
+        assert isinstance(stream, PushStreamProcess)
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, stream._process.pid) == min(19, ours + NICE)
     finally:
         fake.stream.close()

@@ -50,6 +50,7 @@ from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .push_stream import PushStreamListener, load_opened
+from .push_stream_process import NICE as PUSH_STREAM_NICE
 from .push_stream_process import PushStream, PushStreamProcess
 from .routes import build_router, error_response
 from .sample import Sampler
@@ -111,6 +112,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="receive the push stream in the API server's process instead of a process of "
         "its own (its threads then compete with the event loop that streams every "
         "tenant's tokens for the GIL)",
+    )
+    group.add_argument(
+        "--push-stream-nice",
+        type=int,
+        default=PUSH_STREAM_NICE,
+        help="how many steps below the server's CPU priority the push stream's process "
+        "runs (0: the same), so that a push's bytes wait for a core before the engine does",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -469,7 +477,12 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
                 args.host, args.push_stream_port, load, asyncio.get_running_loop()
             )
         else:
-            push_stream = await PushStreamProcess.start(args.host, args.push_stream_port, load)
+            push_stream = await PushStreamProcess.start(
+                args.host,
+                args.push_stream_port,
+                load,
+                nice=getattr(args, "push_stream_nice", PUSH_STREAM_NICE),
+            )
         logger.info(
             "skyrl-lora takes pushed weights on stream port %d (%s)",
             push_stream.port,
