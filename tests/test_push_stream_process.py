@@ -15,7 +15,7 @@ import pytest
 from skyrl_lora.chunk_digest import CHUNK_BYTES, digest_of
 from skyrl_lora.errors import PushStreamUnavailableError
 from skyrl_lora.server.http.push_stream import PushStreamConfig
-from skyrl_lora.server.http.push_stream_process import NICE, PushStreamProcess
+from skyrl_lora.server.http.push_stream_process import PushStreamProcess
 from tests.conftest import until
 from tests.test_push_stream import FakeServer, lane_hello, send
 
@@ -77,14 +77,16 @@ async def test_the_child_listens_where_it_is_told(tmp_path: Path) -> None:
         fake.stream.close()
 
 
-async def test_the_child_runs_below_the_servers_cpu_priority(tmp_path: Path) -> None:
-    """Where a push's byte movers outnumber free cores, the engine's and the
-    API server's threads are to run first."""
-    fake = await FakeServer.in_own_process(tmp_path, PushStreamConfig())
+async def test_the_child_runs_at_the_priority_it_is_given(tmp_path: Path) -> None:
+    """``nice`` steps below the server's (``serve --push-stream-nice``): a
+    push's byte movers then wait for a busy host's cores after the engine."""
+
+    async def finish(*_: object) -> None:
+        raise AssertionError("nothing is pushed")
+
+    stream = await PushStreamProcess.start("127.0.0.1", 0, finish, nice=5)  # type: ignore[arg-type]
     try:
-        stream = fake.stream
-        assert isinstance(stream, PushStreamProcess)
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, stream._process.pid) == min(19, ours + NICE)
+        assert os.getpriority(os.PRIO_PROCESS, stream._process.pid) == min(19, ours + 5)
     finally:
-        fake.stream.close()
+        stream.close()

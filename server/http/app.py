@@ -118,7 +118,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=PUSH_STREAM_NICE,
         help="how many steps below the server's CPU priority the push stream's process "
-        "runs (0: the same), so that a push's bytes wait for a core before the engine does",
+        "runs (default 0: the same): above 0, a push's bytes wait for a busy host's cores "
+        "after the engine's threads, and arrive later",
     )
     group.add_argument(
         "--adapter-snapshot-dir",

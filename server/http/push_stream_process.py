@@ -5,10 +5,21 @@ listener's threads in that process, a push's lanes and hashers took the
 GIL between their reads and that loop waited for it. With 32 tenants on
 the 8B model (H100, main 93f1e70, 2026-11-27) it stalled 151-258 ms in each
 4-s window in which one tenant pushed rank-64 weights (0-30 ms in windows
-where it loaded them by path), and the other tenants' longest gap between
-two tokens was 61.6 ms while it pushed against 45.2 ms outside. On the
-2-core CPU machine the loop, while late, was in none of this package's code
-(main a1d3517): it waited for the GIL or for a core.
+where it loaded them by path). On the 2-core CPU machine the loop, while
+late, was in none of this package's code (main a1d3517): it waited for the
+GIL or for a core.
+
+What it changed, on one H100 machine (main e2ba6a6, 2026-11-27; servers
+in their own process, in the API server's, in their own again;
+``benchmarks.scale``, 8B, rank 64, one tenant pushing once a second): the
+API loop's stalls per push window fell from 147 ms (123-200) to 72
+(0-112) at 32 tenants, and from 45 (23-59) to 16 (0-32) at 8. The other
+tenants' longest gap between two tokens while a tenant pushes did not
+fall (32 tenants: 63.5 and 61.2 ms against 65.7; 8: 49.8 and 49.7 against
+39.8), nor did the push's swap (under load 94 and 99 ms against 101). So
+that gap is not the API loop's: it coincides with an engine step two to
+three times as long as the others, while the bytes move (see
+docs/gpu.md, "The push stream in a process of its own").
 
 How: a child process (``python -m skyrl_lora.server.http.push_stream_process``)
 runs the same :class:`~.push_stream.PushStreamListener` (the port, the
@@ -70,11 +81,14 @@ _LENGTH = struct.Struct("!I")
 START_TIMEOUT_S = 60.0
 #: How long the child may take to close once its socket pair is closed.
 STOP_TIMEOUT_S = 5.0
-#: How much lower the child's CPU priority is than the server's (``nice``):
-#: where a push's byte movers (its lanes, its hashers, the trainer's
-#: senders) outnumber the host's free cores, the engine's and the API
-#: server's threads run first, and the bytes arrive a little later.
-NICE = 10
+#: How much lower the child's CPU priority is than the server's (``nice``;
+#: ``serve --push-stream-nice``). Above 0, where a push's byte movers (its
+#: lanes, its hashers, the trainer's senders) outnumber the host's free
+#: cores, the engine's and the API server's threads run first and the bytes
+#: arrive later. 0 by default: an A/B of 0 against 10 on the H100 (8B model,
+#: 8 tenants, main 6c8ba2b, 2026-11-27) ran on a machine whose gaps without
+#: any swap were twice those of the others that day, and told nothing.
+NICE = 0
 
 
 def _frame(message: tuple[Any, ...]) -> bytes:
