@@ -14,6 +14,7 @@ import pytest
 
 from skyrl_lora.chunk_digest import CHUNK_BYTES, digest_of
 from skyrl_lora.errors import PushStreamUnavailableError
+from skyrl_lora.server.http.push_assembly import OpenedPush
 from skyrl_lora.server.http.push_stream import PushStreamConfig
 from skyrl_lora.server.http.push_stream_process import PushStreamProcess
 from tests.conftest import until
@@ -88,5 +89,24 @@ async def test_the_child_runs_at_the_priority_it_is_given(tmp_path: Path) -> Non
     try:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, stream._process.pid) == min(19, ours + 5)
+    finally:
+        stream.close()
+
+
+async def test_a_push_whose_area_cannot_be_opened_is_answered(tmp_path: Path) -> None:
+    """Its lanes wait for the load's answer: one that cannot start still answers."""
+    fake = await FakeServer.in_own_process(tmp_path, PushStreamConfig())
+    stream = fake.stream
+    assert isinstance(stream, PushStreamProcess)
+    sent: list[tuple[object, ...]] = []
+    stream._send = sent.append  # type: ignore[method-assign]
+    try:
+        push = OpenedPush("tenant-a", tmp_path, 10, {}, 1)
+        stream._handle(("start", 7, push, str(tmp_path / "gone" / "weights"), True))
+        ((kind, key, reply),) = sent
+        assert (kind, key) == ("done", 7) and isinstance(reply, dict)
+        assert reply["status"] == 500 and "area" in reply["error"]["message"]
+        assert not stream._receipts and not fake.loaded
+        stream._handle(("digest", 7, "ab" * 32))  # a late message for it is dropped
     finally:
         stream.close()

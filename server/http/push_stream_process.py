@@ -246,12 +246,16 @@ class PushStreamProcess:
         elif kind == "start":
             push, weights, in_area = rest
             self._start_load(key, push, Path(weights), in_area)
-        elif kind == "head":
-            self._receipts[key].head_written(rest[0])
-        elif kind == "digest":
-            self._receipts[key].received(rest[0])
-        elif kind == "failed":
-            self._receipts[key].failed(error_from_reply(rest[0]))
+        elif kind in ("head", "digest", "failed"):
+            receipt = self._receipts.get(key)
+            if receipt is None:  # its load answered first (it failed early): sent meanwhile
+                return
+            if kind == "head":
+                receipt.head_written(rest[0])
+            elif kind == "digest":
+                receipt.received(rest[0])
+            else:
+                receipt.failed(error_from_reply(rest[0]))
         else:
             logger.error("push stream process: unknown message %r", kind)
 
@@ -259,7 +263,12 @@ class PushStreamProcess:
         """The push's first lane came: load it as an in-process push is
         loaded. A push received into an area is handed to the engine by a
         descriptor this side opens (the area's own is the child's)."""
-        fd = os.open(weights, os.O_RDWR) if in_area else None
+        try:
+            fd = os.open(weights, os.O_RDWR) if in_area else None
+        except OSError as exc:  # answered, or the child's lanes would wait for it
+            logger.error("push stream: cannot open its receive area %s: %s", weights, exc)
+            self._send(("done", key, error_reply(InternalServerError(f"the push's area: {exc}"))))
+            return
         receipt = Receipt(weights, fd)
         self._receipts[key] = receipt
 
