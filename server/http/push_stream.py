@@ -39,6 +39,10 @@ Why lanes: one loopback TCP connection read by one Python thread carried
 the core of the thread that reads it. A lane that fails fails the push, and
 the others answer that failure.
 
+``serve`` runs this listener in a process of its own, where its threads
+take no GIL from the event loop that streams the tenants' tokens; the
+push's load stays on that loop (:mod:`.push_stream_process`).
+
 A ticket not used within :attr:`PushStreamConfig.ticket_ttl_s` expires and
 its folder is removed; so is the folder of a push whose lanes do not all
 connect within :attr:`PushStreamConfig.idle_timeout_s`, or one of which
