@@ -110,3 +110,27 @@ async def test_a_push_whose_area_cannot_be_opened_is_answered(tmp_path: Path) ->
         stream._handle(("digest", 7, "ab" * 32))  # a late message for it is dropped
     finally:
         stream.close()
+
+
+async def test_serves_push_stream_flags_reach_the_child(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--push-stream-max-lanes`` caps a push's lanes in the child; a limit
+    under 1 is refused before the server starts."""
+    from skyrl_lora.server.http.app import parse_server_args, push_stream_config
+
+    base = ["--model", "unused", "--enable-lora", "--push-stream-port", "0"]
+    limits = ["--push-stream-max-lanes", "2", "--push-stream-hash-threads", "3"]
+    config = push_stream_config(parse_server_args([*base, *limits]))
+    assert (config.max_lanes, config.hash_threads) == (2, 3)
+    assert push_stream_config(parse_server_args(base)) == PushStreamConfig()
+    fake = await FakeServer.in_own_process(tmp_path, config)
+    try:
+        ticket, _ = await fake.open("tenant-a", 100 * CHUNK_BYTES, lanes=8)
+        assert ticket.lanes == 2
+    finally:
+        fake.stream.close()
+    for flag in ("--push-stream-max-lanes", "--push-stream-hash-threads"):
+        with pytest.raises(SystemExit):
+            parse_server_args([*base, flag, "0"])
+        assert "must be at least 1" in capsys.readouterr().err

@@ -49,7 +49,7 @@ from ..weights.registry import AdapterRegistry
 from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
-from .push_stream import PushStreamListener, load_opened
+from .push_stream import PushStreamConfig, PushStreamListener, load_opened
 from .push_stream_process import NICE as PUSH_STREAM_NICE
 from .push_stream_process import PushStream, PushStreamProcess
 from .routes import build_router, error_response
@@ -120,6 +120,19 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         help="how many steps below the server's CPU priority the push stream's process "
         "runs (default 0: the same): above 0, a push's bytes wait for a busy host's cores "
         "after the engine's threads, and arrive later",
+    )
+    group.add_argument(
+        "--push-stream-max-lanes",
+        type=int,
+        default=PushStreamConfig.max_lanes,
+        help="connections one streamed push may use at once (it asks for its number; "
+        "fewer spread its bytes over more time)",
+    )
+    group.add_argument(
+        "--push-stream-hash-threads",
+        type=int,
+        default=PushStreamConfig.hash_threads,
+        help="threads that hash the chunks of every streamed push",
     )
     group.add_argument(
         "--adapter-snapshot-dir",
@@ -280,6 +293,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--resume-tokens-per-step must be at least 1 (or use --no-resume-pacing)")
     if args.resume_graph_tokens is not None and args.resume_graph_tokens < 1:
         parser.error("--resume-graph-tokens must be at least 1")
+    if args.push_stream_max_lanes < 1 or args.push_stream_hash_threads < 1:
+        parser.error("--push-stream-max-lanes and --push-stream-hash-threads must be at least 1")
     _leave_cpu_cache_room_for_new_versions(args)
     _fit_steps_to_cuda_graphs(args)
     compat.validate_serve_args(args)
@@ -473,15 +488,17 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     push_stream: PushStream | None = None
     if getattr(args, "push_stream_port", None) is not None:
         load = functools.partial(load_opened, gated)
+        config = push_stream_config(args)
         if getattr(args, "push_stream_in_process", False):
             push_stream = PushStreamListener(
-                args.host, args.push_stream_port, load, asyncio.get_running_loop()
+                args.host, args.push_stream_port, load, asyncio.get_running_loop(), config
             )
         else:
             push_stream = await PushStreamProcess.start(
                 args.host,
                 args.push_stream_port,
                 load,
+                config,
                 nice=getattr(args, "push_stream_nice", PUSH_STREAM_NICE),
             )
         logger.info(
@@ -674,3 +691,13 @@ def _client_host(host: str | None) -> str:
     if not host or host in ("0.0.0.0", "::"):
         return "127.0.0.1"
     return host
+
+
+def push_stream_config(args: argparse.Namespace) -> PushStreamConfig:
+    """The push stream listener's limits from ``serve``'s flags."""
+    defaults = PushStreamConfig()
+    return dataclasses.replace(
+        defaults,
+        max_lanes=getattr(args, "push_stream_max_lanes", defaults.max_lanes),
+        hash_threads=getattr(args, "push_stream_hash_threads", defaults.hash_threads),
+    )
