@@ -116,7 +116,7 @@ async def test_serves_push_stream_flags_reach_the_child(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--push-stream-max-lanes`` caps a push's lanes in the child; a limit
-    under 1 is refused before the server starts."""
+    under 1, or a priority above the server's, is refused before it starts."""
     from skyrl_lora.server.http.app import parse_server_args, push_stream_config
 
     base = ["--model", "unused", "--enable-lora", "--push-stream-port", "0"]
@@ -134,3 +134,6 @@ async def test_serves_push_stream_flags_reach_the_child(
         with pytest.raises(SystemExit):
             parse_server_args([*base, flag, "0"])
         assert "must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # above the server's priority needs privileges
+        parse_server_args([*base, "--push-stream-nice", "-5"])
+    assert "--push-stream-nice must be 0" in capsys.readouterr().err

@@ -295,6 +295,8 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--resume-graph-tokens must be at least 1")
     if args.push_stream_max_lanes < 1 or args.push_stream_hash_threads < 1:
         parser.error("--push-stream-max-lanes and --push-stream-hash-threads must be at least 1")
+    if not 0 <= args.push_stream_nice <= 19:
+        parser.error("--push-stream-nice must be 0 (the server's priority) to 19")
     _leave_cpu_cache_room_for_new_versions(args)
     _fit_steps_to_cuda_graphs(args)
     compat.validate_serve_args(args)
