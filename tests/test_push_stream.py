@@ -117,22 +117,27 @@ def test_chunked_digest_refuses_chunks_off_the_boundaries() -> None:
 class FakeServer:
     """A listener whose load records what it got and answers an AdapterInfo."""
 
-    def __init__(self, tmp: Path, config: PushStreamConfig | None = None) -> None:
+    def __init__(
+        self, tmp: Path, config: PushStreamConfig | None = None, *, listen: bool = True
+    ) -> None:
+        """``listen``: start a listener here (:meth:`in_own_process` starts
+        one in a process of its own instead)."""
         self.tmp = tmp
         self.loaded: list[tuple[str, bytes, bytes, str]] = []
         self.heads: list[bytes | None] = []
         self.areas: list[Path | None] = []  # where each load found its weights, if in an area
-        self.listener = PushStreamListener(
-            "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
-        )
         #: What the tests push to: the listener, or a process running another.
-        self.stream: PushStream = self.listener
+        self.stream: PushStream
+        if listen:
+            self.listener = PushStreamListener(
+                "127.0.0.1", 0, self._finish, asyncio.get_running_loop(), config
+            )
+            self.stream = self.listener
 
     @classmethod
     async def in_own_process(cls, tmp: Path, config: PushStreamConfig) -> FakeServer:
         """The same, with its listener in a process of its own, as a server runs it."""
-        fake = cls(tmp, config)
-        fake.listener.close()
+        fake = cls(tmp, config, listen=False)
         fake.stream = await PushStreamProcess.start("127.0.0.1", 0, fake._finish, config)
         return fake
 
