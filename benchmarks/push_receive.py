@@ -28,6 +28,12 @@ holds it up while a push arrives is a cost to them (``loop_stalls``: per
 route, the stalls summed over each send, their longest, and where the
 loop was).
 
+Each send's CPU time is counted at both ends (``cpu_ms``): the sender's is
+this process's (the client's threads included), the receiver's is the
+server's and its children's (``/proc``; the listener's process included).
+Where the lanes' byte moving and hashing land on the cores that the
+engine's step loop shares, their sum is what a push takes from it.
+
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
 """
 
@@ -200,34 +206,87 @@ async def send_once(transport: Transport, url: str, route: str, folder: Path, la
     await stream_weights(url, ticket, payload.weights, timeout=300, connect_timeout=10)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` and every process
+    below it have used so far, from ``/proc`` (Linux; 0.0 elsewhere)."""
+    stats: dict[int, tuple[int, float]] = {}  # pid: (parent, cpu seconds)
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces: the fields follow its ")".
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone since the listing
+        stats[int(entry.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, below = 0.0, [pid]
+    while below:
+        here = below.pop()
+        total += stats.get(here, (0, 0.0))[1]
+        below.extend(child for child, (parent, _) in stats.items() if parent == here)
+    return total
+
+
+@dataclass
+class Measured:
+    """Per route, per round, each send's milliseconds of wall clock and of
+    CPU time at the sending and at the receiving end."""
+
+    ms: dict[str, list[list[float]]]
+    sender_cpu_ms: dict[str, list[list[float]]]
+    receiver_cpu_ms: dict[str, list[list[float]]]
+
+
 async def measure(
-    url: str, folder: Path, rounds: int, sends: int, lanes: int, spans: list[Span] | None = None
-) -> dict[str, list[list[float]]]:
-    """Per route, per round, each send's milliseconds (routes alternate within
-    a round); each measured send's wall-clock span goes to ``spans``."""
+    url: str,
+    folder: Path,
+    rounds: int,
+    sends: int,
+    lanes: int,
+    server_pid: int,
+    spans: list[Span] | None = None,
+) -> Measured:
+    """Every route's sends (routes alternate within a round); each measured
+    send's wall-clock span goes to ``spans``."""
     transport = Transport(ClientConfig(), {})
-    times: dict[str, list[list[float]]] = {route: [] for route in ROUTES}
+
+    def per_route() -> dict[str, list[Any]]:
+        return {route: [] for route in ROUTES}
+
+    measured = Measured(per_route(), per_route(), per_route())
     try:
         for round_index in range(rounds + 1):  # the first round warms both routes up
-            this_round: dict[str, list[float]] = {route: [] for route in ROUTES}
+            this_round = [per_route(), per_route(), per_route()]
             for send in range(sends):
                 shift = (round_index + send) % len(ROUTES)
                 order = ROUTES[shift:] + ROUTES[:shift]
                 for route in order:
+                    cpu_before = time.process_time(), tree_cpu_s(server_pid)
                     started, wall = time.perf_counter(), time.time()
                     await send_once(transport, url, route, folder, lanes)
-                    this_round[route].append((time.perf_counter() - started) * 1000)
+                    this_round[0][route].append((time.perf_counter() - started) * 1000)
+                    this_round[1][route].append((time.process_time() - cpu_before[0]) * 1000)
+                    this_round[2][route].append((tree_cpu_s(server_pid) - cpu_before[1]) * 1000)
                     if round_index and spans is not None:
                         spans.append(Span(route, wall, time.time()))
             if round_index:
-                for route in ROUTES:
-                    times[route].append(this_round[route])
+                for kept, got in zip(
+                    (measured.ms, measured.sender_cpu_ms, measured.receiver_cpu_ms),
+                    this_round,
+                    strict=True,
+                ):
+                    for route in ROUTES:
+                        kept[route].append(got[route])
     finally:
         await transport.aclose()
-    return times
+    return measured
 
 
-def summarise(times: dict[str, list[list[float]]], mb: int) -> dict[str, Any]:
+def summarise(measured: Measured, mb: int) -> dict[str, Any]:
+    times = measured.ms
+
+    def round_medians(per_round: list[list[float]]) -> dict[str, float]:
+        return Spread.of(sorted(r)[len(r) // 2] for r in per_round).__dict__
+
     def ratios(top: str, bottom: str) -> dict[str, float]:
         per_round = [
             sorted(t)[len(t) // 2] / sorted(b)[len(b) // 2]
@@ -245,6 +304,10 @@ def summarise(times: dict[str, list[list[float]]], mb: int) -> dict[str, Any]:
             "ms": Spread.of(medians).__dict__,
             "pooled": Tail.of(pooled).to_json(),
             "mb_per_s": Spread.of(mb * 1000 / ms for ms in medians).__dict__,
+            "cpu_ms": {
+                "sender": round_medians(measured.sender_cpu_ms[route]),
+                "receiver": round_medians(measured.receiver_cpu_ms[route]),
+            },
         }
     return out
 
@@ -253,7 +316,7 @@ def report(result: dict[str, Any]) -> str:
     rows = []
     for route in ROUTES:
         spread = Spread(**result[route]["ms"])
-        pooled = result[route]["pooled"]
+        pooled, cpu = result[route]["pooled"], result[route]["cpu_ms"]
         rows.append(
             spread_row(
                 f"{route}, {result['mb']} MB",
@@ -262,7 +325,8 @@ def report(result: dict[str, Any]) -> str:
                 " ms",
                 "",
                 f"p99 {pooled['p99']:.0f} / max {pooled['max']:.0f} ms; "
-                f"{Spread(**result[route]['mb_per_s']).median:.0f} MB/s",
+                f"{Spread(**result[route]['mb_per_s']).median:.0f} MB/s; CPU sender "
+                f"{cpu['sender']['median']:.0f} + receiver {cpu['receiver']['median']:.0f} ms",
             )
         )
     for top, bottom, says in RATIOS:
@@ -382,7 +446,9 @@ def main() -> int:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
             spans: list[Span] = []
-            times = asyncio.run(measure(url, folder, args.rounds, args.sends, args.lanes, spans))
+            measured = asyncio.run(
+                measure(url, folder, args.rounds, args.sends, args.lanes, server.pid, spans)
+            )
         finally:
             server.terminate()
             server.wait(30)
@@ -396,10 +462,11 @@ def main() -> int:
         "rounds": args.rounds,
         "sends_per_round": args.sends,
         "lanes": args.lanes,
-        **summarise(times, args.mb),
+        **summarise(measured, args.mb),
         "receive_parts": receives,
         "loop_stalls": stalls,
-        "raw_ms": times,
+        "raw_ms": measured.ms,
+        "raw_cpu_ms": {"sender": measured.sender_cpu_ms, "receiver": measured.receiver_cpu_ms},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
