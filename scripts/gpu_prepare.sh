@@ -12,11 +12,13 @@ resolver="${SKYRL_GPU_RESOLVER:-$root/../shared/tools/gpu-vllm/resolve_wheels.py
 mkdir -p "$work/wheels"
 if [[ ! -f "$work/wheels/.complete" ]]; then
     python3 "$resolver" vllm==0.26.0 "$work/wheels"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_17_x86_64 --platform any \
-        -d "$work/wheels" pycountry pytest-asyncio==1.5.0 peft==0.21.2
     touch "$work/wheels/.complete"
 fi
+# What vLLM does not bring: our core's own needs (xxhash), and the tests' and
+# the RL example's. Already downloaded ones are kept.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform any \
+    -d "$work/wheels" pycountry pytest-asyncio==1.5.0 peft==0.21.2 "xxhash>=3.0"
 rm -rf "$root"/.p[0-9]*
 tar cf "$work/all.tar" -C "$work/wheels" --exclude=.complete .
 tree_mib=$(( $(cd "$root" && git ls-files -z | xargs -0 cat | wc -c) / 1048576 + 1 ))

@@ -294,8 +294,10 @@ class PushStreamRequest(_Wire):
 
 
 #: What each connection of a push stream starts with, before its ticket's 32
-#: hex digits, its lane's index in 2 hex digits and a newline.
-PUSH_STREAM_HELLO = b"SKYRL-PUSH-STREAM/2 "
+#: hex digits, its lane's index in 2 hex digits and a newline. The number is
+#: the protocol's: 3 digests the chunks by xxh3-128 (2 by sha256), so a
+#: client of another digest is refused at its first line, not after its bytes.
+PUSH_STREAM_HELLO = b"SKYRL-PUSH-STREAM/3 "
 
 
 class PushStreamTicket(_Wire):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from skyrl_lora.chunk_digest import (
     CHUNK_BYTES,
@@ -42,10 +43,12 @@ from tests.conftest import until
 URL = "http://127.0.0.1:1"  # only its host is used by the stream
 
 
-def test_chunked_digest_is_sha256_over_the_chunks_sha256s() -> None:
+def test_chunked_digest_is_sha256_over_the_chunks_xxh3_128s() -> None:
     data = os.urandom(2 * CHUNK_BYTES + 12345)
     pieces = [data[:CHUNK_BYTES], data[CHUNK_BYTES : 2 * CHUNK_BYTES], data[2 * CHUNK_BYTES :]]
-    expected = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    # xxhash's canonical (big-endian) bytes, as its hexdigest reads.
+    inner = b"".join(bytes.fromhex(xxhash.xxh3_128(p).hexdigest()) for p in pieces)
+    expected = hashlib.sha256(inner).hexdigest()
     assert digest_of(data) == expected
     with ChunkedDigest(threads=3) as digest:
         for piece in pieces:

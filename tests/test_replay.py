@@ -62,7 +62,7 @@ def test_pushed_versions_get_their_files_fetched_once() -> None:
     newer = {"p": AdapterState("p", 3, source_of("push:sha256=cd", Origin()), False)}
     assert _keep_pushed_files(again, newer)["p"].source.files == "ref:p:3"
     assert isinstance(source_of("/some/folder"), PathSource)
-    streamed = source_of("push-stream:sha256-chunked-8MiB=ef", Origin())
+    streamed = source_of("push-stream:xxh3_128-chunked-8MiB=ef", Origin())
     assert isinstance(streamed, PushedSource) and streamed.sha256 == "", "no plain sha256 to check"
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest
+from skyrl_lora.chunk_digest import NAME as DIGEST_NAME
 from skyrl_lora.errors import (
     AuthenticationError,
     BadRequestError,
@@ -288,7 +289,7 @@ class Assembly:
         for said in self.digests_said:
             if said != digest:
                 raise BadRequestError(
-                    f"{WEIGHTS_FILE} has chunked sha256 {digest}, the stream said "
+                    f"{WEIGHTS_FILE} has {DIGEST_NAME} digest {digest}, the stream said "
                     f"{said}: the bytes were damaged"
                 )
         self.arrival.complete()

@@ -165,7 +165,7 @@ class PushStreamListener:
         self._connections = threading.BoundedSemaphore(self.config.max_connections)
         self._buffers: list[bytearray] = []  # reused across streams
         self._hashers = ThreadPoolExecutor(
-            self.config.hash_threads, thread_name_prefix="skyrl-chunk-sha256"
+            self.config.hash_threads, thread_name_prefix="skyrl-chunk-hash"
         )
         self._areas = ReceiveAreas.available(self.config.idle_areas, self._hashers)
         self._sock = socket.create_server((host or "", port))
