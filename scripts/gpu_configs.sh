@@ -12,7 +12,9 @@
 # runs it from TREE instead of this checkout: an older commit's files, made
 # here with `git archive C server skyrl_lora client benchmarks scripts
 # examples pyproject.toml README.md | tar -x -C TREE; echo C > TREE/COMMIT`
-# and carried with the call, for an A/B across commits on one machine.
+# and carried with the call, for an A/B across commits on one machine. The
+# runs from this checkout are labelled by SKYRL_COMMIT where it is set (the
+# lent machine's copy of .git may be older than its files).
 # PYSPY_WHEEL (a carried wheel) samples each server's engine with py-spy
 # (scripts/gpu_spy_engine.sh) into its run's engine.{idle,gil}.raw.
 #
@@ -71,7 +73,7 @@ for spec in "$@"; do
             > "$dir/rl.log" 2>&1
     else
         # shellcheck disable=SC2086
-        (cd "$tree" && SKYRL_COMMIT="$commit" OUT="$dir" bash "$SITE_RUN" run \
+        (cd "$tree" && SKYRL_COMMIT="${commit:-${SKYRL_COMMIT:-}}" OUT="$dir" bash "$SITE_RUN" run \
             python3 -m benchmarks.scale $scale_args \
             "--serve-flags=--long-step-ms 30${flags:+ $flags}" --work "$HOME/scale-work" \
             --json "$dir/scale.json") > "$dir/scale.log" 2>&1
