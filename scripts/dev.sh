@@ -18,12 +18,23 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SKYRL_LORA_VENV:-$root/.venv}"
 py="$venv/bin/python"
+setup_needs_mb=6000
 
 setup() {
     local stamp
     stamp="$venv/.skyrl-setup-$(cat "$root/pyproject.toml" "$root/scripts/dev.sh" | sha1sum | cut -c1-12)"
     if [[ -f "$stamp" ]]; then
         return
+    fi
+    # The CPU vLLM, torch and the rest take about 4 GB, and pip unpacks each
+    # wheel beside its target first: a disk short of that fails deep inside
+    # pip ("No space left on device"), so say it here, with the figures.
+    local free_mb
+    free_mb="$(df -Pm "$(dirname "$venv")" | awk 'NR == 2 {print $4}')"
+    if [[ -n "$free_mb" && "$free_mb" -lt "$setup_needs_mb" ]]; then
+        echo "setting up $venv needs about $setup_needs_mb MB free;" \
+            "$(dirname "$venv") has $free_mb MB" >&2
+        exit 1
     fi
     echo "setting up $venv (about 2-3 minutes)..." >&2
     python3 -m venv "$venv"
