@@ -32,7 +32,10 @@ Each send's CPU time is counted at both ends (``cpu_ms``): the sender's is
 this process's (the client's threads included), the receiver's is the
 server's and its children's (``/proc``; the listener's process included).
 Where the lanes' byte moving and hashing land on the cores that the
-engine's step loop shares, their sum is what a push takes from it.
+engine's step loop shares, their sum is what a push takes from it; a
+neighbour process that stands in for that loop (:mod:`benchmarks.cpu_neighbour`,
+``--neighbour-step-ms``) says how much longer its steps ran during each
+route's sends than in quiet windows before and after them.
 
 Writes ``benchmarks/out/push_receive.json`` and prints the table.
 """
@@ -59,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import current_commit
+from benchmarks.cpu_neighbour import Neighbour, Window, stretched
 from benchmarks.report import spread_row, table
 from benchmarks.stats import Spread, Tail, median
 from skyrl_lora.client.config import ClientConfig
@@ -409,6 +413,18 @@ def loop_stalls(events: Path, spans: list[Span]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def windows(spans: list[Span], route: str) -> list[Window]:
+    """The measured sends of ``route``, as the neighbour's steps are read by."""
+    return [Window(span.start, span.end) for span in spans if span.route == route]
+
+
+def quiet_window(seconds: float = 2.0) -> Window:
+    """Wait ``seconds`` with nothing sent: the neighbour's steps then are its baseline."""
+    start = time.time()
+    time.sleep(seconds)
+    return Window(start, time.time())
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -423,6 +439,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sends", type=int, default=3, help="sends per route and round")
     parser.add_argument("--lanes", type=int, default=4, help="connections of the lanes route")
+    parser.add_argument(
+        "--neighbour-step-ms",
+        type=float,
+        default=5.0,
+        help="the CPU-bound neighbour's step (0: no neighbour)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/push_receive.json")
     args = parser.parse_args()
     if args.serve:
@@ -446,14 +468,27 @@ def main() -> int:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
             spans: list[Span] = []
+            neighbour = Neighbour(args.neighbour_step_ms, Path(work) / "neighbour.json")
+            quiet: list[Window] = []
+            if args.neighbour_step_ms:
+                neighbour.start()
+                quiet.append(quiet_window())
             measured = asyncio.run(
                 measure(url, folder, args.rounds, args.sends, args.lanes, server.pid, spans)
             )
+            if args.neighbour_step_ms:
+                quiet.append(quiet_window())
+                steps = neighbour.stop()
         finally:
             server.terminate()
             server.wait(30)
         receives = receive_parts(events)
         stalls = loop_stalls(events, spans)
+        neighbour_steps = (
+            {route: stretched(steps, windows(spans, route), quiet) for route in ROUTES}
+            if args.neighbour_step_ms
+            else {}
+        )
     result = {
         "commit": current_commit(),
         "date": time.strftime("%Y-%m-%d"),
@@ -465,6 +500,8 @@ def main() -> int:
         **summarise(measured, args.mb),
         "receive_parts": receives,
         "loop_stalls": stalls,
+        "neighbour_step_ms": args.neighbour_step_ms,
+        "neighbour_steps": neighbour_steps,
         "raw_ms": measured.ms,
         "raw_cpu_ms": {"sender": measured.sender_cpu_ms, "receiver": measured.receiver_cpu_ms},
     }
@@ -478,6 +515,13 @@ def main() -> int:
         print(
             f"server loop during {route}: stalled {per_send.median:.1f} ms a send "
             f"({per_send.min:.1f}-{per_send.max:.1f}), longest {stalled['longest_stall_ms']:.1f} ms"
+        )
+    for route, seen in neighbour_steps.items():
+        over = seen["longest_step_over_quiet_ms"]
+        print(
+            f"neighbour's {args.neighbour_step_ms:g} ms steps during {route}: the longest "
+            f"{over['median']:.1f} ms over its quiet {seen['quiet_step_ms']:.1f} ms a send "
+            f"({over['min']:.1f}-{over['max']:.1f})"
         )
     print(f"wrote {args.json}")
     return 0
