@@ -39,17 +39,18 @@ def work(loops: int) -> int:
 
 
 def calibrate(step_ms: float) -> int:
-    """Loops of :func:`work` that take about ``step_ms`` here: scaled from the
-    fastest of a few tries (the quietest the core was), twice, the second
-    time at about the step's own size."""
+    """Loops of :func:`work` that take about ``step_ms`` of this thread's CPU
+    time (not the wall clock's, which a busy core would stretch): scaled
+    from the fastest of a few tries, twice, the second time at about the
+    step's own size."""
     loops = 10_000
     for _ in range(2):
         best = float("inf")
         for _ in range(5):
-            started = time.perf_counter()
+            started = time.thread_time()
             work(loops)
-            best = min(best, time.perf_counter() - started)
-        loops = max(1, round(loops * step_ms / 1000 / best))
+            best = min(best, time.thread_time() - started)
+        loops = max(1, round(loops * step_ms / 1000 / max(best, 1e-6)))
     return loops
 
 
