@@ -387,6 +387,10 @@ async def test_a_damaged_or_cut_stream_loads_nothing_and_says_why(server: FakeSe
     assert not folder.exists()
     wrong = await asyncio.to_thread(raw_stream, port, b"GET / HTTP/1.1\r\n" + b"x" * 60)
     assert wrong["status"] == 400 and "starts with" in str(wrong["error"])
+    ticket, folder = await server.open("tenant-a", len(data))
+    sha256_client = b"SKYRL-PUSH-STREAM/2 " + ticket.ticket.encode() + b"00\n"
+    older = await asyncio.to_thread(raw_stream, port, sha256_client, data)
+    assert older["status"] == 400 and "the client SKYRL-PUSH-STREAM/2" in str(older["error"])
     assert not server.loaded
 
 

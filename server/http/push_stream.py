@@ -110,6 +110,8 @@ logger = logging.getLogger(__name__)
 STREAMED_PREFIX = f"push-stream:{DIGEST_NAME}="
 _TICKET_HEX = 32
 _HEADER_BYTES = len(PUSH_STREAM_HELLO) + _TICKET_HEX + 2 + 1  # ticket, lane, newline
+#: What every version's hello starts with (the version follows).
+_PROTOCOL = PUSH_STREAM_HELLO.split(b"/")[0] + b"/"
 _HEX = frozenset("0123456789abcdef")
 _DIGEST_HEX = 64
 
@@ -287,6 +289,12 @@ class PushStreamListener:
         _recv_exactly(conn, memoryview(header))
         ticket = bytes(header[len(PUSH_STREAM_HELLO) : -3]).decode("ascii", errors="replace")
         lane_hex = bytes(header[-3:-1]).decode("ascii", errors="replace")
+        said = bytes(header[: len(PUSH_STREAM_HELLO)]).decode("ascii", errors="replace").strip()
+        if header.startswith(_PROTOCOL) and not header.startswith(PUSH_STREAM_HELLO):
+            raise BadRequestError(
+                f"this server speaks {PUSH_STREAM_HELLO.decode().strip()}, the client {said}: "
+                "they digest the chunks differently; run one skyrl-lora version at both ends"
+            )
         if (
             not header.startswith(PUSH_STREAM_HELLO)
             or header[-1:] != b"\n"
