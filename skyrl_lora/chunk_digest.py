@@ -2,10 +2,11 @@
 
 Every byte of a push is hashed at both ends, on the host whose cores the
 engine's step loop shares. sha256 ran at 1.4 GB/s a core on the 2-core CPU
-machine (main 3ee6ea5, 2026-11-28): 0.24 s of CPU at each end for the 8B
-model's 336 MB rank-64 adapter, spent in the 0.1 s the bytes take, so about
-five cores busy while other tenants' tokens are due. xxh3-128 does the same
-bytes at 23 GB/s a core (the same machine), 15 ms at each end.
+machine (2026-11-28): 0.24 s of CPU at each end for the 8B model's 336 MB
+rank-64 adapter, whose bytes take about 0.08 s over four lanes on the H100
+machine's host, so several cores busy hashing while other tenants' tokens
+are due. xxh3-128 does the same bytes at 23 GB/s a core (the same CPU
+machine), 15 ms at each end.
 
 The digest is not a signature: it finds bytes that a lane or the assembly
 got wrong, and tells a repeated push of the same weights (an idempotent
