@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from skyrl_lora.chunk_digest import CHUNK_BYTES, ChunkedDigest, chunk_span, lane_chunks
+from skyrl_lora.chunk_digest import ChunkedDigest, chunk_span, lane_chunks
 from skyrl_lora.client.push import weights_size
 from skyrl_lora.client.transport import error_from_body
 from skyrl_lora.errors import RequestTimeoutError, ResponseFormatError, ServerUnavailableError
@@ -157,27 +157,15 @@ def _send_chunks(
             wait(reads)  # they read through this file: it stays open for them
 
 
-#: Each hashing thread's buffer for the chunks it reads.
-_read_buffers = threading.local()
-
-
-def _read_whole(path: Path, fd: int, start: int, length: int) -> memoryview:
-    """A chunk of the file for its hash, read into this thread's buffer: a
-    fresh 8 MiB of memory per chunk cost its page faults and zeroing each
-    time, about a third of the sender's CPU for the reads. The chunk is
-    hashed on this thread before its next read (:meth:`ChunkedDigest.add_read`).
-    Any failure is the file's, not the stream's: a ValueError, so that the
-    lanes stop at once instead of waiting for the server's answer
-    (:func:`_send_lanes`)."""
-    buffer: bytearray | None = getattr(_read_buffers, "buffer", None)
-    if buffer is None or len(buffer) < length:
-        buffer = _read_buffers.buffer = bytearray(max(length, CHUNK_BYTES))
-    chunk = memoryview(buffer)[:length]
+def _read_whole(path: Path, fd: int, start: int, length: int) -> bytes:
+    """A chunk of the file for its hash. Any failure is the file's, not the
+    stream's: a ValueError, so that the lanes stop at once instead of
+    waiting for the server's answer (:func:`_send_lanes`)."""
     try:
-        read = os.preadv(fd, [chunk], start)
+        chunk = os.pread(fd, length, start)
     except OSError as exc:
         raise ValueError(f"{path} could not be read while it was being sent: {exc}") from exc
-    if read != length:
+    if len(chunk) != length:
         raise ValueError(f"{path} shrank while it was being sent")
     return chunk
 

@@ -88,7 +88,7 @@ def chunk_digest(chunk: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(chunk)
 
 
-def _digest_read(read: Callable[[], bytes | memoryview], index: int, length: int) -> bytes:
+def _digest_read(read: Callable[[], bytes], index: int, length: int) -> bytes:
     chunk = read()
     _check_length(chunk, index, length)
     return chunk_digest(chunk)
@@ -143,14 +143,12 @@ class ChunkedDigest:
             self._parts[index] = future
         return future
 
-    def add_read(self, index: int, read: Callable[[], bytes | memoryview]) -> Future[bytes]:
+    def add_read(self, index: int, read: Callable[[], bytes]) -> Future[bytes]:
         """Hash chunk ``index`` of ``total_bytes`` as ``read`` returns it, on
         the hashing threads: a sender that hands its bytes to the kernel
         (``sendfile``) never holds them, so the copy hashed is read there,
         beside the send. An error of ``read``, or bytes not of the chunk's
-        length, fails the digest (:meth:`hexdigest` raises it). The chunk is
-        hashed on the thread that read it, before that thread runs anything
-        else, and not kept: ``read`` may reuse one buffer per thread."""
+        length, fails the digest (:meth:`hexdigest` raises it)."""
         with self._lock:
             length = self._new_chunk_length(index)
             future = self._pool.submit(_digest_read, read, index, length)

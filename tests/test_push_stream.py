@@ -416,14 +416,14 @@ async def test_a_file_that_shrinks_while_sent_stops_every_lane(
     path.write_bytes(data)
     ticket, folder = await server.open("tenant-a", len(data), lanes=4)
     if where == "read_for_its_hash":
-        real_preadv = os.preadv
+        real_pread = os.pread
 
-        def shrinking(fd: int, buffers: list[memoryview], offset: int) -> int:
+        def shrinking(fd: int, length: int, offset: int) -> bytes:
             if offset == 3 * CHUNK_BYTES:
-                return real_preadv(fd, [buffers[0][:-1]], offset)
-            return real_preadv(fd, buffers, offset)
+                return real_pread(fd, length - 1, offset)
+            return real_pread(fd, length, offset)
 
-        monkeypatch.setattr(os, "preadv", shrinking)
+        monkeypatch.setattr(os, "pread", shrinking)
     else:
         real_sendfile = socket.socket.sendfile
 
