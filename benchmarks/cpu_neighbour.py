@@ -92,6 +92,12 @@ class Neighbour:
         self._process.wait(30)
         return [(start, ms) for start, ms in json.loads(self._out.read_text())["steps"]]
 
+    def kill(self) -> None:
+        """End it without its steps, wherever the run stopped (a no-op once stopped)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(30)
+
 
 @dataclass(frozen=True)
 class Window:

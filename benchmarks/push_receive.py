@@ -455,6 +455,7 @@ def main() -> int:
         events = Path(work) / "events.log"
         argv = [sys.executable, "-m", "benchmarks.push_receive", "--serve", str(port)]
         server = subprocess.Popen([*argv, "--events", str(events)])
+        neighbour = Neighbour(args.neighbour_step_ms, Path(work) / "neighbour.json")
         try:
             folder = adapter(Path(work) / "adapter", args.mb)
             url = f"http://127.0.0.1:{port}"
@@ -468,7 +469,6 @@ def main() -> int:
                         raise RuntimeError("the push_receive server did not start") from None
                     time.sleep(0.2)
             spans: list[Span] = []
-            neighbour = Neighbour(args.neighbour_step_ms, Path(work) / "neighbour.json")
             quiet: list[Window] = []
             if args.neighbour_step_ms:
                 neighbour.start()
@@ -480,6 +480,7 @@ def main() -> int:
                 quiet.append(quiet_window())
                 steps = neighbour.stop()
         finally:
+            neighbour.kill()
             server.terminate()
             server.wait(30)
         receives = receive_parts(events)

@@ -45,6 +45,15 @@ def test_the_neighbour_runs_steps_of_about_its_size_until_stopped(tmp_path: Path
     assert len(steps) >= 20 and starts == sorted(starts)
     lengths = sorted(ms for _, ms in steps)
     assert 1.0 < lengths[len(lengths) // 2] < 25.0, "about 5 ms on a core it mostly has"
+    neighbour.kill()  # stopped already: nothing to do
+
+
+def test_a_run_that_fails_leaves_no_neighbour_behind(tmp_path: Path) -> None:
+    neighbour = Neighbour(5.0, tmp_path / "steps.json")
+    neighbour.kill()  # never started: nothing to do
+    neighbour.start()
+    neighbour.kill()
+    assert neighbour._process is not None and neighbour._process.returncode is not None
 
 
 def test_tree_cpu_counts_the_processes_below_this_one() -> None:
