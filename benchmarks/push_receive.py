@@ -497,7 +497,7 @@ def main() -> int:
         "mb": args.mb,
         "rounds": args.rounds,
         "sends_per_round": args.sends,
-        "lanes": args.lanes,
+        "lane_count": args.lanes,  # "lanes" is a route's summary
         **summarise(measured, args.mb),
         "receive_parts": receives,
         "loop_stalls": stalls,

@@ -21,6 +21,11 @@
 #   rl     the multi-tenant RL run under CUDA MPS (`gpu_device_run.sh rl`);
 #          RL_ARGS replaces its arguments below. One run takes 380-500 s
 #          (the first on a machine compiles): four runs a machine at most.
+#   host   `benchmarks.push_receive` on the machine's host, no engine and no
+#          server flags (FLAGS are its own arguments; HOST_ARGS replaces the
+#          default `--mb 336 --rounds 3 --sends 3 --lanes 4`): the push's
+#          receive, its CPU at both ends and a CPU-bound neighbour's steps,
+#          about a minute a run. With NAME@TREE, the library of a tree.
 #   scale  `benchmarks.scale` on the random 8B shape (the tenant curve at 8
 #          tenants and the rank-64 swap cost, `--long-step-ms 30`); SCALE_ARGS
 #          replaces its arguments below, so name `--ranks 64` in it (left
@@ -44,10 +49,11 @@ kind="${1:-}"
 shift || true
 rl_args="${RL_ARGS:---transfer handover --max-wall-s 40 --warm-up-s 20}"
 scale_args="${SCALE_ARGS:---parts tenants,swap_cost --tenants 8 --ranks 64 --transports path,handover,handover_swap}"
+host_args="${HOST_ARGS:---mb 336 --rounds 3 --sends 3 --lanes 4}"
 case "$kind" in
-    rl | scale) ;;
+    rl | scale | host) ;;
     *)
-        sed -n '2,39p' "$0" >&2
+        sed -n '2,46p' "$0" >&2
         exit 2
         ;;
 esac
@@ -65,9 +71,17 @@ for spec in "$@"; do
     dir="$HOME/runs/$name"
     mkdir -p "$dir"
     echo "== $name $kind [${flags:-default}]${commit:+ at $commit} $(date +%T)"
-    bash scripts/gpu_spy_engine.sh "$dir/$kind.log" "$dir/engine" &
-    spying=$!
-    if [[ "$kind" == rl ]]; then
+    spying=""
+    if [[ "$kind" != host ]]; then  # a host run has no engine to sample
+        bash scripts/gpu_spy_engine.sh "$dir/$kind.log" "$dir/engine" &
+        spying=$!
+    fi
+    if [[ "$kind" == host ]]; then
+        # shellcheck disable=SC2086
+        (cd "$tree" && SKYRL_COMMIT="${commit:-${SKYRL_COMMIT:-}}" bash "$SITE_RUN" run \
+            python3 -m benchmarks.push_receive $host_args $flags --json "$dir/push_receive.json") \
+            > "$dir/host.log" 2>&1
+    elif [[ "$kind" == rl ]]; then
         # shellcheck disable=SC2086
         SKYRL_GPU_MPS=1 OUT="$dir" bash "$SITE_RUN" rl $rl_args ${flags:+"--serve-flags=$flags"} \
             > "$dir/rl.log" 2>&1
@@ -80,10 +94,12 @@ for spec in "$@"; do
     fi
     echo "$name rc $? $(date +%T)"
     # py-spy writes its files once the engine is gone; a run that never came up leaves it waiting.
-    for _ in $(seq 1 20); do
-        kill -0 "$spying" 2> /dev/null || break
-        sleep 0.5
-    done
-    kill "$spying" 2> /dev/null
+    if [[ -n "$spying" ]]; then
+        for _ in $(seq 1 20); do
+            kill -0 "$spying" 2> /dev/null || break
+            sleep 0.5
+        done
+        kill "$spying" 2> /dev/null
+    fi
     tar czf "$OUT/$name.tgz" -C "$HOME/runs" "$name"
 done
