@@ -264,12 +264,14 @@ async def measure(
                 shift = (round_index + send) % len(ROUTES)
                 order = ROUTES[shift:] + ROUTES[:shift]
                 for route in order:
-                    cpu_before = time.process_time(), tree_cpu_s(server_pid)
+                    # The /proc walk first: its own CPU is not the sender's.
+                    receiver_before = tree_cpu_s(server_pid)
+                    sender_before = time.process_time()
                     started, wall = time.perf_counter(), time.time()
                     await send_once(transport, url, route, folder, lanes)
                     this_round[0][route].append((time.perf_counter() - started) * 1000)
-                    this_round[1][route].append((time.process_time() - cpu_before[0]) * 1000)
-                    this_round[2][route].append((tree_cpu_s(server_pid) - cpu_before[1]) * 1000)
+                    this_round[1][route].append((time.process_time() - sender_before) * 1000)
+                    this_round[2][route].append((tree_cpu_s(server_pid) - receiver_before) * 1000)
                     if round_index and spans is not None:
                         spans.append(Span(route, wall, time.time()))
             if round_index:
