@@ -65,10 +65,12 @@ from benchmarks.common import current_commit
 from benchmarks.cpu_neighbour import Neighbour, Window, stretched
 from benchmarks.report import spread_row, table
 from benchmarks.stats import Spread, Tail, median
+from examples.rl.gpu_busy import cpu_seconds
 from skyrl_lora.client.config import ClientConfig
 from skyrl_lora.client.push import adapter_payload
 from skyrl_lora.client.push_stream import stream_weights
 from skyrl_lora.client.transport import Transport
+from skyrl_lora.server.reaper import descendants, process_table
 from skyrl_lora.types import PushStreamTicket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,22 +214,9 @@ async def send_once(transport: Transport, url: str, route: str, folder: Path, la
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user and system) that process ``pid`` and every process
-    below it have used so far, from ``/proc`` (Linux; 0.0 elsewhere)."""
-    stats: dict[int, tuple[int, float]] = {}  # pid: (parent, cpu seconds)
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name may hold spaces: the fields follow its ")".
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone since the listing
-        stats[int(entry.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    total, below = 0.0, [pid]
-    while below:
-        here = below.pop()
-        total += stats.get(here, (0, 0.0))[1]
-        below.extend(child for child, (parent, _) in stats.items() if parent == here)
-    return total
+    below it have used so far, from ``/proc``: the reaper's process table
+    and tree walk, the RL example's per-process CPU time."""
+    return sum(cpu_seconds(p) for p in descendants([pid], process_table()))
 
 
 @dataclass
