@@ -289,8 +289,9 @@ class PushStreamListener:
         _recv_exactly(conn, memoryview(header))
         ticket = bytes(header[len(PUSH_STREAM_HELLO) : -3]).decode("ascii", errors="replace")
         lane_hex = bytes(header[-3:-1]).decode("ascii", errors="replace")
-        said = bytes(header[: len(PUSH_STREAM_HELLO)]).decode("ascii", errors="replace").strip()
         if header.startswith(_PROTOCOL) and not header.startswith(PUSH_STREAM_HELLO):
+            said = bytes(header[: len(PUSH_STREAM_HELLO)]).decode("ascii", errors="replace")
+            said = said.strip()
             raise BadRequestError(
                 f"this server speaks {PUSH_STREAM_HELLO.decode().strip()}, the client {said}: "
                 "they digest the chunks differently; run one skyrl-lora version at both ends"
