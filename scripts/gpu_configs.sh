@@ -68,6 +68,7 @@ for spec in "$@"; do
         tree="${head#*@}"
         commit="$(cat "$tree/COMMIT")"
     fi
+    label="${commit:-${SKYRL_COMMIT:-}}"  # the tree's commit, else this checkout's
     dir="$HOME/runs/$name"
     mkdir -p "$dir"
     echo "== $name $kind [${flags:-default}]${commit:+ at $commit} $(date +%T)"
@@ -78,7 +79,7 @@ for spec in "$@"; do
     fi
     if [[ "$kind" == host ]]; then
         # shellcheck disable=SC2086
-        (cd "$tree" && SKYRL_COMMIT="${commit:-${SKYRL_COMMIT:-}}" bash "$SITE_RUN" run \
+        (cd "$tree" && SKYRL_COMMIT="$label" bash "$SITE_RUN" run \
             python3 -m benchmarks.push_receive $host_args $flags --json "$dir/push_receive.json") \
             > "$dir/host.log" 2>&1
     elif [[ "$kind" == rl ]]; then
@@ -87,7 +88,7 @@ for spec in "$@"; do
             > "$dir/rl.log" 2>&1
     else
         # shellcheck disable=SC2086
-        (cd "$tree" && SKYRL_COMMIT="${commit:-${SKYRL_COMMIT:-}}" OUT="$dir" bash "$SITE_RUN" run \
+        (cd "$tree" && SKYRL_COMMIT="$label" OUT="$dir" bash "$SITE_RUN" run \
             python3 -m benchmarks.scale $scale_args \
             "--serve-flags=--long-step-ms 30${flags:+ $flags}" --work "$HOME/scale-work" \
             --json "$dir/scale.json") > "$dir/scale.log" 2>&1
