@@ -8,8 +8,17 @@ from pathlib import Path
 from .embedded import EmbeddedModel
 
 #: Environment for CPU vLLM on small machines: a 1 GiB KV cache is plenty for
-#: the tiny model and leaves room for several replicas on one host.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+#: the tiny model and leaves room for several replicas on one host. vLLM binds
+#: each engine's OpenMP threads to the host's first cores by default (and keeps
+#: one core for its scheduler), so every replica on a host computed on core 0:
+#: two replicas on the 2-core CPU machine made 25-26 tokens/s each, one alone
+#: 52-55. Unbound and single-threaded (the tiny model gains nothing from more),
+#: the OS spreads them: 33-42 each (main 1875299, 2026-11-28).
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
 
 EMBEDDED_MODEL_NAME = "tiny-llama"
 

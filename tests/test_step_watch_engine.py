@@ -14,12 +14,11 @@ from vLLM's own scheduler output.
   through for one step can reach the engine a step late, beside the next
   one (seen once in a few runs on two loaded cores: 1, 0, 0, 2, 1), so the
   test asks for at least three steps with entries and none with more than
-  two. Let in all at once (``--no-resume-pacing``), the same four requests
-  enter in at most two steps; and so they do with the same 1-token room
-  following the running batch (``--resume-graph-tokens 2``), where each
-  40-token request fits in no step beside it: the gate must have read how
-  many requests run from vLLM's scheduler stats, or it would pace them
-  one a step.
+  two. With the same 1-token room following the running batch
+  (``--resume-graph-tokens 2``), where each 40-token request fits in no
+  step beside it, the same four requests enter in at most two steps: the
+  gate must have read how many requests run from vLLM's scheduler stats,
+  or it would pace them one a step.
 - A reload's answer leaves a ``weights_answered`` event: its time in the
   route holds the staging's (``adapter_staged``), so a sync's timeline can
   split the API's own work from the engine's.
@@ -177,31 +176,26 @@ def test_a_resumed_backlog_enters_spread_over_steps(server: ServeProcess) -> Non
     assert max(entries) <= 2, f"a step took in more than two resumed requests: {entries}"
 
 
-@pytest.mark.parametrize(
-    "pacing",
-    [
-        ["--no-resume-pacing"],
-        # the same room of 1 token a step as above, but following the running
-        # batch: a step of at most 2 tokens less the requests vLLM's stats say
-        # run, which no 40-token prompt fits, so all of them go in at once
-        ["--resume-tokens-per-step", "1", "--resume-graph-tokens", "2"],
-    ],
-    ids=["unpaced", "no-room-beside-the-batch"],
-)
-def test_the_same_backlog_enters_together(
-    embedded_model: Any, tmp_path: Path, pacing: list[str]
+def test_the_same_backlog_enters_together_with_no_room_beside_the_batch(
+    embedded_model: Any, tmp_path: Path
 ) -> None:
-    """The other side of the test above: without pacing, or where a resumed
-    request fits in no step beside the running batch, the same requests
-    enter in at most two steps, so the test above can fail."""
-    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1", *pacing]
-    with serving(argv, tmp_path / "serve.log") as server:
+    """The other side of the test above: where a resumed request fits in no
+    step beside the running batch, the same requests enter in at most two
+    steps, so the test above can fail. The room is the same 1 token a step,
+    but following the running batch: a step of at most 2 tokens less the
+    requests vLLM's stats say run, which no 40-token prompt fits, so all of
+    them go in at once.
+
+    This one control stands for pacing turned off too (vLLM's own admission,
+    which lets the backlog in at once; ``--no-resume-pacing`` reaching the
+    server is ``test_cli.py``'s and ``test_gate.py``'s): a second server for
+    it cost about a minute of the CPU suite."""
+    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1"]
+    pacing = ["--resume-tokens-per-step", "1", "--resume-graph-tokens", "2"]
+    with serving([*argv, *pacing], tmp_path / "serve.log") as server:
         info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
-        if "--no-resume-pacing" in pacing:
-            assert info["resume_tokens_per_step"] is None
-        else:
-            assert info["resume_graph_tokens"] == 2 and info["resume_pacing_sees_steps"]
-            _sample(server.url, [1, 2, 3], 2)  # a step that says how many requests run
+        assert info["resume_graph_tokens"] == 2 and info["resume_pacing_sees_steps"]
+        _sample(server.url, [1, 2, 3], 2)  # a step that says how many requests run
         entries = _resumed_backlog_entries(server, "meow")
     assert sum(map(bool, entries)) <= 2 and max(entries) >= 2, entries
 
