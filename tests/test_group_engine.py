@@ -436,6 +436,8 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
                 await asyncio.sleep(rng.uniform(0.05, 0.3))
             return started
 
+        cycle_ends: list[float] = []  # monotonic; the outage's cycles are counted below
+
         async def chaos() -> int:
             cycles = 0
             while not done.is_set():
@@ -447,20 +449,21 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
                 with contextlib.suppress(FanOutError):
                     await client.resume_generation(lora_name=name)
                 cycles += 1
+                cycle_ends.append(time.monotonic())
             return cycles
 
-        async def kill_and_heal() -> tuple[Any, float]:
+        async def kill_and_heal() -> tuple[Any, float, float]:
             await running_on(client, group.urls[0], list(SOAK_WEIGHTS))
             killed = time.monotonic()
             assert await asyncio.to_thread(group.kill_engine, 0), "no engine process to kill"
             restarts = await asyncio.to_thread(group.wait_restarts, restarts_before + 1, 400)
             (restart,) = restarts[restarts_before:]
             done.set()
-            return restart, restart.detected_at + restart.seconds - killed
+            return restart, killed, restart.detected_at + restart.seconds - killed
 
         started = time.monotonic()
         arriving = asyncio.create_task(arrivals())
-        cycles, (rebuilt, heal_s) = await asyncio.wait_for(
+        cycles, (rebuilt, killed, heal_s) = await asyncio.wait_for(
             asyncio.gather(chaos(), kill_and_heal()), 480
         )
         results = await asyncio.wait_for(asyncio.gather(*await arriving), 300)
@@ -490,6 +493,8 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
     assert lost == 0 and cycles > 0
     assert rebuilt.index == 0 and rebuilt.url == group.urls[0], "rebuilt on the same URL"
     assert heal_s < 240, "the replica serves again within a bounded time"
+    # weights changed while the replica was down: its rebuild must replay them
+    assert sum(killed < t < killed + heal_s for t in cycle_ends) >= 2, cycle_ends
     assert ("chaos-held", 1, True) in state, "a paused adapter stays paused on the rebuilt replica"
     for name, out in alone.items():  # every adapter, the pushed one too, at its version there
         (seq,) = out.sequences
