@@ -112,6 +112,58 @@ def test_a_header_that_does_not_fit_is_refused(tmp_path: Path) -> None:
         OneBufferFile(str(path), _HOST)
 
 
+def test_a_header_is_parsed_once_per_bytes_and_a_changed_one_again(tmp_path: Path) -> None:
+    """An RL trainer pushes one layout every step: the staging parses its
+    header once and keys its layout once, never serving an older file's."""
+    first, same, moved = (tmp_path / n for n in ("first", "same", "moved"))
+    _mixed_file(first)
+    _mixed_file(same)
+    tensors = {"a": torch.zeros(4, 2), "b": torch.ones(2, 4)}
+    save_file(tensors, str(moved))
+    with OneBufferFile(str(first), _HOST) as one, OneBufferFile(str(same), _HOST) as two:
+        assert one.header is two.header  # two files, one parse of their bytes
+    with OneBufferFile(str(moved), _HOST) as three:
+        assert three.header is not one.header
+        assert torch.equal(three.get_tensor("b"), tensors["b"])
+        assert three.layout() == {
+            "buffer": {"nbytes": 64},
+            "tensors": [
+                {"name": "a", "dtype": "float32", "shape": [4, 2], "offset": 0},
+                {"name": "b", "dtype": "float32", "shape": [2, 4], "offset": 32},
+            ],
+        }
+
+
+def test_a_files_layout_key_is_worked_out_once_per_header_and_config(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from skyrl_lora.server.weights import staged_buffer
+
+    keyed: list[str] = []
+
+    def counted(description: dict[str, Any], config: str, extra: Any = None) -> str:
+        keyed.append(config)
+        return layout_key(description, config, extra)
+
+    layout_key = staged_buffer.layout_key
+    monkeypatch.setattr(staged_buffer, "layout_key", counted)
+    staged_buffer._file_layout_key.cache_clear()
+    path = tmp_path / "adapter_model.safetensors"
+    save_file({"a": torch.zeros(4, 2)}, str(path))
+    with OneBufferFile(str(path), _HOST) as opened:
+        header = opened.header
+    key = staged_buffer.file_layout_key(header, "{}", (None, None))
+    assert staged_buffer.file_layout_key(header, "{}", (None, None)) == key
+    assert keyed == ["{}"]
+    assert staged_buffer.file_layout_key(header, '{"r": 8}', (None, None)) != key
+    # a tensorizer config (a dict) cannot be a cache's key: keyed each time, the same
+    unhashable = (None, {"tensorizer_uri": "x"})
+    assert staged_buffer.file_layout_key(header, "{}", unhashable) == (
+        staged_buffer.file_layout_key(header, "{}", unhashable)
+    )
+    assert keyed == ["{}", '{"r": 8}', "{}", "{}"]
+
+
 _MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 

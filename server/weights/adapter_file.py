@@ -28,6 +28,7 @@ with safetensors as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -174,25 +175,53 @@ def read_header(file: Readable, size: int) -> tuple[dict[str, Any], int]:
     words a user can act on, for a file too short or a header that is not
     there; the entries themselves are the caller's to check.
     """
+    head, data_bytes = read_head(file, size)
+    return parse_header(head), data_bytes
+
+
+def read_head(file: Readable, size: int) -> tuple[bytes, int]:
+    """A safetensors file's first bytes, up to its data (the header's length
+    and the header), and the size of the data after them; ValueError as
+    :func:`read_header` says."""
     prefix = file.read(8)
     if len(prefix) < 8:
         raise ValueError(f"truncated: {size} bytes")
     (header_bytes,) = struct.unpack("<Q", prefix)
     if header_bytes > min(_MAX_HEADER_BYTES, size - 8):
         raise ValueError("truncated or corrupt: bad header length")
+    return prefix + file.read(header_bytes), size - 8 - header_bytes
+
+
+def parse_header(head: bytes) -> dict[str, Any]:
+    """The JSON object of a file's first bytes (from :func:`read_head`)."""
     try:
-        header = json.loads(file.read(header_bytes))
+        header = json.loads(head[8:])
     except ValueError as exc:
         raise ValueError(f"corrupt: its header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise ValueError("corrupt: its header is not a JSON object")
-    return header, size - 8 - header_bytes
+    return header
 
 
-@dataclass(frozen=True)
+#: Headers kept parsed, by their bytes (:meth:`FileHeader.read`).
+PARSED_HEADERS = 8
+
+
+@dataclass(frozen=True, eq=False)
 class FileHeader:
     """A safetensors file's header, checked: each tensor's place in the data
-    that follows it."""
+    that follows it.
+
+    One instance per header's bytes (:meth:`read` keeps the last
+    :data:`PARSED_HEADERS`), shared by every reader of such a file: nothing
+    changes it, and a cache may key on it (it compares and hashes by
+    identity). Why: an RL trainer pushes one layout every step, and the
+    parse ran on the staging thread, in the engine's process, holding the
+    GIL the step loop needs. Parsing the header of the 8B model's rank-64
+    adapter (448 tensors, 65 kB of JSON) and keying its layout was about
+    4 ms of each staging's 10 ms of GIL-held Python on an H100 (py-spy
+    ``--gil``, 89c5198, ``docs/gpu/push_process_e2ba6a6/``).
+    """
 
     #: The file's first bytes, up to its data.
     head: bytes
@@ -200,35 +229,58 @@ class FileHeader:
     #: By name: ``(dtype, shape, begin, end)``, offsets into the data.
     entries: dict[str, tuple[Any, list[int], int, int]]
     data_bytes: int
+    #: :meth:`layout`'s answer, worked out once.
+    description: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, path: str, file: io.FileIO | _ArrivingBytes, size: int) -> FileHeader:
         """The header of ``file`` (at its start, ``size`` bytes long), which is
         left at its data; :class:`UnsupportedFile` where this reader cannot
         map it exactly."""
+        try:
+            head, data_bytes = read_head(file, size)
+            return _parsed(head, data_bytes)
+        except (ValueError, UnsupportedFile) as exc:
+            raise UnsupportedFile(f"{path}: {exc}") from exc
+
+    @classmethod
+    def parse(cls, head: bytes, data_bytes: int) -> FileHeader:
+        """The header of a file whose first bytes are ``head`` (from
+        :func:`read_head`), followed by ``data_bytes`` of data; ValueError
+        for a header that is not JSON, :class:`UnsupportedFile` for one
+        this reader cannot map exactly."""
         import torch
 
-        try:
-            header, data_bytes = read_header(file, size)
-        except ValueError as exc:
-            raise UnsupportedFile(f"{path}: {exc}") from exc
+        header = parse_header(head)
         metadata: dict[str, str] | None = header.pop("__metadata__", None)
         entries = {name: _entry(name, info, data_bytes, torch) for name, info in header.items()}
-        return cls(os.pread(file.fileno(), file.tell(), 0), metadata, entries, data_bytes)
+        return cls(head, metadata, entries, data_bytes, _description(entries, data_bytes))
 
     def layout(self) -> dict[str, Any] | None:
         """The tensors' places in the data in a hand-over's terms
         (:class:`skyrl_lora.types.HandoverTensor` fields), so a file's model
         can be built like a hand-over's (:mod:`.handover_template`); None
         for a file with a tensor a hand-over cannot carry (another dtype,
-        a scalar, an empty dimension)."""
-        tensors = []
-        for name, (dtype, shape, begin, _) in self.entries.items():
-            dtype_name = str(dtype).removeprefix("torch.")
-            if dtype_name not in HANDOVER_ITEM_BYTES or not shape or min(shape) < 1:
-                return None
-            tensors.append({"name": name, "dtype": dtype_name, "shape": shape, "offset": begin})
-        return {"buffer": {"nbytes": self.data_bytes}, "tensors": tensors}
+        a scalar, an empty dimension). Shared: not to be changed."""
+        return self.description
+
+
+@functools.lru_cache(maxsize=PARSED_HEADERS)
+def _parsed(head: bytes, data_bytes: int) -> FileHeader:
+    return FileHeader.parse(head, data_bytes)
+
+
+def _description(
+    entries: dict[str, tuple[Any, list[int], int, int]], data_bytes: int
+) -> dict[str, Any] | None:
+    """:meth:`FileHeader.layout` of ``entries``."""
+    tensors = []
+    for name, (dtype, shape, begin, _) in entries.items():
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in HANDOVER_ITEM_BYTES or not shape or min(shape) < 1:
+            return None
+        tensors.append({"name": name, "dtype": dtype_name, "shape": shape, "offset": begin})
+    return {"buffer": {"nbytes": data_bytes}, "tensors": tensors}
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ import torch
 from ..observability import log_engine_event
 from . import handover
 from .adapter_file import (
+    PARSED_HEADERS,
     FileHeader,
     OneBufferFile,
     UnsupportedFile,
@@ -232,7 +233,7 @@ class BufferSource:
             if weights_fd is not None:  # vLLM's loader reads the snapshot: write it first
                 write_weights_from(weights_fd, folder, handover.WEIGHTS_FILE)
             return None
-        layout = layout_key(description, config, request_extra(lora_request))
+        layout = file_layout_key(opened.header, config, request_extra(lora_request))
         as_read = opened.buffer
         if weights_fd is None:
             return TakenBuffer(
@@ -271,7 +272,7 @@ class BufferSource:
                 description = header.layout()
                 if description is None or len(header.head) + header.data_bytes > host.numel():
                     return None
-                layout = layout_key(description, config, request_extra(lora_request))
+                layout = file_layout_key(header, config, request_extra(lora_request))
                 if not self._templates.known(layout):
                     return None
                 assert self._device_buffers is not None
@@ -331,6 +332,27 @@ def request_extra(lora_request: Any) -> tuple[Any, ...]:
         getattr(lora_request, "is_3d_lora_weight", None),
         getattr(lora_request, "tensorizer_config_dict", None),
     )
+
+
+def file_layout_key(header: FileHeader, config: str, extra: tuple[Any, ...]) -> str:
+    """:func:`.handover_template.layout_key` of a file's header (one with a
+    layout), worked out once per header, config and extra: the key is a
+    JSON dump and a digest of every tensor's place, GIL-held Python on the
+    staging thread (see :class:`.adapter_file.FileHeader`)."""
+    try:
+        hash(extra)
+    except TypeError:  # a tensorizer config's dict: keyed each time
+        return _layout_key_of(header, config, extra)
+    return _file_layout_key(header, config, extra)
+
+
+def _layout_key_of(header: FileHeader, config: str, extra: tuple[Any, ...]) -> str:
+    description = header.layout()
+    assert description is not None, "a file with no layout has no layout key"
+    return layout_key(description, config, extra)
+
+
+_file_layout_key = functools.lru_cache(maxsize=PARSED_HEADERS)(_layout_key_of)
 
 
 def device_buffers(device: Any) -> Callable[[int], Any] | None:
