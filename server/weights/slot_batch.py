@@ -35,6 +35,32 @@ new tensors, without calling ``set_lora`` at all. (A layer that mutates a
 container it holds in place would go unseen; vLLM's linear LoRA layers do
 nothing but the tensor writes, and ``tests/test_slot_batch.py`` checks
 that on the installed vLLM.)
+
+A plan recorded for one slot also serves every other slot, because recording
+per slot index was what a server paid for most: on an NVIDIA H200 with a
+Llama-3-8B-shaped model (128 LoRA layers, rank 64; 2026-11-28, main ded06ac)
+the first write into each fresh slot cost 70-105 ms of GIL-held CPU in the
+engine's process, a replayed one about 4 ms, so a 32-slot server paid the
+recording 32 times per adapter layout, and each time the other tenants' token
+stream stalled (their longest gap 88-98 ms, against about 35-50 ms
+otherwise). vLLM's linear layers pick the slot with the first element of
+every index they write through (``stacked[index, 0, :rank, :cols]``,
+``stacked[index] = 0``), so their write into slot j is their write into slot
+i with that element changed. A recording hands the layer its slot as a
+:class:`_Slot`, an int the recorder can tell from a literal that happens to
+equal it, and a plan is *derived* for another slot only when every view it
+writes was taken with that argument, untouched, as the first element of its
+index and nowhere else in it, from stacked tensors of one leading size (the
+slots); each derived view must then sit exactly ``(j - i) * stride(0)``
+further into its tensor with the same shape and strides, or the layer is
+recorded for that slot as before. What this cannot see is a layer that
+branches on the slot's value or computes another index element from it
+(arithmetic on a :class:`_Slot` gives a plain int: first in an index it
+keeps the plan to its own slot, further in it goes unseen); vLLM's linear
+layers do neither, and the tests hold derived writes to what vLLM's own
+calls leave. A derived plan is
+counted in :attr:`WriteCounts.derived` by the write that derives it, and as
+replayed by later writes into that slot.
 """
 
 from __future__ import annotations
@@ -43,7 +69,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,23 +86,43 @@ LayerWrite = Callable[[], None]
 #: the slice's position in a list, or None for a lone tensor).
 _InputPath = tuple[int, int | None]
 
+#: Where a view was taken with the slot first in its index: the stacked
+#: tensor, and the rest of the index (the view at any slot follows from it).
+_Origin = tuple[torch.Tensor, tuple[Any, ...]]
+
 
 class _Unbatchable(Exception):
     """A layer's write did something the recorder does not reorder safely."""
 
 
+class _Slot(int):
+    """The slot index as a recorded write is given it: to the layer an int
+    like any other, to the recorder the slot argument itself, told apart from
+    a literal or a computed int of the same value (arithmetic on it gives a
+    plain int), so a plan is moved to another slot only where the layer put
+    the slot argument."""
+
+    __slots__ = ()
+
+
+_INTS = (int, _Slot)
+
+
 def _index_key(index: Any) -> Any:
-    """A hashable form of a basic tensor index (slices hash only from Python 3.12)."""
-    if type(index) is int:
-        return index
+    """A hashable form of a basic tensor index (slices hash only from Python 3.12);
+    the same for a :class:`_Slot` as for the plain int, as the view is the same."""
+    if type(index) in _INTS:
+        return int(index)
     if type(index) is not tuple:
         index = (index,)
-    key = []
+    key: list[Any] = []
     for part in index:
         kind = type(part)
         if kind is slice:
             key.append((part.start, part.stop, part.step))
-        elif kind is int or part is None or part is Ellipsis:
+        elif kind in _INTS:
+            key.append(int(part))
+        elif part is None or part is Ellipsis:
             key.append(part)
         else:  # a tensor or list index copies rather than views: not a slot
             raise _Unbatchable(f"index of type {kind.__name__}")
@@ -122,6 +168,26 @@ class _LayerViews:
         return cached
 
 
+def _slot_led(base: torch.Tensor, index: Any) -> _Origin | None:
+    """Where a view taken as ``base[index]`` sits, if ``index`` has the slot
+    argument itself first and nowhere else (not in a slice bound either):
+    only then does its view at another slot follow by changing that element."""
+    elements = index if type(index) is tuple else (index,)
+    if not elements or type(elements[0]) is not _Slot:
+        return None
+    rest = elements[1:]
+    if any(_mentions_slot(part) for part in rest):
+        return None
+    return base, rest
+
+
+def _mentions_slot(part: Any) -> bool:
+    """Whether an index element is, or bounds a slice with, the slot argument."""
+    if type(part) is slice:
+        return any(type(bound) is _Slot for bound in (part.start, part.stop, part.step))
+    return type(part) is _Slot
+
+
 _GETITEM = torch.Tensor.__getitem__
 _SETITEM = torch.Tensor.__setitem__
 _COPY = torch.Tensor.copy_
@@ -139,13 +205,16 @@ class _Recorder(TorchFunctionMode):
         self.copy_src: list[torch.Tensor] = []
         self._views: _LayerViews | None = None
         self._copied = False
+        #: For the layer being recorded: where each view it asked for sits,
+        #: None if it asked for it other than at the slot argument alone.
+        self._origins: dict[int, _Origin | None] = {}
 
     def record(self, views: _LayerViews, layer_write: LayerWrite) -> tuple[int, int]:
         """Run one layer's write, recording it; where its zeroings and copies
         start in the lists. :class:`_Unbatchable` (and nothing recorded of it)
         when it does something that may not be reordered."""
         marks = len(self.zeros), len(self.copy_dst)
-        self._views, self._copied = views, False
+        self._views, self._copied, self._origins = views, False, {}
         try:
             layer_write()
         except _Unbatchable:
@@ -155,13 +224,24 @@ class _Recorder(TorchFunctionMode):
             self._views = None
         return marks
 
+    def origins(self, views: Iterable[torch.Tensor]) -> tuple[_Origin, ...] | None:
+        """Where the last recorded layer took each of ``views``; None unless
+        it took every one of them at the slot argument alone."""
+        found = []
+        for view in views:
+            origin = self._origins.get(id(view))
+            if origin is None:
+                return None
+            found.append(origin)
+        return tuple(found)
+
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         views = self._views
         if views is not None:
             if func is _GETITEM and views.owns(args[0]):
-                return views.view(args[0], args[1])
+                return self._view(views, args[0], args[1])
             if func is _SETITEM:
                 return self._zero(views, *args)
             if func is _COPY:
@@ -171,12 +251,22 @@ class _Recorder(TorchFunctionMode):
                 raise _Unbatchable(f"in-place {name}")
         return func(*args, **(kwargs or {}))
 
+    def _view(self, views: _LayerViews, base: torch.Tensor, index: Any) -> torch.Tensor:
+        """The cached view, noting where it sits; a view asked for once other
+        than at the slot argument alone stays so for this layer."""
+        view = views.view(base, index)
+        origin = _slot_led(base, index)
+        if self._origins.get(id(view), origin) is None:
+            origin = None
+        self._origins[id(view)] = origin
+        return view
+
     def _zero(self, views: _LayerViews, base: Any, index: Any, value: Any) -> None:
         if not views.owns(base) or isinstance(value, torch.Tensor) or value != 0:
             raise _Unbatchable("an assignment other than stacked[index] = 0")
         if self._copied:
             raise _Unbatchable("a zeroing after a copy")
-        self.zeros.append(views.view(base, index))
+        self.zeros.append(self._view(views, base, index))
 
     def _copy(self, views: _LayerViews, dst: Any, src: Any, non_blocking: bool = False) -> Any:
         if id(dst) not in views.view_ids or not isinstance(src, torch.Tensor):
@@ -227,6 +317,13 @@ def _pick(lora_a: Any, lora_b: Any, path: _InputPath) -> torch.Tensor:
     return given if path[1] is None else given[path[1]]
 
 
+def _layer_write(layer: Any, index: int, lora_a: Any, lora_b: Any) -> LayerWrite:
+    """The layer's own write of slot ``index``: a reset when ``lora_a`` is None."""
+    if lora_a is None:
+        return functools.partial(layer.reset_lora, index)
+    return functools.partial(layer.set_lora, index, lora_a, lora_b)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A layer's recorded write into one slot: the views it zeroes, and the
@@ -234,14 +331,67 @@ class _Plan:
 
     zeros: tuple[torch.Tensor, ...]
     copies: tuple[tuple[torch.Tensor, _InputPath], ...]
+    #: The slot it writes.
+    slot: int
+    #: Where each view sits, the zeroed ones then those copied into; None
+    #: when the plan may serve its own slot only.
+    origins: tuple[_Origin, ...] | None = None
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        return (*self.zeros, *(dst for dst, _ in self.copies))
+
+    def at(self, slot: int, views: _LayerViews) -> _Plan | None:
+        """The same writes into ``slot``: every view taken with its slot
+        element changed, through ``views`` (so a copy into one is known as
+        a copy into the layer's own views). None unless the plan can move
+        and every moved view sits where moving the slot puts it."""
+        origins = self.origins
+        if origins is None or not _slots_cover(origins, slot):
+            return None
+        moved = []
+        for view, origin in zip(self.views(), origins):
+            at = _moved_view(views, view, origin, slot, slot - self.slot)
+            if at is None:
+                return None
+            moved.append(at)
+        zeros = len(self.zeros)
+        copies = tuple((dst, path) for dst, (_, path) in zip(moved[zeros:], self.copies))
+        return _Plan(tuple(moved[:zeros]), copies, slot, origins)
+
+
+def _slots_cover(origins: tuple[_Origin, ...], slot: int) -> bool:
+    """Whether the stacked tensors a plan writes share one leading size (the
+    slots: vLLM allocates every one with the slot dimension first) that
+    holds ``slot``."""
+    leading = {base.shape[0] for base, _ in origins}
+    return len(leading) == 1 and 0 <= slot < leading.pop()
+
+
+def _moved_view(
+    views: _LayerViews, view: torch.Tensor, origin: _Origin, slot: int, shift: int
+) -> torch.Tensor | None:
+    """``view`` at ``slot``, ``shift`` slots on, if it is exactly that: the
+    same shape and strides, ``shift`` leading strides further into the same
+    tensor. A slot-led index always passes; the check guards the derivation."""
+    base, rest = origin
+    moved = views.view(base, (slot, *rest))
+    if moved.shape != view.shape or moved.stride() != view.stride():
+        return None
+    if moved.storage_offset() != view.storage_offset() + shift * base.stride(0):
+        return None
+    return moved
 
 
 @dataclass(frozen=True)
 class WriteCounts:
-    """How a slot write's layers were written."""
+    """How a slot write's layers were written: recorded, replayed from the
+    layer's plan for this slot, derived from its plan for another slot (a
+    derived plan is kept, so the next write into the slot replays it), or
+    written as vLLM writes them."""
 
     recorded: int = 0
     replayed: int = 0
+    derived: int = 0
     eager: int = 0
     #: The slot's views the batched copies wrote, and the source tensors of
     #: the layers written as vLLM writes them: what holds the new weights.
@@ -258,13 +408,17 @@ class _Batch:
     recording: bool = False
     recorded: int = 0
     replayed: int = 0
+    derived: int = 0
 
     def replay(self, plan: _Plan, lora_a: Any, lora_b: Any) -> None:
         self.recorder.zeros.extend(plan.zeros)
         for dst, path in plan.copies:
             self.recorder.copy_dst.append(dst)
             self.recorder.copy_src.append(_pick(lora_a, lora_b, path))
-        self.replayed += 1
+
+
+#: A plan's key: the layer's name, the slot, and the inputs' signature.
+_PlanKey = tuple[str, int, Any]
 
 
 class BatchedSlotWriter:
@@ -273,7 +427,10 @@ class BatchedSlotWriter:
     def __init__(self, layers: dict[str, Any]) -> None:
         self._layers = layers
         self._views = {name: _LayerViews.of(layer) for name, layer in layers.items()}
-        self._plans: dict[tuple[str, int, Any], _Plan] = {}
+        self._plans: dict[_PlanKey, _Plan] = {}
+        #: Per layer name and input signature, the first plan recorded that
+        #: can move to another slot: what a slot without a plan derives from.
+        self._movable: dict[tuple[str, Any], _Plan] = {}
         #: Layers seen doing something the recorder does not batch: written
         #: as vLLM writes them from then on.
         self._unbatched: set[str] = set()
@@ -298,11 +455,12 @@ class BatchedSlotWriter:
         for layer_write in batch.eager:
             layer_write()
         counts = WriteCounts(
-            batch.recorded,
-            batch.replayed,
-            len(batch.eager),
-            tuple(recorder.copy_dst),
-            tuple(_sources(batch.eager)),
+            recorded=batch.recorded,
+            replayed=batch.replayed,
+            derived=batch.derived,
+            eager=len(batch.eager),
+            written=tuple(recorder.copy_dst),
+            eager_sources=tuple(_sources(batch.eager)),
         )
         if not self._reported:  # once: whether a vLLM version's layers batch at all
             self._reported = True
@@ -318,51 +476,91 @@ class BatchedSlotWriter:
         lora_a: Any,
         lora_b: Any,
     ) -> None:
-        """Replay the layer's plan, or record its write (entering the
-        recorder's mode at the first recording: a write that only replays
-        never pays for it), or leave it to run as vLLM runs it."""
-        layer = self._layers[name]
-        layer_write: LayerWrite
-        if lora_a is None:
-            layer_write = functools.partial(layer.reset_lora, index)
-        else:
-            layer_write = functools.partial(layer.set_lora, index, lora_a, lora_b)
-        if name in self._unbatched:  # not recorded again: it would half-run first
-            batch.eager.append(layer_write)
-            return
-        try:
-            key = (name, index, (_signature(lora_a), _signature(lora_b)))
-            plan = self._plans.get(key)
-            if plan is not None:
-                batch.replay(plan, lora_a, lora_b)
+        """Replay the layer's plan for this slot (derived from its plan for
+        another slot if it has none), or record its write, or leave it to run
+        as vLLM runs it."""
+        if name not in self._unbatched:  # not recorded again: it would half-run first
+            try:
+                key = (name, index, (_signature(lora_a), _signature(lora_b)))
+                if not self._replay(batch, key, lora_a, lora_b):
+                    self._record(batch, recording, key, lora_a, lora_b)
                 return
-            recorder = batch.recorder
-            if not batch.recording:
-                recording.enter_context(recorder)
-                batch.recording = True
-            attributes = {k: id(v) for k, v in vars(layer).items()}
-            marks = recorder.record(self._views[name], layer_write)
-            batch.recorded += 1
-        except _Unbatchable as why:
-            self._unbatched.add(name)
-            logger.info("slot writes of layer %s not batched: %s", name, why)
-            batch.eager.append(layer_write)
+            except _Unbatchable as why:
+                self._unbatched.add(name)
+                logger.info("slot writes of layer %s not batched: %s", name, why)
+        batch.eager.append(_layer_write(self._layers[name], index, lora_a, lora_b))
+
+    def _replay(self, batch: _Batch, key: _PlanKey, lora_a: Any, lora_b: Any) -> bool:
+        """Replay the layer's plan for the slot, or one derived from its plan
+        for another slot; False when there is neither."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            batch.replayed += 1
+        else:
+            plan = self._derive(key)
+            if plan is None:
+                return False
+            batch.derived += 1
+        batch.replay(plan, lora_a, lora_b)
+        return True
+
+    def _derive(self, key: _PlanKey) -> _Plan | None:
+        """The layer's movable plan for these inputs moved to the key's slot,
+        kept as that slot's plan; None when there is none or it does not move
+        there (the layer is then recorded for the slot)."""
+        name, index, signature = key
+        movable = self._movable.get((name, signature))
+        if movable is None:
+            return None
+        plan = movable.at(index, self._views[name])
+        if plan is None:
+            logger.debug("layer %s: plan for slot %d not moved to %d", name, movable.slot, index)
+            return None
+        self._plans[key] = plan
+        return plan
+
+    def _record(
+        self,
+        batch: _Batch,
+        recording: contextlib.ExitStack,
+        key: _PlanKey,
+        lora_a: Any,
+        lora_b: Any,
+    ) -> None:
+        """Record the layer's write (entering the recorder's mode at the
+        first recording: a write that only replays never pays for it), given
+        the slot as a :class:`_Slot`, and keep it as a plan if it is one."""
+        name, index, signature = key
+        layer = self._layers[name]
+        recorder = batch.recorder
+        if not batch.recording:
+            recording.enter_context(recorder)
+            batch.recording = True
+        attributes = {k: id(v) for k, v in vars(layer).items()}
+        layer_write = _layer_write(layer, _Slot(index), lora_a, lora_b)
+        marks = recorder.record(self._views[name], layer_write)
+        batch.recorded += 1
+        if attributes != {k: id(v) for k, v in vars(layer).items()}:
             return
-        if attributes == {k: id(v) for k, v in vars(layer).items()}:
-            plan = self._plan_of(recorder, marks, _inputs(lora_a, lora_b))
-            if plan is not None:
-                self._plans[key] = plan
+        plan = self._plan_of(recorder, marks, _inputs(lora_a, lora_b), index)
+        if plan is None:
+            return
+        self._plans[key] = plan
+        if plan.origins is not None:
+            self._movable.setdefault((name, signature), plan)
 
     @staticmethod
     def _plan_of(
         recorder: _Recorder,
         marks: tuple[int, int],
         inputs: dict[int, _InputPath],
+        slot: int,
     ) -> _Plan | None:
         """The layer's recorded write as a plan, if it wrote tensors at all (a
         write with none works through other means, which a plan would skip)
         and every copy read a given tensor as it was given (not a slice or a
-        product of one)."""
+        product of one); one that can move to other slots if the layer took
+        every view at the slot argument alone."""
         if len(recorder.zeros) == marks[0] and len(recorder.copy_dst) == marks[1]:
             return None
         copies = []
@@ -371,4 +569,6 @@ class BatchedSlotWriter:
             if path is None:
                 return None
             copies.append((dst, path))
-        return _Plan(tuple(recorder.zeros[marks[0] :]), tuple(copies))
+        plan = _Plan(tuple(recorder.zeros[marks[0] :]), tuple(copies), slot)
+        origins = recorder.origins(plan.views())
+        return plan if origins is None else replace(plan, origins=origins)
