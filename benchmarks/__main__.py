@@ -129,6 +129,18 @@ def _slot_write_rows(sw: slot_write.SlotWriteFigures) -> list[Row]:
             f"{med['loop_max_ms']['batched']:.1f} vs {med['loop_max_ms']['per_layer']:.1f} ms;"
             f" p99 between writes {sw.loop_outside_p99_ms:.1f} ms",
         ),
+        spread_row(
+            "a fresh slot's first write, idle: another slot's plan moved / recorded",
+            sw.first_write_ratio(),
+            ".3f",
+            "x",
+            "< 1",
+            " vs ".join(
+                f"{Spread.of(sw.first_write_ms[m]).median:.1f}"
+                for m in ("moved", "recorded", "replayed")
+            )
+            + " ms (moved, recorded, a replay after)",
+        ),
     ]
 
 

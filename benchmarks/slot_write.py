@@ -19,6 +19,13 @@ vLLM's own ``set_lora`` per layer, and
 records, the rest replay). Runs in a process of its own (vLLM's
 distributed state is process-wide): ``python -m benchmarks.slot_write``
 prints the figures as JSON.
+
+Then, idle, a fresh slot's first write after another slot's: recorded (each
+layer's ``set_lora`` run under the recorder, as every fresh slot was until
+0f34c81) against the other slot's plan moved to it, and a replay after
+either, the order alternating round by round. On an H200 the recording
+took 70-105 ms of the engine's CPU for the 8B shape's 128 layers, and the
+other tenants' longest gap of a run was that write.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +45,8 @@ from benchmarks.stats import Spread
 from benchmarks.step_loop import interleaved, round_ratio, staging_switch_interval
 
 METHODS = ("per_layer", "batched")
+#: A fresh slot's first write: how the writer comes by the slot's plan.
+FIRST_WRITES = ("recorded", "moved")
 ROUNDS = 5
 WRITES_PER_ROUND = 5
 RANK = 16
@@ -53,12 +63,21 @@ class SlotWriteFigures:
     loop_outside_p99_ms: float = 0.0
     layers: int = 0
     device: str = "cpu"
+    #: Per round, idle: a fresh slot's first write by each of
+    #: :data:`FIRST_WRITES`, and a write replaying the slot's plan after it.
+    first_write_ms: dict[str, list[float]] = field(
+        default_factory=lambda: {m: [] for m in (*FIRST_WRITES, "replayed")}
+    )
     #: The per-round figures, each ``{method: [per round]}``.
     FIGURES: ClassVar[tuple[str, ...]] = ("write_ms", "loop_max_ms")
 
     def ratio(self, figure: str) -> Spread:
         """batched / per-layer, round by round."""
         return round_ratio(getattr(self, figure), "batched", "per_layer")
+
+    def first_write_ratio(self) -> Spread:
+        """A fresh slot's first write, moved / recorded, round by round."""
+        return round_ratio(self.first_write_ms, "moved", "recorded")
 
 
 def measure(device: str) -> SlotWriteFigures:
@@ -105,7 +124,7 @@ def measure(device: str) -> SlotWriteFigures:
 
     write = {"per_layer": synced(per_layer), "batched": synced(batched)}
     beside = interleaved(write, ROUNDS, WRITES_PER_ROUND)  # the first write records
-    return SlotWriteFigures(
+    figures = SlotWriteFigures(
         write_ms=beside.call_ms,
         loop_max_ms=beside.loop_max_ms,
         idle_write_ms=beside.idle_ms,
@@ -113,6 +132,25 @@ def measure(device: str) -> SlotWriteFigures:
         layers=len(layers),
         device=device,
     )
+    for round_ in range(ROUNDS):
+        order = FIRST_WRITES if round_ % 2 == 0 else FIRST_WRITES[::-1]
+        for how in order:
+            fresh = BatchedSlotWriter(layers, move_plans=how == "moved")
+            fresh.write(0, ((name, *weights[name]) for name in layers))  # slot 0's plan
+
+            def into_slot_1(writer: BatchedSlotWriter = fresh) -> None:
+                writer.write(1, ((name, *weights[name]) for name in layers))
+
+            figures.first_write_ms[how].append(_timed_ms(synced(into_slot_1)))
+            if how == "moved":
+                figures.first_write_ms["replayed"].append(_timed_ms(synced(into_slot_1)))
+    return figures
+
+
+def _timed_ms(call: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    call()
+    return round((time.perf_counter() - started) * 1000, 3)
 
 
 def _on_host(weights: tuple[Any, Any], pin: bool) -> tuple[Any, Any]:

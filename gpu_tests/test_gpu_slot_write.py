@@ -5,8 +5,10 @@ the adapter in pinned host memory, as the engine holds them (vLLM's layers,
 the perf model's shape, rank 16). On the H100 vLLM's per-layer write of
 that adapter took 12 ms idle and 39-41 ms under load in the real engine
 (staging log of a9b1106, 2026-11-23), most of it tensor-call overhead and GIL
-hand-overs; the batched write makes two calls. Writes ``slot_write.json``
-to ``$OUT`` and ``docs/gpu/``. Takes about 15 s, no server.
+hand-overs; the batched write makes two calls. Also a fresh slot's first
+write, idle: recorded, or another slot's plan moved to it (0f34c81; on an
+H200 the recording took 70-105 ms in the engine for the 8B shape). Writes
+``slot_write.json`` to ``$OUT`` and ``docs/gpu/``. Takes about 15 s, no server.
 """
 
 from __future__ import annotations
@@ -36,3 +38,5 @@ def test_batched_slot_writes_beat_vllms_per_layer_writes_on_cuda() -> None:
         Spread.of(figures.write_ms["batched"]).median
         < Spread.of(figures.write_ms["per_layer"]).median
     )
+    first = {how: Spread.of(ms).median for how, ms in figures.first_write_ms.items()}
+    assert first["moved"] < first["recorded"]

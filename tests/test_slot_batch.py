@@ -172,6 +172,18 @@ def test_a_plan_recorded_for_one_slot_writes_every_other_slot(pair: dict[str, An
             assert all(stacked[index].abs().sum() > 0 for index in range(SLOTS))
 
 
+def test_a_writer_told_not_to_move_plans_records_every_fresh_slot(
+    pair: dict[str, Any],
+) -> None:
+    # benchmarks.slot_write's baseline: each fresh slot recorded, as before plans moved.
+    layers = len(pair["batched"])
+    pair["writer"] = BatchedSlotWriter(pair["batched"], move_plans=False)
+    for index, seed in ((0, 1), (1, 2), (2, 3)):
+        assert _write_both(pair, index, MAX_RANK, seed) == WriteCounts(recorded=layers), index
+    assert _write_both(pair, 1, MAX_RANK, seed=4) == WriteCounts(replayed=layers)
+    _assert_same_slots(pair)
+
+
 def test_a_reset_recorded_for_one_slot_resets_every_other_slot(pair: dict[str, Any]) -> None:
     layers = len(pair["batched"])
     assert _write_both(pair, 0, None, 0) == WriteCounts(recorded=layers)

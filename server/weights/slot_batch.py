@@ -424,8 +424,11 @@ _PlanKey = tuple[str, int, Any]
 class BatchedSlotWriter:
     """Writes adapters into slots of one model's LoRA layers, batched."""
 
-    def __init__(self, layers: dict[str, Any]) -> None:
+    def __init__(self, layers: dict[str, Any], move_plans: bool = True) -> None:
+        """``move_plans`` False records every slot's first write, as before
+        plans moved between slots: the baseline of ``benchmarks.slot_write``."""
         self._layers = layers
+        self._move_plans = move_plans
         self._views = {name: _LayerViews.of(layer) for name, layer in layers.items()}
         self._plans: dict[_PlanKey, _Plan] = {}
         #: Per layer name and input signature, the first plan recorded that
@@ -509,7 +512,7 @@ class BatchedSlotWriter:
         kept as that slot's plan; None when there is none or it does not move
         there (the layer is then recorded for the slot)."""
         name, index, signature = key
-        movable = self._movable.get((name, signature))
+        movable = self._movable.get((name, signature)) if self._move_plans else None
         if movable is None:
             return None
         plan = movable.at(index, self._views[name])
