@@ -35,14 +35,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from benchmarks.stats import Spread
-from benchmarks.step_loop import interleaved, round_ratio, staging_switch_interval
+from benchmarks.step_loop import interleaved, round_ratio, staging_switch_interval, timed_ms
 
 METHODS = ("per_layer", "batched")
 #: A fresh slot's first write: how the writer comes by the slot's plan.
@@ -110,8 +109,12 @@ def measure(device: str) -> SlotWriteFigures:
         for name, layer in layers.items():
             layer.set_lora(1, *weights[name])
 
+    def adapter() -> Iterator[tuple[str, Any, Any]]:
+        """The adapter as a slot write takes it: ``(name, lora_a, lora_b)``."""
+        return ((name, *weights[name]) for name in layers)
+
     def batched() -> None:
-        writer.write(1, ((name, *weights[name]) for name in layers))
+        writer.write(1, adapter())
 
     def synced(write: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:  # the prefill waits for its copies to land
@@ -136,21 +139,15 @@ def measure(device: str) -> SlotWriteFigures:
         order = FIRST_WRITES if round_ % 2 == 0 else FIRST_WRITES[::-1]
         for how in order:
             fresh = BatchedSlotWriter(layers, move_plans=how == "moved")
-            fresh.write(0, ((name, *weights[name]) for name in layers))  # slot 0's plan
+            fresh.write(0, adapter())  # slot 0's plan
 
             def into_slot_1(writer: BatchedSlotWriter = fresh) -> None:
-                writer.write(1, ((name, *weights[name]) for name in layers))
+                writer.write(1, adapter())
 
-            figures.first_write_ms[how].append(_timed_ms(synced(into_slot_1)))
+            figures.first_write_ms[how].append(timed_ms(synced(into_slot_1)))
             if how == "moved":
-                figures.first_write_ms["replayed"].append(_timed_ms(synced(into_slot_1)))
+                figures.first_write_ms["replayed"].append(timed_ms(synced(into_slot_1)))
     return figures
-
-
-def _timed_ms(call: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    call()
-    return round((time.perf_counter() - started) * 1000, 3)
 
 
 def _on_host(weights: tuple[Any, Any], pin: bool) -> tuple[Any, Any]:
