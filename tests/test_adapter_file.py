@@ -304,9 +304,9 @@ def test_a_large_read_goes_in_parallel_chunks_and_lands_whole(tmp_path: Path, mo
     buffer = torch.empty(len(data), dtype=torch.uint8)
     with open(path, "rb", buffering=0) as file:
         file.seek(4)
-        tensor_pickle.read_exactly(file, buffer, len(data), str(path))
+        chunked.read_exactly(file, buffer, len(data), str(path))
         assert file.read() == b"tail"  # left just after the read
     assert torch.equal(buffer, data)
     with open(path, "rb", buffering=0) as file, pytest.raises(EOFError, match="ended"):
         file.seek(1000)
-        tensor_pickle.read_exactly(file, buffer, len(data), str(path))
+        chunked.read_exactly(file, buffer, len(data), str(path))

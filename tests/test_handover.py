@@ -228,11 +228,11 @@ def test_the_snapshot_gets_a_weights_file_and_loses_the_description(tmp_path: Pa
         description = handover.take_handover(tmp_path)
         assert description is not None
         (host,) = handover.copy_out(description, host_buffers(False), handover.cuda_device_index)
-    writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
+    writer = SnapshotWriter(handover.WEIGHTS_FILE, snapshot_writer.SNAPSHOT_MARKERS)
     tensors = description["tensors"]
     writer.submit(tmp_path, host, lambda: snapshot_writer.safetensors_layout(tensors))
     writer.wait(tmp_path)
-    handover.wait_for_weights(tmp_path, timeout_s=5)
+    snapshot_writer.wait_for_weights(tmp_path, timeout_s=5)
     assert handover.take_handover(tmp_path) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         handover.CONFIG_FILE,
@@ -272,7 +272,7 @@ def test_a_snapshot_write_survives_short_writes(tmp_path: Path, monkeypatch) -> 
 
 def test_a_retired_folder_is_no_error_for_the_writer(tmp_path: Path) -> None:
     folder = tmp_path / "gone"
-    writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
+    writer = SnapshotWriter(handover.WEIGHTS_FILE, snapshot_writer.SNAPSHOT_MARKERS)
     writer.submit(folder, torch.zeros(4, dtype=torch.uint8), lambda: (b"", [(0, 4)]))
     writer.wait(folder)  # returns: nothing to write into, nothing raised
 

@@ -24,7 +24,7 @@ from skyrl_lora.errors import (
     HandoverUnavailableError,
     PermissionDeniedError,
 )
-from skyrl_lora.server.weights import handover
+from skyrl_lora.server.weights import snapshot_writer
 from tests.conftest import TENANT_KEYS, EngineServer, counts_by_label
 from tests.test_push_engine import LONG, admin, sample, wait_running, words
 
@@ -83,7 +83,7 @@ async def test_a_layout_seen_before_builds_from_its_template_and_serves_the_same
     assert handed.tokens == pushed.tokens
     assert handed.logprobs == pytest.approx(pushed.logprobs, abs=1e-5)
     snapshot = engine_server.snapshot_dir / "handed-tpl" / "v2"
-    handover.wait_for_weights(snapshot, timeout_s=30)
+    snapshot_writer.wait_for_weights(snapshot, timeout_s=30)
     saved = load_file(str(snapshot / "adapter_model.safetensors"))
     original = load_file(str(woof))
     assert saved.keys() == original.keys()

@@ -74,13 +74,13 @@ def test_the_registry_holds_the_weights_file_open_and_marks_its_place(tmp_path: 
             snapshot_writer.PENDING_FILE,
         ]
         with pytest.raises(TimeoutError):
-            handover.wait_for_weights(target, timeout_s=0.05)  # not written yet
+            snapshot_writer.wait_for_weights(target, timeout_s=0.05)  # not written yet
         (tmp_path / "new").write_bytes(b"a new file put in its place after the check")
         os.replace(tmp_path / "new", tmp_path / "src" / WEIGHTS)
         snapshot_writer.write_weights_from(fd, target, WEIGHTS)
     finally:
         os.close(fd)
-    handover.wait_for_weights(target, timeout_s=1)
+    snapshot_writer.wait_for_weights(target, timeout_s=1)
     assert (target / WEIGHTS).read_bytes() == data  # the file that was checked
     assert sorted(p.name for p in target.iterdir()) == [handover.CONFIG_FILE, WEIGHTS]
 
@@ -191,7 +191,7 @@ def test_a_file_a_hand_over_cannot_carry_is_copied_before_vllm_reads_it(tmp_path
     finally:
         os.close(fd)
     assert (target / WEIGHTS).read_bytes() == data
-    handover.wait_for_weights(target, timeout_s=0.1)  # the marker is gone
+    snapshot_writer.wait_for_weights(target, timeout_s=0.1)  # the marker is gone
 
 
 def test_a_worker_writes_the_snapshot_of_a_held_file_after_staging_it(tmp_path: Path) -> None:
@@ -211,7 +211,7 @@ def test_a_worker_writes_the_snapshot_of_a_held_file_after_staging_it(tmp_path: 
     os.close(fd)
     assert _wait(staging, 9) == READY
     staging._snapshots.wait(target)
-    handover.wait_for_weights(target, timeout_s=5)
+    snapshot_writer.wait_for_weights(target, timeout_s=5)
     assert (target / WEIGHTS).read_bytes() == data
     assert manager.loads == [9]
     assert _open_fds() <= before

@@ -17,7 +17,7 @@ import pytest
 from skyrl_lora.server.weights import handover
 from skyrl_lora.server.weights.open_shares import OpenShares
 from skyrl_lora.server.weights.registry import adapter_of, engine_name
-from skyrl_lora.server.weights.snapshot_writer import SnapshotWriter
+from skyrl_lora.server.weights.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter
 from tests.test_handover import share
 
 
@@ -118,7 +118,7 @@ def test_work_after_a_swap_runs_after_the_writes_before_it_and_a_failure_is_logg
 ) -> None:
     import torch
 
-    writer = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
+    writer = SnapshotWriter(handover.WEIGHTS_FILE, SNAPSHOT_MARKERS)
     folder = tmp_path / "v1"
     folder.mkdir()
     release = threading.Event()

@@ -26,7 +26,7 @@ from skyrl_lora.errors import ConflictError
 from ..engine.gated import GatedEngine
 from ..http.push import FILES, load_pushed, write_pushed_files
 from ..http.push_stream import STREAMED_PREFIX
-from ..weights.handover import wait_for_weights
+from ..weights.snapshot_writer import wait_for_weights
 
 #: How a pushed version's ``source_path`` reads in the registry.
 PUSHED_PREFIX = "push:sha256="

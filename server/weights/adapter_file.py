@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from .arrival import Arrival, FollowedRead, note_followed
-from .tensor_pickle import pread_exactly, read_exactly
+from .chunked import pread_exactly, read_exactly
 
 #: safetensors' dtype names -> torch's (those torch has on every build we run).
 _DTYPES = {

@@ -36,17 +36,11 @@ from typing import Any
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
 from skyrl_lora.types import HandoverRequest, HandoverTensor
 
-from .arrival import MARKER as ARRIVING_FILE
-from .snapshot_writer import PENDING_FILE
-from .tensor_pickle import read_exactly
+from .chunked import read_exactly
+from .snapshot_writer import HANDOVER_FILE
 
-#: In a push folder instead of the weights file: where the weights are.
-HANDOVER_FILE = "handover.json"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-#: Any in a snapshot folder says its weights file is not written yet (or,
-#: for a streamed push's, not whole yet: :mod:`.arrival`).
-SNAPSHOT_MARKERS = (HANDOVER_FILE, PENDING_FILE, ARRIVING_FILE)
 #: Where POSIX shared memory lives on Linux (``shm_open`` names).
 SHM_DIR = Path("/dev/shm")
 
@@ -249,17 +243,6 @@ def tensor_views(host: Any, description: dict[str, Any]) -> dict[str, Any]:
     """The handed-over tensors as views of ``host`` (a copy of the buffer), by name."""
     tensors = [HandoverTensor(**t) for t in description["tensors"]]
     return {t.name: _view(host, t) for t in tensors}
-
-
-def wait_for_weights(folder: Path, timeout_s: float = 120.0) -> None:
-    """Wait while ``folder``'s weights file is still to be written by the
-    engine, after a hand-over's or a path load's swap (:mod:`.snapshot_writer`);
-    at once for a folder whose files are all there."""
-    deadline = time.monotonic() + timeout_s
-    while any((folder / marker).exists() for marker in SNAPSHOT_MARKERS):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the snapshot of {folder.name} was not written in {timeout_s} s")
-        time.sleep(0.01)
 
 
 def cuda_device_index(uuid: str) -> int:

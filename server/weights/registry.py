@@ -53,8 +53,7 @@ from skyrl_lora.errors import (
 )
 
 from ..observability import SNAPSHOTS, log_event
-from .handover import wait_for_weights
-from .snapshot_writer import PENDING_FILE, copy_to_end, write_weights_from
+from .snapshot_writer import PENDING_FILE, copy_to_end, wait_for_weights, write_weights_from
 
 logger = logging.getLogger(__name__)
 

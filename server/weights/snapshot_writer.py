@@ -14,7 +14,7 @@ requires) and written with ``os.writev`` (a few system calls for the whole
 adapter, the GIL released in each) on a thread of its own, after the swap.
 Until it is in place the folder still holds its ``handover.json``: whoever
 needs the file waits for that to go (:meth:`SnapshotWriter.wait` in the
-engine process, :func:`.handover.wait_for_weights` elsewhere).
+engine process, :func:`wait_for_weights` elsewhere).
 
 A path load works the same way where the API server can send the worker
 the weights file it opened (:mod:`.stage_channel`): the registry copies
@@ -45,6 +45,7 @@ from typing import Any
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
 from ..observability import log_engine_event
+from .arrival import MARKER as ARRIVING_FILE
 from .arrival import wait_whole_file
 
 logger = logging.getLogger("vllm.skyrl_lora.snapshot_writer")
@@ -52,6 +53,12 @@ logger = logging.getLogger("vllm.skyrl_lora.snapshot_writer")
 #: In a snapshot folder whose weights file the engine writes later (a path
 #: load's): whoever needs the file waits while it is there.
 PENDING_FILE = "weights.pending"
+#: In a push folder instead of the weights file: where a hand-over's weights
+#: are (:func:`.handover.write_handover`).
+HANDOVER_FILE = "handover.json"
+#: Any in a snapshot folder says its weights file is not written yet (or,
+#: for a streamed push's, not whole yet: :mod:`.arrival`).
+SNAPSHOT_MARKERS = (HANDOVER_FILE, PENDING_FILE, ARRIVING_FILE)
 
 #: A weights file to write: its head (length and JSON header), then, in
 #: order, these byte spans of one buffer.
@@ -59,6 +66,17 @@ SnapshotLayout = tuple[bytes, list[tuple[int, int]]]
 
 #: safetensors' names of the dtypes a hand-over carries.
 SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def wait_for_weights(folder: Path, timeout_s: float = 120.0) -> None:
+    """Wait while ``folder``'s weights file is still to be written by the
+    engine, after a hand-over's or a path load's swap; at once for a folder
+    whose files are all there."""
+    deadline = time.monotonic() + timeout_s
+    while any((folder / marker).exists() for marker in SNAPSHOT_MARKERS):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the snapshot of {folder.name} was not written in {timeout_s} s")
+        time.sleep(0.01)
 
 
 def safetensors_layout(tensors: list[dict[str, Any]]) -> SnapshotLayout:

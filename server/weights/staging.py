@@ -96,7 +96,7 @@ from .open_shares import DEFAULT_OPEN_SHARES, OpenShares
 from .pinned_reserve import PinnedReserve, ReserveReport, reserve, slot_bytes
 from .scale_fold import multiply_in_place
 from .slots import SlotPrefill
-from .snapshot_writer import SnapshotWriter, write_weights_from
+from .snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
 from .stage_channel import StageListener, socket_path
 from .staged_buffer import BufferSource, TakenBuffer
 from .staging_profile import StagingProfiler
@@ -188,7 +188,7 @@ class _WorkerStaging:
             self._host_buffers, device if gpu_staging else None, self._templates, self._shares
         )
         #: Snapshots' weights files written after the swap (hand-overs', held files').
-        self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, handover.SNAPSHOT_MARKERS)
+        self._snapshots = SnapshotWriter(handover.WEIGHTS_FILE, SNAPSHOT_MARKERS)
         self._load_from_files = lora_manager._load_adapter
         self._install = lora_manager.add_adapter
         self._remove = lora_manager.remove_adapter

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -108,58 +107,5 @@ def read_buffer(path: str, nbytes: int, allocate: Callable[[int], Any]) -> Any:
     """Read a buffer file into ``allocate(nbytes)`` (a uint8 tensor) in as few calls as may be."""
     buffer = allocate(nbytes)
     with open(path, "rb", buffering=0) as file:
-        read_exactly(file, buffer, nbytes, path)
+        chunked.read_exactly(file, buffer, nbytes, path)
     return buffer
-
-
-def read_exactly(
-    file: io.RawIOBase | io.BufferedIOBase, buffer: Any, nbytes: int, path: str
-) -> None:
-    """Fill the first ``nbytes`` of ``buffer`` (a uint8 tensor) from ``file``'s position.
-
-    ``readinto`` releases the GIL for the whole read, so the engine's step
-    loop is not kept waiting by the copy. A large read from a file with a
-    descriptor goes in a few chunks at once (``os.preadv``, the GIL released
-    too, :mod:`.chunked`): one thread copies out of the page cache at a few
-    GB/s, so a rank-64 adapter of an 8B model (336 MB) took tens of
-    milliseconds to read. Leaves the file's position after the read. Raises
-    EOFError if the file ends first.
-    """
-    if nbytes == 0:
-        return
-    view = memoryview(buffer.numpy()).cast("B")
-    if chunked.large(nbytes):
-        try:
-            fd, start = file.fileno(), file.tell()
-        except (OSError, io.UnsupportedOperation):
-            fd = None
-        if fd is not None:
-            _read_in_chunks(fd, view, start, nbytes, path)
-            file.seek(start + nbytes)
-            return
-    done = 0
-    while done < nbytes:
-        read = file.readinto(view[done:nbytes])
-        if not read:
-            raise EOFError(f"{path} ended after {done} of {nbytes} bytes")
-        done += read
-
-
-def pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``fd`` at ``offset`` (``preadv`` may read less per
-    call); EOFError if the file ends first."""
-    done = 0
-    while done < len(view):
-        read = os.preadv(fd, [view[done:]], offset + done)
-        if not read:
-            raise EOFError(f"{path} ended before byte {offset + len(view)} of the read")
-        done += read
-
-
-def _read_in_chunks(fd: int, view: memoryview, start: int, nbytes: int, path: str) -> None:
-    """``nbytes`` from ``fd`` at ``start`` into ``view``, in chunks at once."""
-
-    def read_chunk(begin: int, end: int) -> None:
-        pread_exactly(fd, view[begin:end], start + begin, path)
-
-    chunked.run_in_chunks(nbytes, read_chunk)
