@@ -310,7 +310,7 @@ def fold_lora_scalings(
     layer at a time that is one GIL hand-over per layer (112 for a rank-16
     adapter of the perf model), each a wait on the busy step loop.
     ``multiply(tensors, factor)`` multiplies one factor's B tensors in place
-    (:func:`skyrl_lora.server.weights.scale_fold.multiply_in_place`: on the
+    (:func:`skyrl_lora.server.adapters.scale_fold.multiply_in_place`: on the
     GPU where they are pinned, else on the host). Layers whose scaling is not
     a plain number, or whose B is missing, are left to their own ``optimize``.
 
@@ -450,6 +450,45 @@ async def pause_engine_keep(engine_client: Any) -> None:
         await engine_client.pause_generation(mode="keep", clear_cache=False)
     else:
         await engine_client.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
+
+
+async def pause_engine_draining(engine_client: Any) -> None:
+    """vLLM's global pause that holds new requests and returns once those in
+    flight have finished (``mode="wait"``)."""
+    params = inspect.signature(engine_client.pause_generation).parameters
+    if "mode" in params:
+        await engine_client.pause_generation(mode="wait", clear_cache=False)
+    else:
+        await engine_client.pause_generation(wait_for_inflight_requests=True, clear_cache=False)
+
+
+async def reset_prefix_cache(engine_client: Any, reset_running_requests: bool) -> bool:
+    """Drop the prefix cache; False where vLLM could not (requests hold blocks)."""
+    params = inspect.signature(engine_client.reset_prefix_cache).parameters
+    if "reset_running_requests" in params:
+        done = await engine_client.reset_prefix_cache(reset_running_requests=reset_running_requests)
+    else:
+        done = await engine_client.reset_prefix_cache()
+    return done is not False
+
+
+def sleep_mode_enabled(engine_client: Any) -> bool:
+    """Whether the engine can release its memory (``--enable-sleep-mode``)."""
+    return bool(getattr(engine_client.model_config, "enable_sleep_mode", False))
+
+
+async def sleep_engine(engine_client: Any, level: int) -> None:
+    await engine_client.sleep(level)
+
+
+async def wake_engine(engine_client: Any, tags: list[str] | None) -> None:
+    await engine_client.wake_up(tags)
+
+
+def world_size(engine_client: Any) -> int:
+    """Workers behind this server, data-parallel ranks included (vLLM's ``/get_world_size``)."""
+    parallel = engine_client.vllm_config.parallel_config
+    return int(getattr(parallel, "world_size_across_dp", None) or parallel.world_size)
 
 
 async def abort_requests(engine_client: Any, request_ids: list[str]) -> None:
@@ -686,3 +725,80 @@ def wrap_sampler(model_runner: Any, guard: Any) -> bool:
         sampler = sampler.sampler
     model_runner.sampler = _GuardedSampler(sampler, guard)
     return True
+
+
+#: Where the GPU Punica wrapper looks its LoRA kernels up (0.26 and 0.32).
+_PUNICA_GPU_MODULE = "vllm.lora.punica_wrapper.punica_gpu"
+#: The parameters of vLLM's ``lora_shrink`` / ``lora_expand`` that a replacement
+#: must take, in order (0.26 and 0.32).
+LORA_SHRINK_PARAMETERS = (
+    "inputs", "lora_a_weights", "output_tensor", "token_lora_mapping",
+    "token_indices_sorted_by_lora_ids", "num_tokens_per_lora", "lora_token_start_loc",
+    "lora_ids", "no_lora_flag_cpu", "num_active_loras", "scaling",
+)  # fmt: skip
+LORA_EXPAND_PARAMETERS = (
+    "inputs", "lora_b_weights", "output_tensor", "token_lora_mapping",
+    "token_indices_sorted_by_lora_ids", "num_tokens_per_lora", "lora_token_start_loc",
+    "lora_ids", "no_lora_flag_cpu", "num_active_loras", "offset_start", "add_inputs",
+)  # fmt: skip
+
+
+def _parameter_names(op: Any) -> tuple[str, ...]:
+    schema = getattr(op, "_schema", None) or getattr(getattr(op, "default", None), "_schema", None)
+    if schema is not None:
+        return tuple(a.name for a in schema.arguments)
+    return tuple(inspect.signature(op).parameters)
+
+
+def punica_lora_ops() -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """vLLM's own GPU LoRA kernels (shrink, expand) as the Punica wrapper calls
+    them; None where this build has no GPU wrapper or they take other
+    arguments than :data:`LORA_SHRINK_PARAMETERS` / :data:`LORA_EXPAND_PARAMETERS`."""
+    try:
+        module = importlib.import_module(_PUNICA_GPU_MODULE)
+    except ImportError:
+        return None
+    shrink = getattr(module, "lora_shrink", None)
+    expand = getattr(module, "lora_expand", None)
+    if shrink is None or expand is None:
+        return None
+    if _parameter_names(shrink) != LORA_SHRINK_PARAMETERS:
+        return None
+    if _parameter_names(expand) != LORA_EXPAND_PARAMETERS:
+        return None
+    return shrink, expand
+
+
+def replace_punica_lora_ops(
+    library: str,
+    shrink: Callable[..., None],
+    shrink_fake: Callable[..., None],
+    expand: Callable[..., None],
+    expand_fake: Callable[..., None],
+) -> bool:
+    """Make the GPU Punica wrapper call ``shrink`` and ``expand`` instead of
+    vLLM's kernels; False (nothing changed) where :func:`punica_lora_ops` is None.
+
+    Both are registered as custom ops of ``library`` (vLLM's
+    ``direct_register_custom_op``), as vLLM registers its own, so that
+    torch.compile keeps them opaque and the CUDA graphs capture their
+    launches. Must run in the worker before the model is compiled and its
+    graphs captured: a graph replays the kernels it captured.
+    """
+    if punica_lora_ops() is None:
+        return False
+    import torch
+
+    register = _first_attr("direct_register_custom_op", "vllm.utils.torch_utils")
+    lib = torch.library.Library(library, "FRAGMENT")
+    register("lora_shrink", shrink, ["output_tensor"], shrink_fake, target_lib=lib)
+    register("lora_expand", expand, ["output_tensor"], expand_fake, target_lib=lib)
+    _REGISTERED_LIBRARIES.append(lib)  # an op lives as long as its library object
+    ops = getattr(torch.ops, library)
+    module = importlib.import_module(_PUNICA_GPU_MODULE)
+    module.lora_shrink = ops.lora_shrink
+    module.lora_expand = ops.lora_expand
+    return True
+
+
+_REGISTERED_LIBRARIES: list[Any] = []

@@ -1,0 +1,221 @@
+"""The grouped LoRA kernels against plain torch and vLLM's torch LoRA ops, on the CPU.
+
+The kernels are Triton; on the CPU they run under Triton's interpreter,
+which must be switched on before the kernels are defined, so the checks run
+in a child process with ``TRITON_INTERPRET=1``. The interpreter has no
+bfloat16, so they compute in float16 and float32 here; the GPU test
+(``gpu_tests/test_gpu_grouped_lora.py``) checks bfloat16 against vLLM's
+Triton kernels on every layer shape of the 8B model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer's LoRA application: ``slots`` adapter slots, ``tokens`` rows."""
+
+    name: str
+    tokens: int
+    slots: int
+    hidden: int
+    rank: int
+    widths: tuple[int, ...]
+    dtype: str = "float16"
+    base_share: float = 0.25  # tokens with no adapter
+    groups: str = "all"  # "all": every slot + base (vLLM's default); "active": just those
+    add_inputs: bool = True
+    offset_start: int = 0
+    block_m: int = 16
+
+
+CASES = [
+    Case("qkv-like, 3 slices of other widths", 37, 4, 96, 8, (40, 24, 24), offset_start=5),
+    Case("one slice, float32, replace", 21, 3, 64, 16, (48,), dtype="float32", add_inputs=False),
+    Case("many rows per adapter (prefill)", 90, 2, 64, 8, (32, 32), block_m=16),
+    Case(
+        "active groups only, no base tokens", 19, 6, 64, 8, (32,), base_share=0.0, groups="active"
+    ),
+    Case("every token on the base model", 9, 3, 64, 8, (16,), base_share=1.0),
+    Case("rank below a tile, wide output", 12, 2, 48, 4, (160,)),
+]
+
+
+def kernel_metadata(slots: torch.Tensor, max_loras: int) -> dict[str, torch.Tensor]:
+    """What vLLM's ``LoRAKernelMeta.prepare_tensors`` makes of a token-to-slot mapping."""
+    order = torch.sort(slots, stable=True).indices.to(torch.int32)
+    active, counts = torch.unique(slots, sorted=True, return_counts=True)
+    ids = torch.full((max_loras + 1,), -1, dtype=torch.int32)
+    ids[: len(active)] = active
+    per_lora = torch.zeros(max_loras + 1, dtype=torch.int32)
+    per_lora[: len(counts)] = counts
+    start = torch.zeros(max_loras + 2, dtype=torch.int32)
+    start[1 : 1 + len(counts)] = torch.cumsum(counts, 0)
+    return {"sorted": order, "per_lora": per_lora, "start": start, "ids": ids, "active": active}
+
+
+def _run_case(case: Case) -> dict[str, float]:
+    """Both kernels on one case; the largest errors against the references."""
+    from skyrl_lora.server.kernels.grouped_lora import (
+        GroupedConfig,
+        grouped_expand,
+        grouped_shrink,
+    )
+
+    gen = torch.Generator().manual_seed(len(case.name))
+    dtype = getattr(torch, case.dtype)
+    slots = torch.randint(0, case.slots, (case.tokens,), generator=gen, dtype=torch.int32)
+    base = torch.rand(case.tokens, generator=gen) < case.base_share
+    slots[base] = -1
+    x = torch.randn(case.tokens, case.hidden, generator=gen).to(dtype)
+    a = [
+        torch.randn(case.slots, 1, case.rank, case.hidden, generator=gen).to(dtype)
+        for _ in case.widths
+    ]
+    b = [torch.randn(case.slots, 1, w, case.rank, generator=gen).to(dtype) for w in case.widths]
+    meta = kernel_metadata(slots, case.slots)
+    groups = case.slots + 1 if case.groups == "all" else len(meta["active"])
+    config = GroupedConfig(block_m=case.block_m, block_k=32, block_n=32)
+    scaling = 0.5
+
+    shrunk = torch.full((len(case.widths), case.tokens, case.rank), 3.0)  # zeroed by the op
+    grouped_shrink(
+        x, a, shrunk, meta["sorted"], meta["per_lora"], meta["start"], meta["ids"], groups,
+        scaling, config,
+    )  # fmt: skip
+    shrunk_ref = torch.zeros_like(shrunk)
+    for s in range(len(case.widths)):
+        for t in range(case.tokens):
+            slot = int(slots[t])
+            if slot >= 0:
+                shrunk_ref[s, t] = scaling * (x[t].float() @ a[s][slot, 0].float().T)
+
+    width = case.offset_start + sum(case.widths) + 3
+    y0 = torch.randn(case.tokens, width, generator=gen).to(dtype)
+    y = y0.clone()
+    grouped_expand(
+        shrunk_ref, b, y, meta["sorted"], meta["per_lora"], meta["start"], meta["ids"], groups,
+        case.offset_start, case.add_inputs, config,
+    )  # fmt: skip
+    y_ref = y0.float().clone()
+    col = case.offset_start
+    for s, w in enumerate(case.widths):
+        for t in range(case.tokens):
+            slot = int(slots[t])
+            if slot >= 0:
+                term = shrunk_ref[s, t].to(dtype).float() @ b[s][slot, 0].float().T
+                y_ref[t, col : col + w] = (y_ref[t, col : col + w] if case.add_inputs else 0) + term
+        col += w
+
+    # vLLM's own torch LoRA ops (its CPU path) on the tokens that have an adapter.
+    from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
+
+    rows = (slots >= 0).nonzero().flatten()
+    vllm_shrunk = torch.zeros(len(rows), case.rank, dtype=torch.float32)
+    vllm_y = y0[rows].clone()
+    col = case.offset_start
+    vllm_shrink_err = 0.0
+    for s, w in enumerate(case.widths):
+        vllm_shrunk.zero_()
+        bgmv_shrink(x[rows], a[s], vllm_shrunk, slots[rows].long(), scaling)
+        vllm_shrink_err = max(vllm_shrink_err, _err(shrunk[s, rows], vllm_shrunk))
+        bgmv_expand_slice(
+            shrunk_ref[s, rows].to(dtype), b[s], vllm_y, slots[rows].long(), col, w, case.add_inputs
+        )
+        col += w
+    touched = slice(case.offset_start, case.offset_start + sum(case.widths))
+    scale = max(1.0, float(y_ref.abs().max()))
+    return {
+        "shrink": _err(shrunk, shrunk_ref),
+        "expand": _err(y.float(), y_ref) / scale,
+        "expand_untouched": _err(y[:, touched.stop :].float(), y0[:, touched.stop :].float()),
+        "shrink_vs_vllm": vllm_shrink_err,
+        "expand_vs_vllm": _err(y[rows].float(), vllm_y.float()) / scale,
+        "base_rows_unchanged": _err(y[slots < 0].float(), y0[slots < 0].float())
+        if case.add_inputs
+        else 0.0,
+    }
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def _run_all() -> None:
+    print(json.dumps({c.name: _run_case(c) for c in CASES}))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, float]]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.test_grouped_lora import _run_all; _run_all()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, dict[str, float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_grouped_kernels_match_torch_and_vllm(case: Case, results: dict[str, dict[str, float]]):
+    errors = results[case.name]
+    tol = 1e-5 if case.dtype == "float32" else 2e-3
+    # The shrink accumulates in fp32 in both: close to exact.
+    assert errors["shrink"] <= tol * case.hidden**0.5, (case, errors)
+    assert errors["shrink_vs_vllm"] <= tol * case.hidden**0.5, (case, errors)
+    # The expand rounds once to the output dtype (one unit in its last place).
+    assert errors["expand"] <= (1e-6 if case.dtype == "float32" else 1e-3), (case, errors)
+    assert errors["expand_vs_vllm"] <= (1e-6 if case.dtype == "float32" else 2e-3), (case, errors)
+    # Columns outside the layer's slices and rows without an adapter are left alone.
+    assert errors["expand_untouched"] == 0.0, (case, errors)
+    assert errors["base_rows_unchanged"] == 0.0, (case, errors)
+
+
+def test_case_fields_are_plain():
+    """The cases travel to the child process by name only; keep them data."""
+    assert all(asdict(c) for c in CASES)
+
+
+def test_supports_refuses_what_the_kernels_cannot_take():
+    from skyrl_lora.server.kernels.grouped_lora import supports
+
+    one = torch.zeros(4, 1, 8, 64, dtype=torch.float16)
+    assert supports([one])
+    assert supports([one, torch.zeros(4, 1, 8, 64, dtype=torch.float16)])
+    assert not supports([one] * 4)  # more slices than a launch takes
+    assert not supports([one, one.to(torch.float32)])  # mixed dtypes
+    assert not supports([torch.zeros(4, 2, 8, 64, dtype=torch.float16)])  # not (slots, 1, ...)
+    assert not supports([])
+
+
+def test_kernel_choice_from_the_environment(monkeypatch):
+    from skyrl_lora.server.kernels import punica_ops
+
+    monkeypatch.delenv(punica_ops.KERNELS_ENV, raising=False)
+    assert punica_ops.chosen() == punica_ops.GROUPED
+    monkeypatch.setenv(punica_ops.KERNELS_ENV, "vllm")
+    assert punica_ops.chosen() == punica_ops.VLLM
+    monkeypatch.setenv(punica_ops.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="grouped"):
+        punica_ops.chosen()
+    # No CUDA device here: nothing is installed, vLLM's CPU path stays.
+    monkeypatch.setenv(punica_ops.KERNELS_ENV, "grouped")
+    assert punica_ops.install() is False
+    assert not punica_ops.installed()
