@@ -13,7 +13,7 @@ stand-in step loop of :mod:`benchmarks.step_loop`:
 * ``safetensors``: vLLM's read as it ships (``get_tensor`` per tensor, then
   ``pin_memory`` per tensor where vLLM pins);
 * ``one_buffer``: the same call with its file opened by
-  :class:`skyrl_lora.server.weights.adapter_file.OneBufferFile`, as the server's
+  :class:`skyrl_lora.server.adapters.adapter_file.OneBufferFile`, as the server's
   staging thread does.
 
 It also splits vLLM's own read, idle: the tensors out of safetensors, and
@@ -72,9 +72,9 @@ def measure() -> AdapterReadFigures:
 
     from benchmarks.vllm_layers import DecoderShape, write_random_adapter
     from skyrl_lora.server import compat
+    from skyrl_lora.server.adapters.adapter_file import OneBufferFile
     from skyrl_lora.server.embedded.builder import TARGET_MODULES
-    from skyrl_lora.server.weights import tensor_pickle
-    from skyrl_lora.server.weights.adapter_file import OneBufferFile
+    from skyrl_lora.server.transfer import tensor_pickle
 
     torch.set_num_threads(1)
     pinned = compat.lora_pin_memory()

@@ -11,11 +11,11 @@ memory, as in the engine). A thread stands in for the step loop: about
 microseconds, then 4 ms waiting for the device without the GIL. Its
 iterations that overlap a write are what the other tenants would feel as a
 longer inter-token gap. Writes run with the server's staging switch
-interval (:data:`skyrl_lora.server.weights.staging.STAGING_SWITCH_INTERVAL_S`).
+interval (:data:`skyrl_lora.server.loading.staging.STAGING_SWITCH_INTERVAL_S`).
 
 Each round writes with both methods, the order alternating round by round:
 vLLM's own ``set_lora`` per layer, and
-:class:`skyrl_lora.server.weights.slot_batch.BatchedSlotWriter` (its first write
+:class:`skyrl_lora.server.loading.slot_batch.BatchedSlotWriter` (its first write
 records, the rest replay). Runs in a process of its own (vLLM's
 distributed state is process-wide): ``python -m benchmarks.slot_write``
 prints the figures as JSON.
@@ -89,7 +89,7 @@ def measure(device: str) -> SlotWriteFigures:
         random_lora_weights,
         single_process_group,
     )
-    from skyrl_lora.server.weights.slot_batch import BatchedSlotWriter
+    from skyrl_lora.server.loading.slot_batch import BatchedSlotWriter
 
     torch.set_num_threads(1)
     on_gpu = device != "cpu"

@@ -78,7 +78,7 @@ def round_ratio(values: dict[str, list[float]], method: str, baseline: str) -> S
 @contextmanager
 def staging_switch_interval() -> Iterator[None]:
     """The interpreter's switch interval the server's staging thread runs with."""
-    from skyrl_lora.server.weights.staging import STAGING_SWITCH_INTERVAL_S
+    from skyrl_lora.server.loading.staging import STAGING_SWITCH_INTERVAL_S
 
     previous = sys.getswitchinterval()
     sys.setswitchinterval(STAGING_SWITCH_INTERVAL_S)

@@ -4,7 +4,7 @@ The area is a ``/dev/shm`` file handed to the worker open, as the push
 stream hands it (:mod:`skyrl_lora.server.http.receive_area`). The first
 push into it is read the host way and the area registered for DMA after
 it; the next push's bytes, written slice by slice behind an arrival marker,
-go straight into GPU memory (:mod:`skyrl_lora.server.weights.area_upload`).
+go straight into GPU memory (:mod:`skyrl_lora.server.transfer.area_upload`).
 Its model, built on the GPU from the layout's template, must equal vLLM's
 own build of the file, and its snapshot (copied to the host after the swap)
 the file, byte for byte. No server; seconds.
@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from skyrl_lora.server.weights import adapter_file, handover, snapshot_writer
-from skyrl_lora.server.weights.arrival import ArrivalWriter, take_followed
-from skyrl_lora.server.weights.handover_template import HandoverTemplates
-from skyrl_lora.server.weights.staged_buffer import BufferSource
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.adapters import adapter_file, snapshot_writer
+from skyrl_lora.server.adapters.arrival import ArrivalWriter, take_followed
+from skyrl_lora.server.loading.staged_buffer import BufferSource
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.handover_template import HandoverTemplates
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 from tests.test_handover_template import CONFIG, adapter_tensors, flat, vllm_build
 
 

@@ -1,6 +1,6 @@
 """The finite check on the GPU: right answers on either stream, and its time.
 
-:func:`skyrl_lora.server.weights.finite_check.nonfinite_count` runs on the
+:func:`skyrl_lora.server.adapters.finite_check.nonfinite_count` runs on the
 staging's side stream when called from the engine's default stream, and
 stays on a caller's side stream (the slot write's, whose copies it checks).
 Checked on the 8B model's rank-64 adapter shapes (448 tensors, 336 MB,
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from skyrl_lora.server.weights.finite_check import nonfinite_count
+from skyrl_lora.server.adapters.finite_check import nonfinite_count
 
 #: A and B of one 8B layer at rank 64 (q, k, v, o, gate, up, down), 32 layers.
 SHAPES = [

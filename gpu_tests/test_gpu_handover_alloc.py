@@ -4,7 +4,7 @@ torch's caching allocator hands a freed block out again at once to the
 stream it was freed on, though kernels queued earlier on that stream may
 still write it: safe for that stream's own work, not for a copy on a side
 stream. The staging copies a trainer's buffer on a side stream, so it must
-allocate there (:func:`skyrl_lora.server.weights.handover.copies_on_stream`).
+allocate there (:func:`skyrl_lora.server.transfer.handover.copies_on_stream`).
 First the hazard itself (so the test can fail), then the staging's copies.
 No server; a second.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_lora.server.weights.cuda_streams import side_stream
-from skyrl_lora.server.weights.handover import copies_on_stream
-from skyrl_lora.server.weights.staged_buffer import device_buffers
+from skyrl_lora.server.adapters.cuda_streams import side_stream
+from skyrl_lora.server.loading.staged_buffer import device_buffers
+from skyrl_lora.server.transfer.handover import copies_on_stream
 
 NBYTES = 64 << 20
 

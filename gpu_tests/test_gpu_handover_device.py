@@ -2,7 +2,7 @@
 
 From the second hand-over of a layout on, a trainer's GPU buffer is copied
 device to device and its model built, folded and written into its slot on
-the GPU (:mod:`skyrl_lora.server.weights.staging`); after the swap the
+the GPU (:mod:`skyrl_lora.server.loading.staging`); after the swap the
 model is pointed at its host copy. Both models must equal vLLM's own build
 of the same weights on the host (the installed CUDA vLLM's loader and
 packing, the host fold), tensor for tensor. No server; a few seconds.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_lora.server.weights.handover_template import HandoverTemplate
+from skyrl_lora.server.transfer.handover_template import HandoverTemplate
 from tests.test_handover_template import flat, handed_over, vllm_build
 
 

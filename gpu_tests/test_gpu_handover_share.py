@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from skyrl_lora.server.weights import handover
-from skyrl_lora.server.weights.open_shares import OpenShares
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.open_shares import OpenShares
 
 
 def trainer(conn: Any) -> None:

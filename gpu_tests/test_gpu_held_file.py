@@ -1,7 +1,7 @@
 """A path load's weights file, handed to a GPU worker open.
 
 The registry opens the file instead of copying it into the snapshot
-(:func:`skyrl_lora.server.weights.registry.snapshot_adapter_dir` with
+(:func:`skyrl_lora.server.adapters.registry.snapshot_adapter_dir` with
 ``held``). The worker reads it once into pinned memory and builds the
 model from a pinned copy (its scalings folded on the GPU, as pinned
 tensors are), from the layout's template; the bytes as read become the
@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from skyrl_lora.server.weights import handover, registry, snapshot_writer
-from skyrl_lora.server.weights.handover_template import HandoverTemplates
-from skyrl_lora.server.weights.staged_buffer import BufferSource
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.adapters import registry, snapshot_writer
+from skyrl_lora.server.loading.staged_buffer import BufferSource
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.handover_template import HandoverTemplates
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 from tests.test_handover_template import CONFIG, adapter_tensors, flat, vllm_build
 
 

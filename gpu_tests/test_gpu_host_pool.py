@@ -1,4 +1,4 @@
-"""Pinned snapshot copies are kept and reused (:mod:`skyrl_lora.server.weights.host_pool`).
+"""Pinned snapshot copies are kept and reused (:mod:`skyrl_lora.server.transfer.host_pool`).
 
 Allocating pinned host memory was 45% of the staging thread's wall time on
 an H100 (py-spy, main ca0af75). This times, for the 336 MB of a rank-64
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from skyrl_lora.server.weights.host_pool import HostBufferPool
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.transfer.host_pool import HostBufferPool
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 
 NBYTES = 336 << 20
 

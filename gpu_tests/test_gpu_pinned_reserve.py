@@ -1,5 +1,5 @@
 """A reserve taken before serving spares the step loop the driver's pinning
-(:mod:`skyrl_lora.server.weights.pinned_reserve`).
+(:mod:`skyrl_lora.server.transfer.pinned_reserve`).
 
 A stand-in for the engine's step loop (matmuls and a synchronize, over and
 over) runs on a thread while this thread takes pinned blocks for the 336 MB
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from skyrl_lora.server.weights.pinned_reserve import reserve
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.transfer.pinned_reserve import reserve
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 
 NBYTES = 336 << 20
 BLOCKS = 3

@@ -1,6 +1,6 @@
 """The scaling fold on the GPU writes the bytes the host fold writes, faster.
 
-:func:`skyrl_lora.server.weights.scale_fold.multiply_in_place` folds a
+:func:`skyrl_lora.server.adapters.scale_fold.multiply_in_place` folds a
 staged adapter's scalings on the GPU when its tensors are pinned; a version
 folded there must serve exactly what one folded on the host (the adapter
 reader process, a CPU machine) serves. Checked for the 8B model's rank-32 B
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from skyrl_lora.server.weights.scale_fold import multiply_in_place
+from skyrl_lora.server.adapters.scale_fold import multiply_in_place
 
 #: B of one 8B layer at rank 32 (q, k, v, o, gate, up, down), 32 layers.
 OUTS = (4096, 1024, 1024, 4096, 14336, 14336, 4096)

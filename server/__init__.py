@@ -8,7 +8,12 @@ Layers, lowest first; each imports only from those below it::
     tinker/                     the Tinker SDK's sampling surface, mounted by http/
     engine/                     the gate in front of vLLM's ``generate``, the gated engine
                                 and the CPU build's scheduler that zeroes new KV blocks
-    weights/                    adapter versions: registry, files, staging, engine slots
+    loading/                    a version into an engine LoRA slot beside the step loop:
+                                staging (both sides), its buffers, the slot write
+    transfer/                   an adapter's bytes onto the engine's host: hand-overs,
+                                receive areas to the GPU, the reader process, host memory
+    adapters/                   what an adapter is and which versions exist: registry,
+                                leases, snapshot files, one-call file reads, tensor checks
     compat, observability,      the one door to vLLM, metrics and event lines (and
     event_log,                  reading those lines back on a client's clock), the
     loop_monitor, step_watch,   event-loop watch, the engine's long-step log,

@@ -9,7 +9,7 @@ requests (seen on an H100 at main ca0af75, 2026-11-25).
 
 The guard runs in the engine process around vLLM's sampler
 (:func:`skyrl_lora.server.compat.wrap_sampler`, installed with the
-staging worker extension, :mod:`skyrl_lora.server.weights.staging`):
+staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
 
 * before sampling, a row with any NaN or infinity is set to zeros, so it
   samples inside the vocabulary and cannot take the engine down;

@@ -28,7 +28,7 @@ PAUSE_TO_ABORTED = Histogram(
 )
 
 #: ``slot="none"`` counts the installs that vLLM copies into a slot in its
-#: step loop, stalling every tenant for that long (see ``server/weights/slots.py``).
+#: step loop, stalling every tenant for that long (see ``server/loading/slots.py``).
 STAGINGS = Counter(
     "skyrl_adapter_stagings",
     "Adapter versions staged off the step loop, by whether the staging also "
@@ -37,14 +37,14 @@ STAGINGS = Counter(
 )
 
 #: How each staged version's files were read: ``read="reader"`` in the
-#: adapter reader process (``server/weights/adapter_reader.py``), ``"one_buffer"`` on
-#: the engine process's staging thread in one call (``server/weights/adapter_file.py``),
+#: adapter reader process (``server/transfer/adapter_reader.py``), ``"one_buffer"`` on
+#: the engine process's staging thread in one call (``server/adapters/adapter_file.py``),
 #: ``"safetensors"`` there tensor by tensor; both of the latter share the
 #: engine process's GIL with the step loop. The rest (``staging_status.py``)
 #: are built from a template: a file read in one call (``"file_template"``),
 #: a hand-over (``"handover"``, ``"handover_template"``), and a streamed
 #: push's receive area copied to the GPU as it landed (``"area_upload"``,
-#: ``server/weights/area_upload.py``).
+#: ``server/transfer/area_upload.py``).
 READS = Counter(
     "skyrl_adapter_reads",
     "Adapter versions staged, by how their files were read.",
@@ -59,7 +59,7 @@ ARRIVING_READS = Counter(
 
 #: How each path load's weights file reached its snapshot: ``weights="held"``
 #: handed to the engine's workers open, who read it and write the snapshot's
-#: copy (``server/weights/registry.py``), ``"copied"`` copied by the API
+#: copy (``server/adapters/registry.py``), ``"copied"`` copied by the API
 #: server first (no stage channel to carry the file).
 SNAPSHOTS = Counter(
     "skyrl_adapter_snapshots",
@@ -68,7 +68,7 @@ SNAPSHOTS = Counter(
 )
 
 #: Naps a staging took to give the GIL back to a busy step loop
-#: (``server/weights/staging_yield.py``): none while the engine is idle.
+#: (``server/loading/staging_yield.py``): none while the engine is idle.
 STAGING_NAPS = Counter(
     "skyrl_adapter_staging_naps",
     "Naps adapter stagings took to let the engine's step loop run alone.",

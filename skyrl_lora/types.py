@@ -395,30 +395,30 @@ class ServerInfo(_Wire):
     vllm_version: str
     eos_token_id: int | None
     #: Whether adapter weights are read and prepared off the engine's step
-    #: loop (see ``skyrl_lora.server.weights.staging``); False means every load
+    #: loop (see ``skyrl_lora.server.loading.staging``); False means every load
     #: stalls all tenants for as long as it takes.
     adapter_staging: bool = False
     #: Whether staging also writes the adapter into a free engine slot, leaving
     #: the step loop only the bookkeeping of the install.
     adapter_slot_prefill: bool = False
     #: Whether staging reads adapter files in a process of its own, off the
-    #: engine process's GIL (see ``skyrl_lora.server.weights.adapter_reader``).
+    #: engine process's GIL (see ``skyrl_lora.server.transfer.adapter_reader``).
     adapter_reader_process: bool = False
     #: Whether a staging gives the GIL back to the engine's step loop in naps
-    #: while the engine steps (see ``skyrl_lora.server.weights.staging_yield``).
+    #: while the engine steps (see ``skyrl_lora.server.loading.staging_yield``).
     adapter_staging_yield: bool = False
     #: Whether stage requests reach the engine's workers over a socket beside
     #: the step loop, not by an RPC served between two steps (see
-    #: ``skyrl_lora.server.weights.stage_channel``).
+    #: ``skyrl_lora.server.loading.stage_channel``).
     adapter_stage_channel: bool = False
     #: Whether GPU hand-overs of a known layout, and streamed pushes' receive
     #: areas, are built and written into their slot in GPU memory, their host
-    #: copies made after the swap (see ``skyrl_lora.server.weights.staged_buffer``
+    #: copies made after the swap (see ``skyrl_lora.server.loading.staged_buffer``
     #: and ``area_upload``); off on a CPU engine or with ``serve --no-gpu-staging``.
     adapter_gpu_staging: bool = False
     #: Pinned host memory the engine's workers took for stagings before
     #: serving, in bytes (``serve --pinned-reserve-adapters``; see
-    #: ``skyrl_lora.server.weights.pinned_reserve``); 0 where vLLM pins
+    #: ``skyrl_lora.server.transfer.pinned_reserve``); 0 where vLLM pins
     #: nothing (a CPU engine) or the reserve is off.
     adapter_pinned_reserve_bytes: int = 0
     #: Engine steps longer than this are logged as ``engine_long_step`` events
@@ -449,7 +449,7 @@ class ServerInfo(_Wire):
     adapter_handover: bool = False
     #: How many adapters' trainer CUDA shares each engine worker keeps open
     #: from one hand-over to the next (``serve --handover-open-shares``; see
-    #: ``skyrl_lora.server.weights.open_shares``); 0: each is opened and
+    #: ``skyrl_lora.server.transfer.open_shares``); 0: each is opened and
     #: closed at its hand-over.
     handover_open_shares: int = 0
     #: Whether every worker's sampler is guarded against rows of non-finite

@@ -1,4 +1,4 @@
-"""The one-call adapter file read (``skyrl_lora.server.weights.adapter_file``) against
+"""The one-call adapter file read (``skyrl_lora.server.adapters.adapter_file``) against
 safetensors and vLLM's real loader.
 
 What must hold: every tensor is the one safetensors reads, bit for bit, in
@@ -27,10 +27,11 @@ peft_helper = pytest.importorskip("vllm.lora.peft_helper")
 from safetensors.torch import save_file  # noqa: E402
 
 from skyrl_lora.server import compat  # noqa: E402
-from skyrl_lora.server.weights import chunked, tensor_pickle  # noqa: E402
-from skyrl_lora.server.weights.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
-from skyrl_lora.server.weights.staging import _WorkerStaging  # noqa: E402
-from skyrl_lora.server.weights.staging_status import ONE_BUFFER, READY  # noqa: E402
+from skyrl_lora.server.adapters import chunked  # noqa: E402
+from skyrl_lora.server.adapters.adapter_file import OneBufferFile, UnsupportedFile  # noqa: E402
+from skyrl_lora.server.loading.staging import _WorkerStaging  # noqa: E402
+from skyrl_lora.server.loading.staging_status import ONE_BUFFER, READY  # noqa: E402
+from skyrl_lora.server.transfer import tensor_pickle  # noqa: E402
 
 _HOST = tensor_pickle.host_buffers(pin_memory=False)
 
@@ -137,7 +138,7 @@ def test_a_header_is_parsed_once_per_bytes_and_a_changed_one_again(tmp_path: Pat
 def test_a_files_layout_key_is_worked_out_once_per_header_and_config(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from skyrl_lora.server.weights import staged_buffer
+    from skyrl_lora.server.loading import staged_buffer
 
     keyed: list[str] = []
 

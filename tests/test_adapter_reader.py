@@ -1,4 +1,4 @@
-"""The adapter reader process (``server/weights/adapter_reader.py``) with vLLM's real loader.
+"""The adapter reader process (``server/transfer/adapter_reader.py``) with vLLM's real loader.
 
 The reader runs vLLM's ``LoRAModel.from_local_checkpoint`` in a child
 process and hands the model back in one buffer. What must hold: the model is
@@ -24,13 +24,13 @@ lora_model = pytest.importorskip("vllm.lora.lora_model")
 peft_helper = pytest.importorskip("vllm.lora.peft_helper")
 
 from skyrl_lora.server import compat  # noqa: E402
-from skyrl_lora.server.weights import tensor_pickle  # noqa: E402
-from skyrl_lora.server.weights.adapter_reader import (  # noqa: E402
+from skyrl_lora.server.adapters.scale_fold import multiply_in_place  # noqa: E402
+from skyrl_lora.server.transfer import tensor_pickle  # noqa: E402
+from skyrl_lora.server.transfer.adapter_reader import (  # noqa: E402
     AdapterReader,
     ReaderRoutedLoader,
     ReaderUnavailable,
 )
-from skyrl_lora.server.weights.scale_fold import multiply_in_place  # noqa: E402
 
 #: The embedded model's LoRA targets (``server/embedded/builder.py``).
 _MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from skyrl_lora.errors import BadRequestError
-from skyrl_lora.server.weights import registry as adapters
-from skyrl_lora.server.weights.registry import snapshot_adapter_dir
+from skyrl_lora.server.adapters import registry as adapters
+from skyrl_lora.server.adapters.registry import snapshot_adapter_dir
 
 
 def _adapter(folder: Path) -> dict[str, bytes]:

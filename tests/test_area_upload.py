@@ -1,5 +1,5 @@
 """Receive areas mapped and registered for DMA, and copied up as their bytes
-land (:mod:`skyrl_lora.server.weights.area_upload`).
+land (:mod:`skyrl_lora.server.transfer.area_upload`).
 
 The registrations' bookkeeping runs here against a recording stand-in for
 CUDA's ``cudaHostRegister``; the copy runs into host buffers, slice by
@@ -19,22 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from skyrl_lora.server.weights import adapter_file  # noqa: E402
-from skyrl_lora.server.weights.adapter_file import (  # noqa: E402
-    opened_for_reading,
-    slice_follower,
-)
-from skyrl_lora.server.weights.area_upload import RegisteredAreas, copy_up  # noqa: E402
-from skyrl_lora.server.weights.arrival import (  # noqa: E402
-    ArrivalFailed,
-    ArrivalWriter,
-    take_followed,
-)
-from skyrl_lora.server.weights.staged_buffer import (  # noqa: E402
-    BufferSource,
-    in_shared_memory,
-)
-from skyrl_lora.server.weights.tensor_pickle import host_buffers  # noqa: E402
+from skyrl_lora.server.adapters import adapter_file  # noqa: E402
+from skyrl_lora.server.adapters.adapter_file import opened_for_reading, slice_follower  # noqa: E402
+from skyrl_lora.server.adapters.arrival import ArrivalFailed, ArrivalWriter, take_followed  # noqa: E402
+from skyrl_lora.server.loading.staged_buffer import BufferSource, in_shared_memory  # noqa: E402
+from skyrl_lora.server.transfer.area_upload import RegisteredAreas, copy_up  # noqa: E402
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers  # noqa: E402
 
 _HOST = host_buffers(pin_memory=False)
 

@@ -1,4 +1,4 @@
-"""A weights file read while it arrives (:mod:`skyrl_lora.server.weights.arrival`):
+"""A weights file read while it arrives (:mod:`skyrl_lora.server.adapters.arrival`):
 the worker's one-buffer read follows the writer's marker, never reads bytes
 not yet written, and gives up when the push fails."""
 
@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
 
-from skyrl_lora.server.weights import adapter_file, tensor_pickle  # noqa: E402
-from skyrl_lora.server.weights.adapter_file import OneBufferFile  # noqa: E402
-from skyrl_lora.server.weights.arrival import (  # noqa: E402
+from skyrl_lora.server.adapters import adapter_file  # noqa: E402
+from skyrl_lora.server.adapters.adapter_file import OneBufferFile  # noqa: E402
+from skyrl_lora.server.adapters.arrival import (  # noqa: E402
     MARKER,
     Arrival,
     ArrivalFailed,
@@ -26,6 +26,7 @@ from skyrl_lora.server.weights.arrival import (  # noqa: E402
     take_followed,
     wait_whole,
 )
+from skyrl_lora.server.transfer import tensor_pickle  # noqa: E402
 
 _HOST = tensor_pickle.host_buffers(pin_memory=False)
 PIECE = 10_000
@@ -132,7 +133,7 @@ def test_a_whole_file_is_not_waited_for_and_a_stalled_one_times_out(tmp_path: Pa
 def test_a_descriptor_is_followed_and_copied_only_once_whole(tmp_path: Path) -> None:
     """The engine is handed a push's receive area open: ``/proc/self/fd/N``
     finds the marker beside the file, and the snapshot's copy waits for it."""
-    from skyrl_lora.server.weights.snapshot_writer import PENDING_FILE, write_weights_from
+    from skyrl_lora.server.adapters.snapshot_writer import PENDING_FILE, write_weights_from
 
     data, _ = _adapter_bytes(tmp_path)
     target, fd, writer = _arriving(tmp_path, len(data))

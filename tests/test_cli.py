@@ -82,7 +82,7 @@ def test_the_gc_freeze_is_on_unless_turned_off(flags: list[str], frozen: bool) -
 @pytest.mark.parametrize(("flags", "naps"), [([], True), (["--no-staging-yield"], False)])
 def test_staging_naps_are_on_unless_turned_off(flags: list[str], naps: bool) -> None:
     from skyrl_lora.server.http.app import parse_server_args, staging_yield
-    from skyrl_lora.server.weights.staging_yield import DEFAULT_STAGING_YIELD
+    from skyrl_lora.server.loading.staging_yield import DEFAULT_STAGING_YIELD
 
     config = staging_yield(parse_server_args(["--model", "unused", *flags]))
     assert config == (DEFAULT_STAGING_YIELD if naps else None)

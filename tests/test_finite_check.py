@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from skyrl_lora.server.weights.finite_check import (
+from skyrl_lora.server.adapters.finite_check import (
     NonFiniteWeights,
     ensure_finite,
     model_tensors,

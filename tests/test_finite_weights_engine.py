@@ -3,7 +3,7 @@
 On the embedded model's CPU engine, after one sample from a NaN adapter, a
 good tenant's next sample came back with every logprob NaN: one tenant's
 diverged update spoiled the others. The server now checks a version's
-weights before they reach an engine slot (:mod:`skyrl_lora.server.weights.finite_check`)
+weights before they reach an engine slot (:mod:`skyrl_lora.server.adapters.finite_check`)
 and answers 400; the tenant's current version keeps serving, and so does
 everyone else.
 """

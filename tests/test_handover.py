@@ -19,9 +19,10 @@ from pydantic import ValidationError
 
 from skyrl_lora.client import AdapterHandover
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
-from skyrl_lora.server.weights import handover, snapshot_writer
-from skyrl_lora.server.weights.snapshot_writer import SnapshotWriter
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.adapters import snapshot_writer
+from skyrl_lora.server.adapters.snapshot_writer import SnapshotWriter
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 from skyrl_lora.types import HandoverRequest
 
 CONFIG = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "peft_type": "LORA"}

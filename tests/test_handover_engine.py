@@ -24,7 +24,7 @@ from skyrl_lora.errors import (
     HandoverUnavailableError,
     PermissionDeniedError,
 )
-from skyrl_lora.server.weights import snapshot_writer
+from skyrl_lora.server.adapters import snapshot_writer
 from tests.conftest import TENANT_KEYS, EngineServer, counts_by_label
 from tests.test_push_engine import LONG, admin, sample, wait_running, words
 
@@ -65,7 +65,7 @@ async def test_a_layout_seen_before_builds_from_its_template_and_serves_the_same
     engine_server, admin, http
 ) -> None:
     """The second hand-over of a layout skips vLLM's loader and packing
-    (:mod:`skyrl_lora.server.weights.handover_template`): it must serve what
+    (:mod:`skyrl_lora.server.transfer.handover_template`): it must serve what
     the same weights pushed as files serve, token for token, and its snapshot
     must hold the weights as handed over (not with the scaling folded in)."""
     woof = Path(engine_server.model.adapters["woof"]) / "adapter_model.safetensors"

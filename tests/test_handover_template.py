@@ -18,16 +18,16 @@ from vllm.lora.peft_helper import PEFTHelper
 
 from skyrl_lora.client import AdapterHandover
 from skyrl_lora.server import compat
-from skyrl_lora.server.weights import handover
-from skyrl_lora.server.weights.finite_check import nonfinite_count
-from skyrl_lora.server.weights.handover_template import (
+from skyrl_lora.server.adapters.finite_check import nonfinite_count
+from skyrl_lora.server.adapters.scale_fold import multiply_in_place
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.handover_template import (
     HandoverTemplate,
     HandoverTemplates,
     NotTemplatable,
     layout_key,
 )
-from skyrl_lora.server.weights.scale_fold import multiply_in_place
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 
 pytest.importorskip("vllm")
 

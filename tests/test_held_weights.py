@@ -24,13 +24,14 @@ import torch
 from safetensors.torch import save_file
 
 from skyrl_lora.errors import BadRequestError
-from skyrl_lora.server.weights import handover, registry, snapshot_writer
-from skyrl_lora.server.weights.handover_template import HandoverTemplates
-from skyrl_lora.server.weights.stage_channel import StageChannel, StageListener, socket_path
-from skyrl_lora.server.weights.staged_buffer import BufferSource
-from skyrl_lora.server.weights.staging import _WorkerStaging
-from skyrl_lora.server.weights.staging_status import READY
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.adapters import registry, snapshot_writer
+from skyrl_lora.server.loading.stage_channel import StageChannel, StageListener, socket_path
+from skyrl_lora.server.loading.staged_buffer import BufferSource
+from skyrl_lora.server.loading.staging import _WorkerStaging
+from skyrl_lora.server.loading.staging_status import READY
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.handover_template import HandoverTemplates
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 from tests.test_staging import _Manager, _Request, _wait
 
 WEIGHTS = handover.WEIGHTS_FILE

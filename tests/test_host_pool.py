@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_lora.server.weights.host_pool import HostBufferPool
-from skyrl_lora.server.weights.tensor_pickle import host_buffers
+from skyrl_lora.server.transfer.host_pool import HostBufferPool
+from skyrl_lora.server.transfer.tensor_pickle import host_buffers
 
 
 def _pool(max_idle_bytes: int = 1 << 20) -> HostBufferPool:

@@ -26,7 +26,7 @@ SOURCES = {
 #: Server subpackages, lowest first: a package may import only those before it
 #: (and the server's top-level modules, which are below every subpackage,
 #: except the entry points cli and demo, which sit on top).
-SERVER_LAYERS = ["weights", "engine", "tinker", "http", "cluster"]
+SERVER_LAYERS = ["adapters", "transfer", "loading", "engine", "tinker", "http", "cluster"]
 SERVER_ENTRY_POINTS = {"cli", "demo", "__main__"}
 
 
@@ -144,7 +144,7 @@ def _server_layer(module: str) -> int | None:
 
 def test_the_checker_sees_every_kind_of_import() -> None:
     graph = _graph()
-    assert "skyrl_lora.server.weights.registry" in graph["skyrl_lora.server.engine.gated"]
+    assert "skyrl_lora.server.adapters.registry" in graph["skyrl_lora.server.engine.gated"]
     assert "skyrl_lora.server.cluster.actor" in graph["skyrl_lora.server.cli"]  # in a function
     assert "skyrl_lora.stitching" in graph["skyrl_lora.client.client"]
     fake = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}

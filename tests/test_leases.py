@@ -14,9 +14,9 @@ from skyrl_lora.errors import (
     VersionGoneError,
     error_class_for,
 )
+from skyrl_lora.server.adapters.leases import LeaseTable
+from skyrl_lora.server.adapters.registry import check_version, weights_sha256
 from skyrl_lora.server.engine.gate import AdapterGate
-from skyrl_lora.server.weights.leases import LeaseTable
-from skyrl_lora.server.weights.registry import check_version, weights_sha256
 from skyrl_lora.types import LeaseRequest, LoadAdapterRequest, SampleRequest, VersionRef
 
 

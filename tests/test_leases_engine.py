@@ -11,7 +11,7 @@ import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import VersionGoneError
-from skyrl_lora.server.weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER
+from skyrl_lora.server.adapters.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER
 from tests.conftest import TENANT_KEYS, EngineServer
 
 pytestmark = pytest.mark.engine

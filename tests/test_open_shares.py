@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_lora.server.weights import handover
-from skyrl_lora.server.weights.open_shares import OpenShares
-from skyrl_lora.server.weights.registry import adapter_of, engine_name
-from skyrl_lora.server.weights.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter
+from skyrl_lora.server.adapters.registry import adapter_of, engine_name
+from skyrl_lora.server.adapters.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter
+from skyrl_lora.server.transfer import handover
+from skyrl_lora.server.transfer.open_shares import OpenShares
 from tests.test_handover import share
 
 

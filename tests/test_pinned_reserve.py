@@ -1,4 +1,4 @@
-"""The pinned reserve (``skyrl_lora.server.weights.pinned_reserve``).
+"""The pinned reserve (``skyrl_lora.server.transfer.pinned_reserve``).
 
 What must hold: the blocks are sized as one adapter of the asked rank on
 every layer the engine's slots hold, counted on vLLM's real LoRA layers
@@ -27,7 +27,7 @@ from benchmarks.vllm_layers import (  # noqa: E402
     write_random_adapter,
 )
 from skyrl_lora.server.http.app import parse_server_args, pinned_reserve  # noqa: E402
-from skyrl_lora.server.weights.pinned_reserve import (  # noqa: E402
+from skyrl_lora.server.transfer.pinned_reserve import (  # noqa: E402
     IN_FLIGHT_BLOCKS,
     MAX_HOST_SHARE,
     PinnedReserve,

@@ -1,4 +1,4 @@
-"""Batched slot writes (``skyrl_lora.server.weights.slot_batch``) on vLLM's real LoRA layers.
+"""Batched slot writes (``skyrl_lora.server.loading.slot_batch``) on vLLM's real LoRA layers.
 
 What must hold: a slot written through the recorder holds exactly what
 vLLM's own ``set_lora`` / ``reset_lora`` leave there, write after write into
@@ -28,7 +28,7 @@ from benchmarks.vllm_layers import (  # noqa: E402
     random_lora_weights,
     single_process_group,
 )
-from skyrl_lora.server.weights.slot_batch import BatchedSlotWriter, WriteCounts  # noqa: E402
+from skyrl_lora.server.loading.slot_batch import BatchedSlotWriter, WriteCounts  # noqa: E402
 
 SLOTS = 3
 MAX_RANK = 16

@@ -1,4 +1,4 @@
-"""Slot writes off the step loop (``skyrl_lora.server.weights.slots``), on a stand-in manager.
+"""Slot writes off the step loop (``skyrl_lora.server.loading.slots``), on a stand-in manager.
 
 ``_Manager`` behaves like vLLM's ``LRUCacheLoRAModelManager`` where the
 prefill depends on it: first free slot, LRU eviction when every slot is
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from skyrl_lora.server.weights.slots import SlotPrefill
+from skyrl_lora.server.loading.slots import SlotPrefill
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ def test_a_checked_write_of_non_finite_weights_resets_and_frees_its_slot(
 ) -> None:
     import torch
 
-    from skyrl_lora.server.weights.finite_check import NonFiniteWeights
+    from skyrl_lora.server.adapters.finite_check import NonFiniteWeights
 
     prefill = SlotPrefill(manager)
     fine = _Model(5, {"qkv": _Weights(torch.ones(2), torch.ones(2))})  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Stage requests beside the step loop (``skyrl_lora.server.weights.stage_channel``).
+"""Stage requests beside the step loop (``skyrl_lora.server.loading.stage_channel``).
 
 The socket itself, then the worker's half against a stand-in loader: a
 request from the channel stages at once, and a staging that needs the
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.weights.stage_channel import StageChannel, StageListener, socket_path
-from skyrl_lora.server.weights.staging import _WorkerStaging
-from skyrl_lora.server.weights.staging_status import READY
+from skyrl_lora.server.loading.stage_channel import StageChannel, StageListener, socket_path
+from skyrl_lora.server.loading.staging import _WorkerStaging
+from skyrl_lora.server.loading.staging_status import READY
 from tests.test_staging import _Manager, _Request, _wait
 
 

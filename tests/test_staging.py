@@ -1,4 +1,4 @@
-"""Worker-side adapter staging (``skyrl_lora.server.weights.staging``) on its own.
+"""Worker-side adapter staging (``skyrl_lora.server.loading.staging``) on its own.
 
 The loader is a stand-in for vLLM's ``_load_adapter``: what is tested here is
 our bookkeeping (staged models are handed out once, failures carry the
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.weights.staging import STAGING_SWITCH_INTERVAL_S, _WorkerStaging
-from skyrl_lora.server.weights.staging_status import FAILED, PENDING, READY, UNKNOWN
+from skyrl_lora.server.loading.staging import STAGING_SWITCH_INTERVAL_S, _WorkerStaging
+from skyrl_lora.server.loading.staging_status import FAILED, PENDING, READY, UNKNOWN
 
 
 @dataclass(frozen=True)

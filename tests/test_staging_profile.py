@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_lora.server.weights.staging_profile import ENV, StagingProfiler
+from skyrl_lora.server.loading.staging_profile import ENV, StagingProfiler
 
 
 def test_off_without_the_variable_and_parsed_with_it(tmp_path: Path) -> None:

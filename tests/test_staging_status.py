@@ -15,8 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from skyrl_lora.server.weights.staged_engine import StagedLoRAEngine, StagingConfig
-from skyrl_lora.server.weights.staging_status import READY, status_file
+from skyrl_lora.server.loading.staged_engine import StagedLoRAEngine, StagingConfig
+from skyrl_lora.server.loading.staging_status import READY, status_file
 
 
 class ScriptedEngine:
@@ -91,8 +91,8 @@ def test_the_extension_vllm_loads_by_name_is_the_workers_staging() -> None:
     """vLLM imports the workers' side by the name the API server gives it."""
     import importlib
 
-    from skyrl_lora.server.weights.staged_engine import EXTENSION_QUALNAME
-    from skyrl_lora.server.weights.staging import LoRAStagingExtension
+    from skyrl_lora.server.loading.staged_engine import EXTENSION_QUALNAME
+    from skyrl_lora.server.loading.staging import LoRAStagingExtension
 
     module, _, name = EXTENSION_QUALNAME.rpartition(".")
     assert getattr(importlib.import_module(module), name) is LoRAStagingExtension

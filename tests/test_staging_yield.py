@@ -1,4 +1,4 @@
-"""The staging thread's naps (``skyrl_lora.server.weights.staging_yield``) on their own,
+"""The staging thread's naps (``skyrl_lora.server.loading.staging_yield``) on their own,
 and their yield points in vLLM's real adapter read.
 
 That a real server's staging naps under load and not when idle is checked in
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_lora.server import compat
-from skyrl_lora.server.weights.staging_yield import StagingYield, YieldPoints, install_yield_points
+from skyrl_lora.server.loading.staging_yield import StagingYield, YieldPoints, install_yield_points
 
 #: Every pass through a yield point ends a slice; naps are short.
 EVERY_PASS = StagingYield(slice_s=0.0, nap_s=0.0005, busy_within_s=60.0)

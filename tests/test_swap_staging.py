@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from skyrl_lora.errors import BadRequestError
+from skyrl_lora.server.adapters.registry import AdapterRegistry
 from skyrl_lora.server.engine.gate import DEFAULT_ANSWER_PACING, AdapterGate
 from skyrl_lora.server.engine.gated import GatedEngine
-from skyrl_lora.server.weights.registry import AdapterRegistry
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,8 @@ def _patch_app() -> None:
 def _patch_staging() -> None:
     """Cycle the staging-yield modes of $GAP_YIELD_MODES, one per staging (a within-run A/B)."""
     modes = [m for m in os.environ.get("GAP_YIELD_MODES", "").split(",") if m]
-    from skyrl_lora.server.weights import staging
-    from skyrl_lora.server.weights.staging_yield import StagingYield
+    from skyrl_lora.server.loading import staging
+    from skyrl_lora.server.loading.staging_yield import StagingYield
 
     configs = []
     for mode in modes:

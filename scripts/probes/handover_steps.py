@@ -10,9 +10,9 @@ and the engine run them:
   the buffer);
 * engine: opening the share (``rebuild_cuda_tensor``), copying it device
   to device on a side stream, and closing it (dropping the tensor), as
-  :func:`skyrl_lora.server.weights.handover.copy_out` does, and the same
+  :func:`skyrl_lora.server.transfer.handover.copy_out` does, and the same
   with the share kept open from one hand-over to the next (as
-  :mod:`skyrl_lora.server.weights.open_shares` keeps it);
+  :mod:`skyrl_lora.server.transfer.open_shares` keeps it);
 
 idle, then under a stand-in for the engine's load (steps of large matrix
 products on the default stream, in a thread of the engine process). A
@@ -38,7 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from skyrl_lora.client import AdapterHandover
-from skyrl_lora.server.weights import handover
+from skyrl_lora.server.transfer import handover
 
 #: The 8B model's rank-64 adapter: 32 layers of q/k/v/o/gate/up/down, A and B.
 SHAPES = {

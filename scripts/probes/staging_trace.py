@@ -2,7 +2,7 @@
 
 ``python scripts/probes/staging_trace.py DIR [--match handover]`` reads the
 ``staging-*.json`` traces that ``SKYRL_STAGING_PROFILE=DIR,N`` leaves
-(``server/weights/staging_profile.py``) and prints, for each staging:
+(``server/loading/staging_profile.py``) and prints, for each staging:
 
 - its window, and how much of it the GPU spent on other streams' work that
   the trace holds (on an H100 at 3b61c2a it held none of the engine's

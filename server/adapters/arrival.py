@@ -6,7 +6,7 @@ writing the engine slot) used to start only once the push stream had
 received every byte, so a push cost its transfer plus a whole path load.
 The stream now starts the load when the push's first lane connects
 (:mod:`skyrl_lora.server.http.push_stream`), and the worker's read of the
-file (:class:`~skyrl_lora.server.weights.adapter_file.OneBufferFile`)
+file (:class:`~skyrl_lora.server.adapters.adapter_file.OneBufferFile`)
 follows the bytes as they land. What is checked stays as strict: the
 version is installed only after the whole file's digest matched, and a
 push that fails part-way fails its staging here.

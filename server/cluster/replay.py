@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 from skyrl_lora.errors import ConflictError
 
+from ..adapters.snapshot_writer import wait_for_weights
 from ..engine.gated import GatedEngine
 from ..http.push import FILES, load_pushed, write_pushed_files
 from ..http.push_stream import STREAMED_PREFIX
-from ..weights.snapshot_writer import wait_for_weights
 
 #: How a pushed version's ``source_path`` reads in the registry.
 PUSHED_PREFIX = "push:sha256="

@@ -24,9 +24,9 @@ from skyrl_lora.errors import (
 from skyrl_lora.types import AdapterInfo, DrainingVersion, SettleResponse, SwapPolicy
 
 from .. import compat
+from ..adapters.leases import Lease, LeaseTable
+from ..adapters.registry import AdapterRecord, AdapterRegistry, PreparedVersion
 from ..observability import PAUSE_TO_ABORTED, log_event
-from ..weights.leases import Lease, LeaseTable
-from ..weights.registry import AdapterRecord, AdapterRegistry, PreparedVersion
 from .gate import AdapterGate, DrainResult
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);
@@ -456,7 +456,7 @@ class GatedEngine:
     # -- leases --------------------------------------------------------------
     def lease(self, lora_name: str, version: int | None, ttl_s: float) -> Lease:
         """Keep ``version`` (default: the current one) of ``lora_name`` loaded for
-        ``ttl_s`` seconds, for samples pinned to it (see :mod:`..weights.leases`).
+        ``ttl_s`` seconds, for samples pinned to it (see :mod:`..adapters.leases`).
 
         The version must still be held (410 otherwise); the lease ends on its
         own after ``ttl_s``, and the version is retired then if it is no

@@ -5,5 +5,6 @@ Owns the app and its start-up (``app``), the ``/skyrl/v1`` routes
 route (``sample``) and adapter uploads (``push``; over a stream of their
 own, ``push_stream``, each push's lanes meeting in ``push_assembly``,
 received in a process of their own, ``push_stream_process``). May import
-``engine``, ``weights``, ``tinker`` and the server's top-level modules.
+``tinker``, ``engine``, ``loading``, ``transfer``, ``adapters`` and the
+server's base modules.
 """

@@ -28,6 +28,8 @@ from skyrl_lora.errors import EngineUnavailableError, ServerError
 from skyrl_lora.types import ServerInfo
 
 from .. import compat, loop_monitor, observability
+from ..adapters.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
+from ..adapters.registry import AdapterRegistry
 from ..engine.gate import (
     DEFAULT_ANSWER_PACING,
     DEFAULT_RESUME_PACING,
@@ -37,16 +39,14 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..engine.step_budget import graph_step_budget
+from ..loading import staged_engine
+from ..loading.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from ..reaper import start_reaper
 from ..step_watch import DEFAULT_LONG_STEP_S
 from ..tinker.routes import tinker_surface
-from ..weights import staged_engine
-from ..weights.handover import HandoverAccess
-from ..weights.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
-from ..weights.open_shares import DEFAULT_OPEN_SHARES
-from ..weights.pinned_reserve import PinnedReserve
-from ..weights.registry import AdapterRegistry
-from ..weights.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
+from ..transfer.handover import HandoverAccess
+from ..transfer.open_shares import DEFAULT_OPEN_SHARES
+from ..transfer.pinned_reserve import PinnedReserve
 from .auth import AuthMiddleware, KeyStore, request_key
 from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .push_stream import PushStreamConfig, PushStreamListener, load_opened

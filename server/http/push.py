@@ -35,10 +35,10 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from skyrl_lora.errors import BadRequestError, PayloadTooLargeError
 from skyrl_lora.types import SwapPolicy
 
+from ..adapters.adapter_file import Readable, read_header
+from ..adapters.registry import AdapterRecord, PreparedVersion
+from ..adapters.snapshot_writer import write_all
 from ..engine.gated import GatedEngine, Preparer
-from ..weights.adapter_file import Readable, read_header
-from ..weights.registry import AdapterRecord, PreparedVersion
-from ..weights.snapshot_writer import write_all
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

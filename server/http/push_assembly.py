@@ -33,8 +33,8 @@ from skyrl_lora.errors import (
 )
 from skyrl_lora.types import AdapterInfo
 
+from ..adapters.arrival import MARKER, ArrivalWriter
 from ..observability import log_event
-from ..weights.arrival import MARKER, ArrivalWriter
 from .push import WEIGHTS_FILE
 from .receive_area import ReceiveArea, ReceiveAreas, close_area
 
@@ -64,7 +64,7 @@ class Receipt:
     ``weights_fd``: a descriptor of it where it is not in the push's folder
     but in a receive area (:mod:`.receive_area`): the load hands it to the
     engine, which writes the snapshot's copy (see
-    :meth:`~skyrl_lora.server.weights.registry.AdapterRegistry.prepare_owned`).
+    :meth:`~skyrl_lora.server.adapters.registry.AdapterRegistry.prepare_owned`).
     Each step raises the stream's error instead if the push failed first.
     """
 
@@ -105,7 +105,7 @@ def _settle(future: Future[Any], value: Any) -> None:
 #: Loads a push on the event loop, as an HTTP push is loaded, from the moment
 #: its first lane connects: it may stage while the bytes arrive (the
 #: folder's weights file is followed through its :mod:`arrival
-#: <skyrl_lora.server.weights.arrival>` marker), and must install nothing
+#: <skyrl_lora.server.adapters.arrival>` marker), and must install nothing
 #: before :meth:`Receipt.digest` answers.
 Finish = Callable[[OpenedPush, Receipt], Coroutine[Any, Any, AdapterInfo]]
 

@@ -27,7 +27,7 @@ How, in three steps:
    threads write at their offsets in the push's folder; other threads hash
    each chunk meanwhile (:class:`~.push_assembly.Assembly`). The push's
    load starts on the event loop as the first lane connects, and stages
-   while the bytes arrive (:mod:`~skyrl_lora.server.weights.arrival`); it
+   while the bytes arrive (:mod:`~skyrl_lora.server.adapters.arrival`); it
    installs once every lane is in and the digests match, as an HTTP push
    is installed, and every lane gets the answer as one JSON line:
    ``{"status": 200, "adapter": AdapterInfo}`` or ``{"status": 4xx,
@@ -83,8 +83,8 @@ from skyrl_lora.errors import (
 )
 from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
+from ..adapters.registry import AdapterRecord, PreparedVersion
 from ..engine.gated import GatedEngine
-from ..weights.registry import AdapterRecord, PreparedVersion
 from .push import (
     check_safetensors,
     check_safetensors_head,

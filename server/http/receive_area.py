@@ -16,7 +16,7 @@ every step), so their pages are resident and already mapped. The engine's
 worker reads the weights from the area's file (its descriptor goes with the
 stage request, the push's arrival marker lies beside it), and writes the
 snapshot's copy after the swap, as for a path load whose file it was given
-open (:mod:`skyrl_lora.server.weights.snapshot_writer`). An area goes back
+open (:mod:`skyrl_lora.server.adapters.snapshot_writer`). An area goes back
 to the pool when its push's load is done, before any lane answers.
 
 On two H200 machines of the same kind (vLLM 0.26.0, 8B model, rank 64,
@@ -46,11 +46,11 @@ import threading
 from concurrent.futures import Executor
 from pathlib import Path
 
-from ..weights.handover import SHM_DIR
+from ..transfer.handover import SHM_DIR
 from .push import WEIGHTS_FILE
 
 #: Where areas live: memory-backed, so their pages never go to disk. The
-#: engine maps and pins only files there (:func:`..weights.staged_buffer.in_shared_memory`),
+#: engine maps and pins only files there (:func:`..loading.staged_buffer.in_shared_memory`),
 #: so both name the one directory.
 SHM_ROOT = SHM_DIR
 _PAGE = mmap.PAGESIZE

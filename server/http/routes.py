@@ -39,11 +39,11 @@ from skyrl_lora.types import (
 )
 
 from .. import compat
+from ..adapters.leases import Lease
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
 from ..observability import log_event
-from ..weights.handover import NO_HANDOVERS, HandoverAccess, write_handover
-from ..weights.leases import Lease
+from ..transfer.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from .auth import ApiKey, request_key
 from .push import (
     CONFIG_FILE,

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .finite_check import parts
+from ..adapters.finite_check import parts
 
 logger = logging.getLogger("vllm.skyrl_lora.slot_batch")
 

@@ -15,7 +15,7 @@ records the adapter as active in the slot already written.
   putting a placeholder id in ``lora_index_to_id`` (so vLLM's first-free
   search skips it), writes the model with each layer's own ``set_lora`` /
   ``reset_lora``, their tensor calls batched into two
-  (:mod:`skyrl_lora.server.weights.slot_batch`), and waits for the copies to land.
+  (:mod:`skyrl_lora.server.loading.slot_batch`), and waits for the copies to land.
 * The manager's ``activate_adapter`` is wrapped. For an adapter with a
   written slot it clears the placeholder and calls vLLM's own
   ``activate_adapter`` with the layer table swapped out for an empty one,
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .finite_check import NonFiniteWeights, ensure_finite, parts
+from ..adapters.finite_check import NonFiniteWeights, ensure_finite, parts
 from .slot_batch import BatchedSlotWriter, WriteCounts
 
 logger = logging.getLogger("vllm.skyrl_lora.slots")

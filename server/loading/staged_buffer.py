@@ -43,9 +43,7 @@ from typing import Any
 
 import torch
 
-from ..observability import log_engine_event
-from . import handover
-from .adapter_file import (
+from ..adapters.adapter_file import (
     PARSED_HEADERS,
     FileHeader,
     OneBufferFile,
@@ -53,18 +51,20 @@ from .adapter_file import (
     opened_for_reading,
     slice_follower,
 )
-from .area_upload import CudaPinning, RegisteredAreas, copy_up
-from .cuda_streams import AFTER_SWAP, side_stream
-from .handover_template import HandoverTemplate, HandoverTemplates, layout_key
-from .host_pool import HostBufferPool
-from .open_shares import OpenShares
-from .registry import adapter_of
-from .snapshot_writer import (
+from ..adapters.cuda_streams import AFTER_SWAP, side_stream
+from ..adapters.registry import adapter_of
+from ..adapters.snapshot_writer import (
     SnapshotLayout,
     file_layout,
     safetensors_layout,
     write_weights_from,
 )
+from ..observability import log_engine_event
+from ..transfer import handover
+from ..transfer.area_upload import CudaPinning, RegisteredAreas, copy_up
+from ..transfer.handover_template import HandoverTemplate, HandoverTemplates, layout_key
+from ..transfer.host_pool import HostBufferPool
+from ..transfer.open_shares import OpenShares
 
 
 @dataclass(frozen=True)

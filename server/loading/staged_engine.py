@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import compat
+from ..adapters.snapshot_writer import write_weights_from
 from ..observability import (
     ARRIVING_READS,
     READS,
@@ -30,28 +31,18 @@ from ..observability import (
     log_event,
 )
 from ..step_watch import DEFAULT_LONG_STEP_S
-from . import handover
-from .open_shares import DEFAULT_OPEN_SHARES
-from .pinned_reserve import PinnedReserve, ReserveReport
-from .snapshot_writer import write_weights_from
+from ..transfer import handover
+from ..transfer.open_shares import DEFAULT_OPEN_SHARES
+from ..transfer.pinned_reserve import PinnedReserve, ReserveReport
 from .stage_channel import StageChannel
-from .staging_status import (
-    FAILED,
-    PENDING,
-    READY,
-    UNKNOWN,
-    status_file,
-)
-from .staging_yield import (
-    DEFAULT_STAGING_YIELD,
-    StagingYield,
-)
+from .staging_status import FAILED, PENDING, READY, UNKNOWN, status_file
+from .staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 
 logger = logging.getLogger("vllm.skyrl_lora.staged_engine")
 
 #: The workers' side, which vLLM loads into each worker by name
 #: (``--worker-extension-cls``): :class:`.staging.LoRAStagingExtension`.
-EXTENSION_QUALNAME = "skyrl_lora.server.weights.staging.LoRAStagingExtension"
+EXTENSION_QUALNAME = "skyrl_lora.server.loading.staging.LoRAStagingExtension"
 
 
 @dataclass(frozen=True)
@@ -74,29 +65,29 @@ class StagingConfig:
     #: this often: a staging whose file never came (its write failed) ends.
     rpc_check_s: float = 1.0
     #: Copy staged adapters into a free engine slot on the staging thread
-    #: (:mod:`skyrl_lora.server.weights.slots`); off, vLLM copies in the step loop.
+    #: (:mod:`skyrl_lora.server.loading.slots`); off, vLLM copies in the step loop.
     slot_prefill: bool = True
     #: On a GPU worker, build GPU hand-overs of a known layout, and streamed
-    #: pushes' receive areas, in GPU memory (:mod:`skyrl_lora.server.weights.staged_buffer`,
-    #: :mod:`~skyrl_lora.server.weights.area_upload`); off, in pinned host
+    #: pushes' receive areas, in GPU memory (:mod:`skyrl_lora.server.loading.staged_buffer`,
+    #: :mod:`~skyrl_lora.server.transfer.area_upload`); off, in pinned host
     #: memory, copied into the slot from there. Other files are built on the host.
     gpu_staging: bool = True
     #: Keep this many adapters' trainer CUDA shares open from one hand-over
-    #: to the next (:mod:`skyrl_lora.server.weights.open_shares`); 0 opens
+    #: to the next (:mod:`skyrl_lora.server.transfer.open_shares`); 0 opens
     #: and closes each trainer's buffer at every hand-over.
     open_shares: int = DEFAULT_OPEN_SHARES
     #: Read adapter files in a process of their own
-    #: (:mod:`skyrl_lora.server.weights.adapter_reader`); off, the staging
+    #: (:mod:`skyrl_lora.server.transfer.adapter_reader`); off, the staging
     #: thread reads them in the engine process. Off by
     #: default: the extra copy cost more swap time on an H100 than the
     #: GIL it frees bought the other tenants (docs/design.md, "Adapter reader").
     reader_process: bool = False
     #: While the engine steps, the staging thread runs in short slices with
-    #: naps between them (:mod:`skyrl_lora.server.weights.staging_yield`); None: it never naps.
+    #: naps between them (:mod:`skyrl_lora.server.loading.staging_yield`); None: it never naps.
     staging_yield: StagingYield | None = DEFAULT_STAGING_YIELD
     #: Pinned host memory each worker takes before serving, so that no
     #: staging pins fresh memory while the engine steps
-    #: (:mod:`skyrl_lora.server.weights.pinned_reserve`); None: none.
+    #: (:mod:`skyrl_lora.server.transfer.pinned_reserve`); None: none.
     pinned_reserve: PinnedReserve | None = None
     #: Log each worker's engine steps longer than this as ``engine_long_step``
     #: events (:mod:`skyrl_lora.server.step_watch`); None: none.

@@ -13,14 +13,14 @@ Here the expensive part moves to a background thread of each worker:
    ``LoRAModel`` for the request on a worker thread, with the worker's own
    loader, so validation and layout are exactly vLLM's (only its file read
    is ours: one call into one buffer, pinned where vLLM pins, see
-   :mod:`skyrl_lora.server.weights.adapter_file`), and packs it for
+   :mod:`skyrl_lora.server.adapters.adapter_file`), and packs it for
    the worker's layers (fused q/k/v and gate/up, scaling folded into B,
    pinned host copies) with the model manager's own packing. Where the
    adapter is paused and drained, the call first removes the version being
    replaced, so a server with every slot in use still has one to write
    (:meth:`_WorkerStaging._drop_replaced`).
 2. Where an engine LoRA slot is free, the staging thread also copies the
-   packed model into it (:mod:`skyrl_lora.server.weights.slots`): no request reads
+   packed model into it (:mod:`skyrl_lora.server.loading.slots`): no request reads
    a slot before an adapter is active in it.
 3. The API server waits until the model is ready or failed: each worker
    writes the staging's final status into a folder the API server polls
@@ -52,7 +52,7 @@ The staging thread shares the GIL with the step loop. While it runs Python,
 the step loop waits up to the interpreter's switch interval (5 ms by
 default) each time it wants the GIL back, so a staging runs with a short
 one (:data:`STAGING_SWITCH_INTERVAL_S`), and, while the engine steps, in
-short slices with naps between them (:mod:`skyrl_lora.server.weights.staging_yield`).
+short slices with naps between them (:mod:`skyrl_lora.server.loading.staging_yield`).
 
 The extension is injected with vLLM's ``--worker-extension-cls`` (see
 :func:`skyrl_lora.server.compat.add_worker_extension`); everything else in
@@ -79,24 +79,25 @@ from typing import Any
 import torch
 
 from .. import compat, lora_metadata
+from ..adapters import arrival
+from ..adapters.adapter_file import OneBufferFile, UnsupportedFile
+from ..adapters.cuda_streams import AFTER_SWAP, side_stream
+from ..adapters.finite_check import ensure_finite, model_tensors, on_host
+from ..adapters.scale_fold import multiply_in_place
+from ..adapters.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
 from ..logits_guard import LogitsGuard
 from ..loop_monitor import watch_engine_collections
 from ..observability import (
     log_engine_event,
 )
 from ..step_watch import NOTHING_BUSY, StepWatch
-from . import arrival, handover, tensor_pickle
-from .adapter_file import OneBufferFile, UnsupportedFile
-from .adapter_reader import AdapterReader, ReaderRoutedLoader
-from .cuda_streams import AFTER_SWAP, side_stream
-from .finite_check import ensure_finite, model_tensors, on_host
-from .handover import HandedOverFile
-from .handover_template import HandoverTemplates
-from .open_shares import DEFAULT_OPEN_SHARES, OpenShares
-from .pinned_reserve import PinnedReserve, ReserveReport, reserve, slot_bytes
-from .scale_fold import multiply_in_place
+from ..transfer import handover, tensor_pickle
+from ..transfer.adapter_reader import AdapterReader, ReaderRoutedLoader
+from ..transfer.handover import HandedOverFile
+from ..transfer.handover_template import HandoverTemplates
+from ..transfer.open_shares import DEFAULT_OPEN_SHARES, OpenShares
+from ..transfer.pinned_reserve import PinnedReserve, ReserveReport, reserve, slot_bytes
 from .slots import SlotPrefill
-from .snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
 from .stage_channel import StageListener, socket_path
 from .staged_buffer import BufferSource, TakenBuffer
 from .staging_profile import StagingProfiler
@@ -114,11 +115,7 @@ from .staging_status import (
     UNKNOWN,
     status_file,
 )
-from .staging_yield import (
-    StagingYield,
-    YieldPoints,
-    install_yield_points,
-)
+from .staging_yield import StagingYield, YieldPoints, install_yield_points
 
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
 #: logger tree has a handler: a child of it puts our timings in vLLM's log.
@@ -253,7 +250,7 @@ class _WorkerStaging:
     def _open_in_one_buffer(self, path: str) -> OneBufferFile | HandedOverFile | None:
         """vLLM's loader's ``safe_open``: on the staging thread, the tensors of a
         hand-over, or one read into one buffer
-        (:mod:`skyrl_lora.server.weights.adapter_file`); None elsewhere, and for
+        (:mod:`skyrl_lora.server.adapters.adapter_file`); None elsewhere, and for
         a file that reader leaves to safetensors."""
         if not self._loading_here():
             arrival.wait_whole(Path(path).parent)

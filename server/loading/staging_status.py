@@ -12,8 +12,8 @@ from __future__ import annotations
 
 #: A staging's ``state`` (:meth:`.staging._WorkerStaging.status`). A ready one also says
 #: whether it was written into a free engine slot (``in_slot``, see
-#: :mod:`skyrl_lora.server.weights.slots`), how its files were ``read`` (below) and how
-#: many ``naps`` it took (:mod:`skyrl_lora.server.weights.staging_yield`); a failed one
+#: :mod:`skyrl_lora.server.loading.slots`), how its files were ``read`` (below) and how
+#: many ``naps`` it took (:mod:`skyrl_lora.server.loading.staging_yield`); a failed one
 #: carries the ``error``.
 READY = "ready"
 PENDING = "pending"

@@ -1,6 +1,6 @@
 """Let an adapter staging give the GIL back to a busy step loop.
 
-The staging thread (:mod:`skyrl_lora.server.weights.staging`) runs vLLM's adapter
+The staging thread (:mod:`skyrl_lora.server.loading.staging`) runs vLLM's adapter
 read and packing in the engine process: Python, a few hundred short turns
 per tensor name. The step loop lets the GIL go at every tensor call and
 every wait for the device, and each time the staging thread has Python to

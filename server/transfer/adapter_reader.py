@@ -1,6 +1,6 @@
 """Read adapters in a process of their own, off the engine process's GIL.
 
-Staging (:mod:`skyrl_lora.server.weights.staging`) moved vLLM's adapter load out of
+Staging (:mod:`skyrl_lora.server.loading.staging`) moved vLLM's adapter load out of
 the step loop onto a thread, but a thread of the engine process: while it
 reads safetensors, parses 224 tensor names, converts dtypes and pins 224
 host tensors one by one, it holds the GIL in thousands of short turns, and
@@ -11,7 +11,7 @@ steps as long.
 :class:`AdapterReader` runs vLLM's own ``LoRAModel.from_local_checkpoint``
 in a child process, with the very arguments the worker's loader passed (so
 validation and layout stay exactly vLLM's), folds each layer's scaling into
-B there, and hands the model back through :mod:`skyrl_lora.server.weights.tensor_pickle`:
+B there, and hands the model back through :mod:`skyrl_lora.server.transfer.tensor_pickle`:
 the object graph over a socket, the tensors in one file in shared memory,
 read by the engine process in one call into one (pinned) buffer. What is
 left in the engine process is that read, a few hundred tensor views, and
@@ -53,8 +53,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import compat
-from . import arrival, tensor_pickle
-from .scale_fold import multiply_in_place
+from ..adapters import arrival
+from ..adapters.scale_fold import multiply_in_place
+from . import tensor_pickle
 
 logger = logging.getLogger("vllm.skyrl_lora.reader")
 

@@ -46,8 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..adapters.arrival import FollowedRead
 from ..observability import log_engine_event
-from .arrival import FollowedRead
 
 logger = logging.getLogger("vllm.skyrl_lora.area_upload")
 

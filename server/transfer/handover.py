@@ -36,8 +36,8 @@ from typing import Any
 from skyrl_lora.errors import BadRequestError, HandoverUnavailableError, PayloadTooLargeError
 from skyrl_lora.types import HandoverRequest, HandoverTensor
 
-from .chunked import read_exactly
-from .snapshot_writer import HANDOVER_FILE
+from ..adapters.chunked import read_exactly
+from ..adapters.snapshot_writer import HANDOVER_FILE
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -186,7 +186,7 @@ def copy_out(
     """
     import torch
 
-    from .cuda_streams import side_stream
+    from ..adapters.cuda_streams import side_stream
 
     buffer = description["buffer"]
     nbytes = int(buffer["nbytes"])

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .. import compat
-from .scale_fold import multiply_in_place
+from ..adapters.scale_fold import multiply_in_place
 
 logger = logging.getLogger("vllm.skyrl_lora.handover_template")
 

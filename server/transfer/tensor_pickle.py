@@ -1,6 +1,6 @@
 """Pickle an object whose torch tensors travel out of band, in one flat buffer.
 
-The adapter reader process (:mod:`skyrl_lora.server.weights.adapter_reader`) hands
+The adapter reader process (:mod:`skyrl_lora.server.transfer.adapter_reader`) hands
 vLLM's ``LoRAModel`` to the engine process. Pickling it whole would copy
 every tensor through the pipe in small chunks, each chunk taking the engine
 process's GIL again; torch's own sharing opens one shared-memory file per
@@ -22,7 +22,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from . import chunked
+from ..adapters import chunked
 
 #: Every tensor starts at a multiple of this, so views of any dtype are aligned.
 ALIGNMENT = 64
