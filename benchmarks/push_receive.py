@@ -22,7 +22,7 @@ it (:mod:`skyrl_lora.server.http.push_stream_process`). No engine and no
 staging: the swap's cost (``benchmarks.scale``) comes on top.
 
 The server's event loop is watched as the API server's is
-(:mod:`skyrl_lora.server.loop_monitor`, its stacks sampled while late):
+(:mod:`skyrl_lora.server.telemetry.loop_monitor`, its stacks sampled while late):
 that loop also streams every other tenant's tokens, so how long a route
 holds it up while a push arrives is a cost to them (``loop_stalls``: per
 route, the stalls summed over each send, their longest, and where the
@@ -101,7 +101,7 @@ def serve(port: int, events: Path | None) -> None:
     from skyrl_lora.server.http.push_assembly import OpenedPush, Receipt
     from skyrl_lora.server.http.push_stream import PushStreamConfig, PushStreamListener
     from skyrl_lora.server.http.push_stream_process import PushStream, PushStreamProcess
-    from skyrl_lora.server.loop_monitor import LoopMonitorConfig, monitoring
+    from skyrl_lora.server.telemetry.loop_monitor import LoopMonitorConfig, monitoring
     from skyrl_lora.types import AdapterInfo
 
     listeners: dict[str, PushStream] = {}  # by where the lanes receive
@@ -170,7 +170,7 @@ def serve(port: int, events: Path | None) -> None:
             yield
 
     if events is not None:
-        from skyrl_lora.server.observability import event_logger
+        from skyrl_lora.server.telemetry.observability import event_logger
 
         event_logger.setLevel(logging.INFO)
         handler = logging.FileHandler(events)

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.timeline gpu_perf.json server.log`` prints, for each
 isolation run in the json, how many API event-loop stalls
-(``event_loop_stall`` events, see :mod:`skyrl_lora.server.loop_monitor`),
+(``event_loop_stall`` events, see :mod:`skyrl_lora.server.telemetry.loop_monitor`),
 long garbage collections of the API process (``gc_pause``) and of vLLM's
 engine process (``engine_gc_pause``) fell inside the per-adapter
 swaps, inside the global pauses and outside both (counts, and rates per
@@ -17,7 +17,7 @@ gaps show *that* the others waited, the timeline shows *where*.
 The windows are ``time.monotonic()`` of the benchmark process and the log
 is wall-clock time (UTC) of the same machine; the json's
 ``wall_minus_monotonic_s`` converts one into the other
-(:func:`skyrl_lora.server.event_log.read_events`).
+(:func:`skyrl_lora.server.telemetry.event_log.read_events`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from skyrl_lora.server.event_log import Event, read_events
+from skyrl_lora.server.telemetry.event_log import Event, read_events
 
 Span = tuple[float, float]
 

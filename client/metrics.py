@@ -73,7 +73,7 @@ class ClientMetrics:
 
 
 #: Set in a process whose skyrl-lora server serves ``/metrics`` from Prometheus's registry.
-SERVER_MODULE = "skyrl_lora.server.observability"
+SERVER_MODULE = "skyrl_lora.server.telemetry.observability"
 #: Live clients' counters, by client name, for the one collector of the process.
 _EXPORTED: dict[str, ClientMetrics] = {}
 _COLLECTOR: list[Any] = []

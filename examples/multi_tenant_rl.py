@@ -71,7 +71,7 @@ from examples.rl.tenant import (
 )
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.rl_accounting import OffPolicyConfig, staleness_counts
-from skyrl_lora.server.event_log import read_events
+from skyrl_lora.server.telemetry.event_log import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TENANTS = {"rl-meow": "meow", "rl-woof": "woof", "rl-moo": "moo"}

@@ -14,13 +14,11 @@ Layers, lowest first; each imports only from those below it::
                                 receive areas to the GPU, the reader process, host memory
     adapters/                   what an adapter is and which versions exist: registry,
                                 leases, snapshot files, one-call file reads, tensor checks
-    compat, observability,      the one door to vLLM, metrics and event lines (and
-    event_log,                  reading those lines back on a client's clock), the
-    loop_monitor, step_watch,   event-loop watch, the engine's long-step log,
-    reaper, logits_guard,       process cleanup, the sampler's guard against
-    lora_metadata,              non-finite logits, the LoRA kernels' metadata
-    presets, embedded/          prepared on the host, and the embedded model's
-                                flags and builder
+    compat, telemetry/,         the base: the one door to vLLM; metrics, event lines and
+    logits_guard,               the loop and step watches; the sampler's guard against
+    lora_metadata, reaper,      non-finite logits; the LoRA kernels' metadata prepared on
+    presets, embedded/,         the host; process cleanup; the embedded model's flags and
+    kernels/                    builder; grouped LoRA kernels
 
 ``tests/test_import_layers.py`` checks the order and that nothing imports in
 a cycle. Importing this package is cheap: the modules that need vLLM import

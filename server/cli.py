@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from .observability import log_to_stderr
+from .telemetry.observability import log_to_stderr
 
 logger = logging.getLogger(__name__)
 

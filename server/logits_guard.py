@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .observability import log_engine_event
+from .telemetry.observability import log_engine_event
 
 
 @dataclass

@@ -423,7 +423,7 @@ class ServerInfo(_Wire):
     adapter_pinned_reserve_bytes: int = 0
     #: Engine steps longer than this are logged as ``engine_long_step`` events
     #: with what they scheduled and what ran beside them (``serve
-    #: --long-step-ms``; see ``skyrl_lora.server.step_watch``); None: not watched.
+    #: --long-step-ms``; see ``skyrl_lora.server.telemetry.step_watch``); None: not watched.
     engine_long_step_ms: float | None = None
     #: The most tokens and sequences one engine step holds, as vLLM resolved
     #: them (``--max-num-batched-tokens``, ``--max-num-seqs``); 0: unknown.

@@ -323,7 +323,7 @@ async def test_an_in_process_server_shows_each_clients_counters_on_its_metrics()
 
     from prometheus_client import REGISTRY, generate_latest
 
-    importlib.import_module("skyrl_lora.server.observability")  # a server in this process
+    importlib.import_module("skyrl_lora.server.telemetry.observability")  # a server in this process
     async with FakeServer() as server:
         server.script = [answer(seq([1, 2], "abort")), answer(seq([3], "length"))]
         async with (

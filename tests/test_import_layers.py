@@ -24,10 +24,16 @@ SOURCES = {
     "gpu_tests": "gpu_tests",
 }
 #: Server subpackages, lowest first: a package may import only those before it
-#: (and the server's top-level modules, which are below every subpackage,
-#: except the entry points cli and demo, which sit on top).
+#: (and the server's base, which is below every one of them; the entry points
+#: cli, demo and __main__ sit on top).
 SERVER_LAYERS = ["adapters", "transfer", "loading", "engine", "tinker", "http", "cluster"]
 SERVER_ENTRY_POINTS = {"cli", "demo", "__main__"}
+#: The server's base: its top-level modules (compat, ...) and these packages,
+#: which import nothing of the layers above (among themselves, only no cycles).
+SERVER_BASE_PACKAGES = {"telemetry", "embedded", "kernels"}
+#: A package a newcomer can hold, and a top level that reads at a glance.
+MAX_PACKAGE_MODULES = 12
+MAX_TOP_LEVEL_MODULES = 10
 
 
 def _modules() -> dict[str, Path]:
@@ -129,13 +135,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _server_layer(module: str) -> int | None:
-    """Rank of a server module: top-level base modules 0, subpackages 1..n, entry points last."""
+    """Rank of a server module: the base 0, layered subpackages 1..n, entry points last."""
     parts = module.split(".")
     if parts[:2] != ["skyrl_lora", "server"] or len(parts) < 3:
         return None
-    if parts[2] in SERVER_LAYERS and len(parts) > 3:
-        return 1 + SERVER_LAYERS.index(parts[2])
-    if parts[2] in SERVER_LAYERS:  # the subpackage's own __init__
+    if parts[2] in SERVER_LAYERS:  # a module of the subpackage, or its own __init__
         return 1 + SERVER_LAYERS.index(parts[2])
     if parts[2] in SERVER_ENTRY_POINTS:
         return len(SERVER_LAYERS) + 1
@@ -179,3 +183,14 @@ def test_the_client_and_core_never_import_the_server_and_examples_no_harness() -
         if module.startswith("examples"):
             harness = ("benchmarks", "gpu_tests", "tests")
             assert not [t for t in targets if t.startswith(harness)], module
+
+
+def test_every_server_package_has_a_place_and_stays_small() -> None:
+    server = ROOT / "server"
+    packages = {p.parent.name for p in server.glob("*/__init__.py")}
+    assert packages == set(SERVER_LAYERS) | SERVER_BASE_PACKAGES  # a new one is ranked here
+    for package in packages:
+        modules = sorted(p.name for p in (server / package).glob("*.py"))
+        assert len(modules) <= MAX_PACKAGE_MODULES, (package, modules)
+    top_level = sorted(p.name for p in server.glob("*.py"))
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level

@@ -1,4 +1,7 @@
-"""The API server's event-loop stall monitor (``skyrl_lora.server.loop_monitor``), alone."""
+"""The API server's event-loop stall monitor, alone.
+
+(``skyrl_lora.server.telemetry.loop_monitor``)
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import time
 
 import pytest
 
-from skyrl_lora.server.loop_monitor import (
+from skyrl_lora.server.telemetry.loop_monitor import (
     EVENT_LOOP_LAG,
     GC_PAUSE,
     GcWatcher,

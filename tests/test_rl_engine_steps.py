@@ -11,7 +11,7 @@ import pytest
 from examples.rl.engine_rate import STEPS, STEPS_IN_GRAPH, EngineTokenCounter, parse_counter
 from examples.rl.report import ModeRun, engine_steps
 from examples.rl.tenant import Swap, TenantLog
-from skyrl_lora.server.event_log import read_events
+from skyrl_lora.server.telemetry.event_log import read_events
 
 #: Two engines' lines as vLLM writes them (label order as the client sorts them).
 METRICS = """\

@@ -1,4 +1,4 @@
-"""The engine's long-step log (``skyrl_lora.server.step_watch``).
+"""The engine's long-step log (``skyrl_lora.server.telemetry.step_watch``).
 
 What must hold: a step longer than the threshold, with a request running
 through it, is logged with what that step scheduled (requests, tokens,
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from skyrl_lora.server.step_watch import StepShape, StepWatch
+from skyrl_lora.server.telemetry.step_watch import StepShape, StepWatch
 
 
 class Clock:

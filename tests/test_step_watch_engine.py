@@ -115,7 +115,7 @@ def _long_steps_read_by_the_rl_report(server: ServeProcess, began: float, ended:
     counted as left unwritten, and the time they took."""
     from examples.rl.engine_rate import COUNTERS, EngineTokenCounter
     from examples.rl.report import ModeRun, engine_steps
-    from skyrl_lora.server.event_log import read_events
+    from skyrl_lora.server.telemetry.event_log import read_events
 
     events = read_events(server.log_path.read_text().splitlines(), time.time() - time.monotonic())
     inside = [e.fields for e in events if e.name == "engine_long_step" and began <= e.at <= ended]

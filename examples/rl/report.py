@@ -28,7 +28,7 @@ from examples.rl.engine_rate import (
 from examples.rl.gpu_busy import GpuBusy
 from examples.rl.tenant import Swap, TenantLog
 from skyrl_lora.rl_accounting import staleness_counts
-from skyrl_lora.server.event_log import Event
+from skyrl_lora.server.telemetry.event_log import Event
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,9 @@ class ModeRun:
     start: float
     end: float
     gpu: GpuBusy | None = None  # None on a CPU machine
-    #: The server's events on the mode's clock (:func:`skyrl_lora.server.event_log.read_events`),
-    #: those of the whole server run; None where its log cannot be read.
+    #: The server's events on the mode's clock
+    #: (:func:`skyrl_lora.server.telemetry.event_log.read_events`), those of
+    #: the whole server run; None where its log cannot be read.
     engine_events: Sequence[Event] | None = None
 
     @property
@@ -173,7 +174,7 @@ def engine_steps(run: ModeRun) -> dict[str, float | None]:
     (1f92e2f, 2026-11-27).
 
     Long steps come from the step watch's ``engine_long_step`` events
-    (:mod:`skyrl_lora.server.step_watch`: steps over 50 ms, each with the
+    (:mod:`skyrl_lora.server.telemetry.step_watch`: steps over 50 ms, each with the
     tokens it scheduled), so they need the server's log: None without it.
     ``long_step_share`` is the share of the time the engine spent in them
     (every running request waits through each one), and

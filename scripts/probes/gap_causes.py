@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from skyrl_lora.server.event_log import read_events
+from skyrl_lora.server.telemetry.event_log import read_events
 
 SHOWN = {"engine_long_step", "engine_gc_pause", "gc_pause", "adapter_staging", "pause", "resume",
          "snapshot_written", "event_loop_stall"}

@@ -7,7 +7,7 @@ version of ``ADAPTER`` (default: every adapter whose name starts with
 events (``pause``, ``push_stream_received``, ``adapter_staged``, ``resume``:
 log time, millisecond resolution) with the engine's ``adapter_staging`` (its
 ``at``, the wall clock of the same host), read by
-:func:`skyrl_lora.server.event_log.read_events`. Per push: when the receive
+:func:`skyrl_lora.server.telemetry.event_log.read_events`. Per push: when the receive
 began after the pause, how long it took, when the engine's staging began
 after the receive began and ended after the receive ended, and the answer's
 tail. Per hand-over: the engine's phases and the API's wait around them, and
@@ -25,7 +25,7 @@ import statistics
 import sys
 from typing import Any
 
-from skyrl_lora.server.event_log import read_events
+from skyrl_lora.server.telemetry.event_log import read_events
 
 Event = tuple[float, dict[str, Any]]
 

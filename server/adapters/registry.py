@@ -52,7 +52,7 @@ from skyrl_lora.errors import (
     VersionGoneError,
 )
 
-from ..observability import SNAPSHOTS, log_event
+from ..telemetry.observability import SNAPSHOTS, log_event
 from .snapshot_writer import PENDING_FILE, copy_to_end, wait_for_weights, write_weights_from
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from typing import Any
 
 from skyrl_lora.types import HANDOVER_ITEM_BYTES
 
-from ..observability import log_engine_event
+from ..telemetry.observability import log_engine_event
 from .arrival import MARKER as ARRIVING_FILE
 from .arrival import wait_whole_file
 

@@ -23,7 +23,7 @@ from skyrl_lora.types import AdapterInfo, SettleResponse, SwapPolicy
 from ..engine.gated import GatedEngine
 from ..http.app import RunningServer, parse_server_args, serve
 from ..http.push import load_pushed, write_pushed_files
-from ..observability import log_to_stderr
+from ..telemetry.observability import log_to_stderr
 from .replay import (
     AdapterState,
     RestoreReport,

@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from skyrl_lora.types import AdapterInfo, SwapPolicy
 
-from ..observability import log_event
+from ..telemetry.observability import log_event
 from .actor import ServerActor
 from .replay import (
     PUSHED_PREFIX,

@@ -26,7 +26,7 @@ from skyrl_lora.types import AdapterInfo, DrainingVersion, SettleResponse, SwapP
 from .. import compat
 from ..adapters.leases import Lease, LeaseTable
 from ..adapters.registry import AdapterRecord, AdapterRegistry, PreparedVersion
-from ..observability import PAUSE_TO_ABORTED, log_event
+from ..telemetry.observability import PAUSE_TO_ABORTED, log_event
 from .gate import AdapterGate, DrainResult
 
 #: Snapshots and stages the next version of an adapter (see ``AdapterRegistry.prepare``);

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from skyrl_lora.errors import EngineUnavailableError, ServerError
 from skyrl_lora.types import ServerInfo
 
-from .. import compat, loop_monitor, observability
+from .. import compat
 from ..adapters.leases import DEFAULT_MAX_VERSIONS_PER_ADAPTER, LeaseTable
 from ..adapters.registry import AdapterRegistry
 from ..engine.gate import (
@@ -42,7 +42,8 @@ from ..engine.step_budget import graph_step_budget
 from ..loading import staged_engine
 from ..loading.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from ..reaper import start_reaper
-from ..step_watch import DEFAULT_LONG_STEP_S
+from ..telemetry import loop_monitor, observability
+from ..telemetry.step_watch import DEFAULT_LONG_STEP_S
 from ..tinker.routes import tinker_surface
 from ..transfer.handover import HandoverAccess
 from ..transfer.open_shares import DEFAULT_OPEN_SHARES

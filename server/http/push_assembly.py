@@ -34,7 +34,7 @@ from skyrl_lora.errors import (
 from skyrl_lora.types import AdapterInfo
 
 from ..adapters.arrival import MARKER, ArrivalWriter
-from ..observability import log_event
+from ..telemetry.observability import log_event
 from .push import WEIGHTS_FILE
 from .receive_area import ReceiveArea, ReceiveAreas, close_area
 

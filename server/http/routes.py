@@ -42,7 +42,7 @@ from .. import compat
 from ..adapters.leases import Lease
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
-from ..observability import log_event
+from ..telemetry.observability import log_event
 from ..transfer.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from .auth import ApiKey, request_key
 from .push import (

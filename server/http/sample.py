@@ -22,7 +22,7 @@ from skyrl_lora.types import (
 
 from .. import compat
 from ..engine.gated import GatedEngine
-from ..observability import NONFINITE_SAMPLES, log_event
+from ..telemetry.observability import NONFINITE_SAMPLES, log_event
 
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 #: A sample drawn from non-finite logits runs once more before it is refused:

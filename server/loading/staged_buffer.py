@@ -59,7 +59,7 @@ from ..adapters.snapshot_writer import (
     safetensors_layout,
     write_weights_from,
 )
-from ..observability import log_engine_event
+from ..telemetry.observability import log_engine_event
 from ..transfer import handover
 from ..transfer.area_upload import CudaPinning, RegisteredAreas, copy_up
 from ..transfer.handover_template import HandoverTemplate, HandoverTemplates, layout_key

@@ -23,14 +23,8 @@ from typing import Any
 
 from .. import compat
 from ..adapters.snapshot_writer import write_weights_from
-from ..observability import (
-    ARRIVING_READS,
-    READS,
-    STAGING_NAPS,
-    STAGINGS,
-    log_event,
-)
-from ..step_watch import DEFAULT_LONG_STEP_S
+from ..telemetry.observability import ARRIVING_READS, READS, STAGING_NAPS, STAGINGS, log_event
+from ..telemetry.step_watch import DEFAULT_LONG_STEP_S
 from ..transfer import handover
 from ..transfer.open_shares import DEFAULT_OPEN_SHARES
 from ..transfer.pinned_reserve import PinnedReserve, ReserveReport
@@ -90,7 +84,7 @@ class StagingConfig:
     #: (:mod:`skyrl_lora.server.transfer.pinned_reserve`); None: none.
     pinned_reserve: PinnedReserve | None = None
     #: Log each worker's engine steps longer than this as ``engine_long_step``
-    #: events (:mod:`skyrl_lora.server.step_watch`); None: none.
+    #: events (:mod:`skyrl_lora.server.telemetry.step_watch`); None: none.
     long_step_s: float | None = DEFAULT_LONG_STEP_S
     #: Prepare the LoRA kernels' per-step metadata on the host, without the
     #: two GPU syncs vLLM's own preparation makes (:mod:`skyrl_lora.server.lora_metadata`).

@@ -86,11 +86,9 @@ from ..adapters.finite_check import ensure_finite, model_tensors, on_host
 from ..adapters.scale_fold import multiply_in_place
 from ..adapters.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
 from ..logits_guard import LogitsGuard
-from ..loop_monitor import watch_engine_collections
-from ..observability import (
-    log_engine_event,
-)
-from ..step_watch import NOTHING_BUSY, StepWatch
+from ..telemetry.loop_monitor import watch_engine_collections
+from ..telemetry.observability import log_engine_event
+from ..telemetry.step_watch import NOTHING_BUSY, StepWatch
 from ..transfer import handover, tensor_pickle
 from ..transfer.adapter_reader import AdapterReader, ReaderRoutedLoader
 from ..transfer.handover import HandedOverFile

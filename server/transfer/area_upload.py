@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..adapters.arrival import FollowedRead
-from ..observability import log_engine_event
+from ..telemetry.observability import log_engine_event
 
 logger = logging.getLogger("vllm.skyrl_lora.area_upload")
 

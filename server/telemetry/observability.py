@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:  # the gate is read at scrape time; importing it here would invert the layers
-    from .engine.gate import AdapterGate
+    from ..engine.gate import AdapterGate
 
 event_logger = logging.getLogger("skyrl_lora.events")
 
