@@ -462,6 +462,10 @@ class ServerInfo(_Wire):
     #: sparing the engine's step two GPU syncs (``skyrl_lora.server.lora_metadata``;
     #: False on the CPU build, whose kernels take none).
     host_lora_metadata: bool = False
+    #: Whether every worker runs skyrl-lora's grouped LoRA kernels in place of
+    #: vLLM's Punica kernels (``skyrl_lora.server.kernels``; ``serve
+    #: --lora-kernels``; False on the CPU build, whose LoRA ops are vLLM's torch ops).
+    grouped_lora_kernels: bool = False
     #: Whether the engine zeroes every KV block it allocates before use
     #: (``skyrl_lora.server.engine.kv_zeroing``; the CPU build, whose
     #: attention reads a block's unwritten slots): without it, a tenant whose

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..engine.step_budget import graph_step_budget
+from ..kernels import GROUPED, KERNELS_ENV, VLLM
 from ..loading import staged_engine
 from ..loading.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from ..reaper import start_reaper
@@ -282,6 +284,14 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "loop a little GIL time under load)",
     )
     args = parser.parse_args(list(argv))
+    group.add_argument(
+        "--lora-kernels",
+        choices=(GROUPED, VLLM),
+        default=GROUPED,
+        help="the GPU LoRA kernels: 'grouped' (ours: work for the adapters a step holds) or "
+        "'vllm' (vLLM's Punica kernels, whose work grows with --max-loras and the step's "
+        "tokens); docs/gpu.md has the curve",
+    )
     if args.max_versions_per_adapter < 1:
         parser.error("--max-versions-per-adapter must be at least 1 (the current version)")
     if args.pinned_reserve_adapters is not None and args.pinned_reserve_adapters < 0:
@@ -308,6 +318,7 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         )
     args.new_kv_blocks_zeroed = compat.engine_on_cpu() and _zero_new_kv_blocks(args)
     return args
+    _choose_lora_kernels(args)
 
 
 def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
@@ -318,6 +329,14 @@ def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
     if compat.add_scheduler(args, kv_zeroing.QUALNAME):
         return True
     logger.warning(
+def _choose_lora_kernels(args: argparse.Namespace) -> None:
+    """Tell the engine's workers which LoRA kernels to run. They read it from
+    the environment they inherit, as vLLM imports our worker extension in
+    each of them and before it captures the model's CUDA graphs
+    (:mod:`..kernels.punica_ops`)."""
+    os.environ[KERNELS_ENV] = args.lora_kernels
+
+
         "--scheduler-cls %s replaces skyrl-lora's: new KV blocks are not zeroed, and one "
         "tenant's non-finite activations can reach another's requests",
         args.scheduler_cls,
@@ -542,6 +561,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
     sampler = Sampler(gated, max_model_len)
     app.include_router(
         build_router(gated, sampler, info, args.max_adapter_bytes, handovers, push_stream)
+        grouped_lora_kernels=lora_engine.grouped_lora_kernels,
     )
     # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
     tinker = tinker_surface(sampler.sample, gated, info, lambda r: request_key(r.scope))

@@ -190,7 +190,9 @@ def _grouped_expand_kernel(
     BLOCK_R: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
 ):
-    """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :], one item per (group, slice, N block)."""
+    """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :].
+
+    One item per (group, slice, N block)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     per_group = SLICES * n_blocks
@@ -255,7 +257,9 @@ def supports(weights: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
     views = [_as_slot_rows_cols(w) for w in weights]
     first = views[0]
     return all(
-        v.stride()[1:] == first.stride()[1:] and v.dtype == first.dtype and v.size(2) == first.size(2)
+        v.stride()[1:] == first.stride()[1:]
+        and v.dtype == first.dtype
+        and v.size(2) == first.size(2)
         for v in views
     )
 

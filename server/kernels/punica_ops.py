@@ -22,14 +22,12 @@ from collections.abc import Callable
 import torch
 
 from .. import compat
+from . import GROUPED, KERNELS_ENV, VLLM
 from .grouped_lora import grouped_expand, grouped_shrink, supports
 
 logger = logging.getLogger(__name__)
 
-#: The environment variable the server sets for its engine's workers.
-KERNELS_ENV = "SKYRL_LORA_KERNELS"
-#: Its values: our grouped kernels, or vLLM's own.
-GROUPED, VLLM = "grouped", "vllm"
+__all__ = ["GROUPED", "KERNELS_ENV", "VLLM", "install", "installed", "lora_expand", "lora_shrink"]
 #: The torch library our ops are registered in (``torch.ops.skyrl_lora``).
 LIBRARY = "skyrl_lora"
 

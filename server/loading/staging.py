@@ -85,6 +85,7 @@ from ..adapters.cuda_streams import AFTER_SWAP, side_stream
 from ..adapters.finite_check import ensure_finite, model_tensors, on_host
 from ..adapters.scale_fold import multiply_in_place
 from ..adapters.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
+from ..kernels import punica_ops
 from ..logits_guard import LogitsGuard
 from ..telemetry.loop_monitor import watch_engine_collections
 from ..telemetry.observability import log_engine_event
@@ -118,6 +119,11 @@ from .staging_yield import StagingYield, YieldPoints, install_yield_points
 #: The staging thread runs in vLLM's engine process, where only vLLM's own
 #: logger tree has a handler: a child of it puts our timings in vLLM's log.
 logger = logging.getLogger("vllm.skyrl_lora.staging")
+
+# vLLM imports this module in each worker, by the extension's name, before the
+# worker builds the model: the LoRA kernels must be in place before the model's
+# CUDA graphs are captured, since a graph replays the kernels it captured.
+punica_ops.install()
 
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
@@ -836,6 +842,7 @@ class LoRAStagingExtension:
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
             "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
+            "grouped_lora_kernels": punica_ops.installed(),
             "prompt_logits_per_request": compat.per_request_prompt_logits(
                 getattr(self, "model_runner", None)
             ),

@@ -1,0 +1,463 @@
+"""The engine's tokens/s against the number of distinct adapters in its batch.
+
+``python -m benchmarks.engine_rate`` (GPU) serves the random 8B-shaped model
+(``--size``) with ``--max-loras`` rank-``--rank`` adapters loaded at start,
+from several servers side by side on one GPU, each with its share of the
+memory (``--gpu-mem``):
+
+* ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA kernels);
+* ``ours_vllm_kernels``: the same with ``--lora-kernels vllm``;
+* ``vllm``: plain ``vllm serve`` (vLLM's OpenAI server) with the same vLLM flags.
+
+For each point (``--streams`` concurrent streamed completions, spread
+round-robin over ``A`` of the adapters, ``A`` from ``--adapters``; 0 is
+the base model through the same LoRA-enabled server) every server in turn
+runs the load for ``--warmup-s`` and is measured for ``--window-s``; the
+order alternates between rounds, and only the measured server has load
+(the others idle). Beside each point: the decode step's time (streams over
+tokens/s: each step gives every running stream one token), the GPU's busy
+share over the window (NVML), and the HBM time of the bytes that step must
+read (base weights, each distinct adapter once, the streams' KV cache),
+so each point reads as a fraction of its own roofline. ``--json`` takes
+the points with ``commit``, ``date`` and ``machine``; ``--plot`` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks.common import current_commit
+from benchmarks.streams import StreamLog, keep_streaming
+
+#: H200 HBM3e, the datasheet's bandwidth.
+HBM_BYTES_PER_S = 4.8e12
+#: vLLM's CUDA graph sizes for every server here: fewer than its default 67 (a
+#: server start of minutes fewer on a lent GPU), up to the 512-token step budget.
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512]
+SERVERS = ("ours", "ours_vllm_kernels", "vllm")
+
+
+@dataclass(frozen=True)
+class Model:
+    """What a step must read, from the model's files."""
+
+    name: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    adapter_bytes: int
+
+
+def model_facts(model_dir: Path, adapter_dir: Path) -> Model:
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    adapter = sum(p.stat().st_size for p in adapter_dir.glob("*.safetensors"))
+    return Model(model_dir.name, weights, kv, adapter)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Running:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def plain_vllm(argv: list[str], log: Path, timeout_s: float = 900) -> Iterator[Running]:
+    """vLLM's own OpenAI server with ``argv`` (its ``--port 0`` replaced by a free port)."""
+    port = free_port()
+    args = list(argv)
+    args[args.index("--port") + 1] = str(port)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(OSError):
+                import urllib.request
+
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            time.sleep(2)
+        else:
+            raise RuntimeError(f"vllm serve not healthy in {timeout_s} s; see {log}")
+        yield Running("vllm", url, proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+class BusyMeter:
+    """The GPU's busy share (NVML utilization), sampled while a window runs."""
+
+    def __init__(self, device: int) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+            self._nvml: Any = pynvml
+        except Exception:
+            self._nvml = None
+
+    def __enter__(self) -> BusyMeter:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            self.samples.append(float(rates.gpu))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    @property
+    def share(self) -> float | None:
+        return statistics.mean(self.samples) / 100 if self.samples else None
+
+
+async def measure_point(
+    url: str, models: list[str], streams: int, prompt: list[int], args: argparse.Namespace
+) -> tuple[float, float | None]:
+    """Tokens/s of ``streams`` streams spread over ``models`` in the window, and the busy share."""
+    logs = [StreamLog(m) for m in models]
+    stop = asyncio.Event()
+    per = [
+        streams // len(models) + (1 if i < streams % len(models) else 0) for i in range(len(models))
+    ]
+    tasks = [
+        asyncio.create_task(
+            keep_streaming(url, m, prompt, log, stop, n, args.max_tokens, length_spread=0.5)
+        )
+        for m, log, n in zip(models, logs, per)
+        if n > 0
+    ]
+    try:
+        await asyncio.sleep(args.warmup_s)
+        start = time.monotonic()
+        with BusyMeter(args.nvml_device) as busy:
+            await asyncio.sleep(args.window_s)
+        end = time.monotonic()
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    tokens = sum(log.tokens_in(start, end) for log in logs)
+    return tokens / (end - start), busy.share
+
+
+async def same_outputs(
+    urls: dict[str, str], models: list[str], prompt: list[int]
+) -> dict[str, Any]:
+    """Greedy 16 tokens of each model from every server, against the first
+    server's: the same tokens, and how far apart the first token's logprob is."""
+    got: dict[str, dict[str, Any]] = {}
+    async with aiohttp.ClientSession() as session:
+        for server, url in urls.items():
+            got[server] = {}
+            for model in models:
+                body = {
+                    "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                    "logprobs": 1, "return_token_ids": True,
+                }  # fmt: skip
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    choice = (await resp.json())["choices"][0]
+                got[server][model] = (
+                    choice.get("token_ids"),
+                    choice["logprobs"]["token_logprobs"][0],
+                )
+    if not got:
+        return {}
+    first = next(iter(got))
+    report: dict[str, Any] = {}
+    for server in list(got)[1:]:
+        same, lp = 0, 0.0
+        for model in models:
+            a, b = got[first][model], got[server][model]
+            same += int(a[0] == b[0])
+            lp = max(lp, abs(a[1] - b[1]))
+        report[f"{server}_vs_{first}"] = {
+            "same_tokens": f"{same}/{len(models)}",
+            "first_logprob_max_diff": round(lp, 4),
+        }
+    return report
+
+
+def roofline_ms(model: Model, adapters: int, streams: int, args: argparse.Namespace) -> float:
+    """HBM time of one decode step's reads: weights, each distinct adapter, the KV cache."""
+    context = args.prompt_tokens + args.max_tokens / 2
+    read = model.weight_bytes + adapters * model.adapter_bytes
+    read += streams * context * model.kv_bytes_per_token
+    return read / HBM_BYTES_PER_S * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from skyrl_lora.server.cluster.process import start_serve
+    from skyrl_lora.server.embedded.random_model import build_random_model, write_model_adapter
+    from skyrl_lora.server.presets import RANDOM_MODEL_NAME, random_model_server_argv
+
+    work = args.work
+    args.out.mkdir(parents=True, exist_ok=True)
+    built = time.monotonic()
+    model = build_random_model(work, rank=16, size=args.size)
+    adapter = write_model_adapter(model.model_dir, args.out / f"r{args.rank}", args.rank, seed=7)
+    facts = model_facts(model.model_dir, adapter)
+    names = [f"a{i}" for i in range(args.max_loras)]
+    # One adapter's files under every name: a name is a slot of its own, and
+    # the kernels read each slot's weights whatever they hold.
+    modules = ["--lora-modules", *(f"{n}={adapter}" for n in names)]
+    vllm_flags = random_model_server_argv(
+        model.model_dir,
+        max_lora_rank=args.rank,
+        max_loras=args.max_loras,
+        gpu_memory_utilization=args.gpu_mem,
+        extra=[
+            *modules,
+            "--max-num-batched-tokens", "512",
+            "--max-num-seqs", "512",
+            "--compilation-config", json.dumps({"cudagraph_capture_sizes": CAPTURE_SIZES}),
+        ],
+    )  # fmt: skip
+    result: dict[str, Any] = {
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": args.machine,
+        "size": args.size,
+        "rank": args.rank,
+        "max_loras": args.max_loras,
+        "model": facts.__dict__,
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "vllm_flags": [f for f in vllm_flags if not f.startswith(("a", "/"))],
+        "model_build_s": round(time.monotonic() - built, 1),
+        "server_start_s": {},
+        "points": [],
+    }
+    prompt = list(range(3, 3 + args.prompt_tokens))
+    out = args.out
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        for name in args.servers:
+            started = time.monotonic()
+            try:
+                if name == "vllm":
+                    running = stack.enter_context(plain_vllm(vllm_flags, out / "vllm_server.log"))
+                    urls[name] = running.url
+                else:
+                    kernels = "vllm" if name == "ours_vllm_kernels" else "grouped"
+                    server = start_serve(
+                        ["--no-ray", *vllm_flags, "--lora-kernels", kernels],
+                        out / f"{name}_server.log",
+                        timeout_s=900,
+                    )
+                    stack.callback(server.kill_all)
+                    stack.callback(server.stop)
+                    urls[name] = server.url
+            except RuntimeError as exc:  # the others still measure; the JSON says why
+                result.setdefault("server_errors", {})[name] = str(exc)
+                print(f"{name} did not start: {exc}", flush=True)
+                continue
+            result["server_start_s"][name] = round(time.monotonic() - started, 1)
+            print(f"{name} up in {result['server_start_s'][name]} s", flush=True)
+        result["outputs"] = asyncio.run(same_outputs(urls, ["perf-llama", *names[:4]], prompt))
+        print(f"outputs: {result['outputs']}", flush=True)
+        save()
+        servers = [s for s in args.servers if s in urls]
+        for at, streams in enumerate(args.streams):
+            for adapters in args.adapters:
+                models = names[:adapters] if adapters else [RANDOM_MODEL_NAME]
+                roof = roofline_ms(facts, adapters, streams, args)
+                for r in range(args.rounds if at == 0 else args.later_rounds):
+                    order = servers if r % 2 == 0 else servers[::-1]
+                    for name in order:
+                        tok_s, busy = asyncio.run(
+                            measure_point(urls[name], models, streams, prompt, args)
+                        )
+                        step_ms = 1e3 * streams / tok_s if tok_s else float("inf")
+                        result["points"].append(
+                            {
+                                "server": name,
+                                "streams": streams,
+                                "adapters": adapters,
+                                "round": r,
+                                "tokens_per_s": round(tok_s, 1),
+                                "step_ms": round(step_ms, 3),
+                                "gpu_busy": None if busy is None else round(busy, 3),
+                                "roofline_ms": round(roof, 3),
+                                "roofline_fraction": round(roof / step_ms, 3),
+                            }
+                        )
+                        print(
+                            f"S={streams} A={adapters} r{r} {name}: {tok_s:,.0f} tok/s, "
+                            f"step {step_ms:.2f} ms (roof {roof:.2f}), busy {busy}",
+                            flush=True,
+                        )
+                        save()
+    result["summary"] = summary(result["points"])
+    save()
+    return result
+
+
+def summary(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server, streams and adapters: the median tokens/s over rounds, its
+    spread, and the ratio to the same server's base-model rate."""
+    keyed: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for p in points:
+        keyed.setdefault((p["server"], p["streams"], p["adapters"]), []).append(p)
+    rows = []
+    for (server, streams, adapters), ps in sorted(keyed.items()):
+        rates = [p["tokens_per_s"] for p in ps]
+        base = keyed.get((server, streams, 0))
+        base_rate = statistics.median(p["tokens_per_s"] for p in base) if base else None
+        med = statistics.median(rates)
+        rows.append(
+            {
+                "server": server,
+                "streams": streams,
+                "adapters": adapters,
+                "tokens_per_s": med,
+                "min": min(rates),
+                "max": max(rates),
+                "over_base": round(med / base_rate, 3) if base_rate else None,
+                "step_ms": statistics.median(p["step_ms"] for p in ps),
+                "roofline_fraction": statistics.median(p["roofline_fraction"] for p in ps),
+                "gpu_busy": statistics.median(
+                    p["gpu_busy"] for p in ps if p["gpu_busy"] is not None
+                )
+                if any(p["gpu_busy"] is not None for p in ps)
+                else None,
+            }
+        )
+    return rows
+
+
+def plot(path: Path) -> Path:
+    """tokens/s against distinct adapters, one line per server and stream count,
+    with the roofline's tokens/s beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    rows = data["summary"]
+    streams_list = sorted({r["streams"] for r in rows})
+    fig, axes = plt.subplots(1, len(streams_list), figsize=(6 * len(streams_list), 4.5))
+    axes = axes if len(streams_list) > 1 else [axes]
+    for ax, streams in zip(axes, streams_list):
+        for server in sorted({r["server"] for r in rows}):
+            pts = [r for r in rows if r["server"] == server and r["streams"] == streams]
+            xs = [max(r["adapters"], 0.5) for r in pts]
+            ax.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=server)
+        roof = [
+            p
+            for p in data["points"]
+            if p["streams"] == streams and p["server"] == rows[0]["server"]
+        ]
+        roof_x = sorted({p["adapters"] for p in roof})
+        roof_y = [
+            1e3 * streams / next(p["roofline_ms"] for p in roof if p["adapters"] == a)
+            for a in roof_x
+        ]
+        ax.plot([max(a, 0.5) for a in roof_x], roof_y, "k--", label="HBM roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distinct adapters in the batch (0 = base model, drawn at 0.5)")
+        ax.set_ylabel("engine tokens/s")
+        ax.set_title(f"{data['size']} shape, rank {data['rank']}, {streams} streams")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{data['machine']}, main {data['commit']}, {data['date']}", fontsize=9)
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="8b")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--max-loras", type=int, default=32)
+    parser.add_argument("--adapters", type=int_list, default=[0, 1, 2, 4, 8, 16, 32])
+    parser.add_argument("--streams", type=int_list, default=[64, 256])
+    parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVERS))
+    parser.add_argument("--rounds", type=int, default=2, help="per point, first --streams")
+    parser.add_argument("--later-rounds", type=int, default=1, help="per point, other --streams")
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--window-s", type=float, default=5.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--gpu-mem", type=float, default=0.3, help="each server's share")
+    parser.add_argument("--nvml-device", type=int, default=0)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/engine-rate"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/engine-rate/out"))
+    parser.add_argument("--machine", default="")
+    parser.add_argument("--commit", default=current_commit())
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="draw an earlier run's JSON and exit")
+    args = parser.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    result = run(args)
+    for row in result["summary"]:
+        print(row, flush=True)
+    if args.json:
+        print(plot(args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
