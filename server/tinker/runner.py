@@ -13,6 +13,7 @@ equals the uninterrupted answer token for token, however many pauses hit it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from skyrl_lora.stitching import SequenceStitcher, resumed_seed
@@ -44,6 +45,10 @@ class SampleJob:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
+    #: Asked before each resubmission: True returns the aborted sequence as
+    #: it is, ``abort`` and all (SkyRL's abort-mode pause: its callers are
+    #: told, not resumed). None resumes every abort.
+    keep_aborted: Callable[[], bool] | None = None
 
 
 class SampleRunner:
@@ -87,7 +92,8 @@ class SampleRunner:
             EncodedSequence(r.stop_reason, r.tokens, r.logprobs)
             for r in (s.result() for s in stitchers)
         ]
-        if not (job.prompt_logprobs or job.topk_prompt_logprobs):
+        kept_aborted = any(seq.stop_reason == "abort" for seq in sequences)
+        if not (job.prompt_logprobs or job.topk_prompt_logprobs) or kept_aborted:
             return EncodedSample(sequences)
         logprobs, topk = await self._prompt_scores(job, first)
         return EncodedSample(
@@ -107,6 +113,9 @@ class SampleRunner:
 
     async def _resume(self, job: SampleJob, stitcher: SequenceStitcher) -> None:
         while not stitcher.done:
+            if job.keep_aborted is not None and job.keep_aborted():
+                stitcher.stop_reason = "abort"
+                return
             if stitcher.attempts > self._config.max_resubmits:
                 raise TinkerError(
                     f"the sequence was aborted {stitcher.attempts} times; giving up",
