@@ -19,6 +19,7 @@ import pytest
 
 from skyrl_lora.client import RemoteInferenceClient as OurClient
 from tests.conftest import EngineServer
+from tests.test_tinker_sdk_engine import wait_in_flight
 
 pytestmark = pytest.mark.engine
 
@@ -141,7 +142,7 @@ async def test_keep_pause_holds_new_and_running_requests_to_the_uninterrupted_an
     running = asyncio.ensure_future(
         client.generate(batch([prompt], logprobs=0, **params), model="skyrl-babble")
     )
-    await wait_running(ours, "skyrl-babble")
+    await wait_in_flight(ours, "skyrl-babble")
     await client.pause(mode="keep")
     try:
         sent_paused = asyncio.ensure_future(
@@ -165,7 +166,7 @@ async def test_abort_pause_returns_running_requests_aborted(engine_server, ours,
     running = asyncio.ensure_future(
         client.generate(batch([prompt], **params), model="skyrl-babble")
     )
-    await wait_running(ours, "skyrl-babble")
+    await wait_in_flight(ours, "skyrl-babble")
     answers = await client.pause(mode="abort")
     try:
         out = await asyncio.wait_for(running, 60)
@@ -266,13 +267,3 @@ async def test_bad_requests_get_a_400_naming_the_field(client) -> None:
     with pytest.raises(aiohttp.ClientResponseError) as unknown:
         await client.generate(batch([[5, 6]]), model="no-such-adapter")
     assert unknown.value.status == 404 and "no-such-adapter" in unknown.value.message
-
-
-async def wait_running(ours: OurClient, name: str) -> None:
-    for _ in range(3000):
-        (state,) = [a for a in (await ours.list_adapters()).adapters if a.lora_name == name]
-        if state.engine_requests >= 1:
-            await asyncio.sleep(0.3)
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the request never reached the engine")
