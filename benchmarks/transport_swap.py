@@ -7,7 +7,7 @@ round), idle and while other tenants sample:
 * ``path``: the server loads the trainer's adapter folder (shared disk);
 * ``push``: the folder's bytes in the HTTP body (no shared disk);
 * ``push_stream``: the same bytes over the server's push stream
-  (``serve --push-stream-port``), opened over HTTP;
+  (on by default), opened over HTTP;
 * ``handover``: the trainer's tensors by handle (:class:`AdapterHandover`):
   CUDA IPC where CUDA is there, a shared-memory file on a CPU;
 * ``handover_swap``: the same hand-over in one call, no pause or resume of
@@ -45,8 +45,8 @@ from skyrl_lora.client import AdapterHandover, RemoteInferenceClient
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("path", "push", "push_stream", "handover", "handover_swap")
-#: What the server is started with: every transport on.
-SERVER_FLAGS = ("--allow-handover", "--push-stream-port", "0")
+#: What the server is started with: every transport on (the push stream is by default).
+SERVER_FLAGS = ("--allow-handover",)
 #: ``under_load``: the other tenants sample from this process, on the event
 #: loop that times the syncs. ``under_load_apart``: from a process of their
 #: own, as other RL runs would; their client work (56 streams' requests and

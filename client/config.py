@@ -41,9 +41,10 @@ class ClientConfig:
     #: many seconds if the client dies in between (then it commits by itself).
     commit_timeout_s: float = 600.0
     #: Send a push's weights over a server's push stream where it has one
-    #: (``serve --push-stream-port``; ``ServerInfo.push_stream_port``), not in
-    #: the HTTP body: about 2.5x the bytes per second (see
-    #: ``skyrl_lora.server.http.push_stream``). False: always the HTTP body.
+    #: (``serve`` opens it unless ``--no-push-stream``; its port is
+    #: ``ServerInfo.push_stream_port``), not in the HTTP body: about 2.5x the
+    #: bytes per second (see ``skyrl_lora.server.http.push_stream``). False:
+    #: always the HTTP body.
     push_stream: bool = True
     #: Connections a streamed push asks for (the server grants at most its
     #: ``max_lanes``): each lane's bytes are copied by the kernel on the core

@@ -1,4 +1,4 @@
-"""Sending a push's weights over a server's push stream (``serve --push-stream-port``).
+"""Sending a push's weights over a server's push stream (on unless ``serve --no-push-stream``).
 
 The HTTP route opens the push and answers a ticket
 (:class:`~skyrl_lora.types.PushStreamTicket`); this module connects to the

@@ -39,9 +39,9 @@ usage: skyrl-lora serve [--embedded] [--no-ray] [skyrl-lora flags] [vllm serve f
   --no-ray     serve in this process instead of a local Ray actor
 
 skyrl-lora's own flags (--api-keys, --adapter-root, --adapter-snapshot-dir,
---max-adapter-bytes, --no-resume-pacing, --no-answer-pacing, --no-slot-prefill,
---no-gpu-staging, --no-staging-yield, --adapter-reader, --stall-stacks) and every
-`vllm serve` flag follow.
+--max-adapter-bytes, --no-push-stream, --no-resume-pacing, --no-answer-pacing,
+--no-slot-prefill, --no-gpu-staging, --no-staging-yield, --adapter-reader,
+--stall-stacks) and every `vllm serve` flag follow.
 """
 
 

@@ -96,8 +96,6 @@ def engine_server(
             str(MAX_ADAPTER_BYTES),
             "--adapter-reader",  # opt-in; the route-walk server runs without
             "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
-            "--push-stream-port",  # opt-in; the route-walk server takes pushes in the body only
-            "0",
         ],
     )
     handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))

@@ -72,6 +72,18 @@ def test_answer_pacing_is_on_unless_turned_off(flags: list[str], paced: bool) ->
     assert pacing == (DEFAULT_ANSWER_PACING if paced else None)
 
 
+@pytest.mark.parametrize(
+    ("flags", "port"),
+    [([], 0), (["--push-stream-port", "7001"], 7001), (["--no-push-stream"], None)],
+)
+def test_the_push_stream_is_on_a_free_port_unless_turned_off(
+    flags: list[str], port: int | None
+) -> None:
+    from skyrl_lora.server.http.app import parse_server_args, push_stream_port
+
+    assert push_stream_port(parse_server_args(["--model", "unused", *flags])) == port
+
+
 @pytest.mark.parametrize(("flags", "frozen"), [([], True), (["--no-gc-freeze"], False)])
 def test_the_gc_freeze_is_on_unless_turned_off(flags: list[str], frozen: bool) -> None:
     from skyrl_lora.server.http.app import parse_server_args

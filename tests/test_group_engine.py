@@ -134,8 +134,9 @@ async def test_a_first_load_one_replica_refuses_leaves_the_name_unloaded(
 
 
 async def test_the_clients_fan_out_is_atomic_too(group, embedded_model, tokenizer) -> None:
-    """The same refusal through the client's HTTP push to every replica: replica 1
-    answers 413, replica 0 is rolled back through ``/skyrl/v1/adapters/rollback``."""
+    """The same refusal through the client's push to every replica: replica 1
+    answers 413 (as it opens the push stream), replica 0 is rolled back through
+    ``/skyrl/v1/adapters/rollback``."""
     woof = embedded_model.adapters["woof"]
     files = padded(woof)
     big = InMemoryAdapter(files["adapter_model.safetensors"], files["adapter_config.json"])
@@ -180,7 +181,7 @@ def text(tokenizer: Any, result: SampleResponse) -> list[str]:
 
 
 async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -> None:
-    """...and each replica stages the adapter's file in one read (``weights/adapter_file.py``)."""
+    """...and each replica stages the adapter's file in one read (``adapters/adapter_file.py``)."""
     assert len(set(group.urls)) == 2
     before = [await staged_file_reads(url) for url in group.urls]
     async with RemoteInferenceClient(group.urls) as client:
@@ -190,13 +191,15 @@ async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -
 
 
 async def test_push_fans_out_to_every_replica(group, embedded_model, tokenizer) -> None:
+    """Over each replica's push stream, which every replica opens by default."""
     async with RemoteInferenceClient(group.urls) as client:
         infos = await client.push_lora_adapter("g-pushed", embedded_model.adapters["woof"])
         assert [i.version for i in infos] == [1, 1]
+        assert client.metrics().pushes_streamed == 2
         for url in group.urls:
             listing = await client.list_adapters(url)
             (state,) = [a for a in listing.adapters if a.lora_name == "g-pushed"]
-            assert state.version == 1 and state.lora_path.startswith("push:sha256=")
+            assert state.version == 1 and state.lora_path.startswith("push-stream:")
         out = await client.sample_with_retry(
             tokenizer.encode("hello", add_special_tokens=False),
             sampling_params=greedy(8),

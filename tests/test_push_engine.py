@@ -260,15 +260,37 @@ async def test_malformed_pushes_get_4xx(engine_server, admin) -> None:
 
 
 async def test_tenant_keys_push_only_their_own_existing_adapters(engine_server, admin) -> None:
+    """With ``--api-keys`` the push stream (on by default) takes the keys and
+    scopes of the HTTP routes: a push over it is opened by a route like any
+    other (no key: 401; another tenant's adapter or a new name: 403), and
+    its port admits nothing but a ticket that such an open issued."""
     await admin.push_lora_adapter("sec-a", engine_server.model.adapters["meow"])
     woof = engine_server.model.adapters["woof"]
     async with RemoteInferenceClient(engine_server.url, api_key=TENANT_KEYS["sec-a"]) as tenant:
         (info,) = await tenant.push_lora_adapter("sec-a", woof)
         assert info.lora_name == "sec-a" and tenant.metrics().pushes_streamed == 1
+        assert info.lora_path.startswith("push-stream:")
         with pytest.raises(PermissionDeniedError):
             await tenant.push_lora_adapter("sec-b", woof)
         with pytest.raises(PermissionDeniedError):
             await tenant.push_lora_adapter("sec-a-new-name", woof)
+        assert tenant.metrics().pushes_streamed == 1  # refused at the open: no bytes went
+    files = files_of(engine_server, "moo")
+    body = {
+        "lora_name": "sec-a",
+        "config": json.loads(files["adapter_config.json"]),
+        "weights_bytes": len(files["adapter_model.safetensors"]),
+    }
+    url = engine_server.url + "/skyrl/v1/adapters/push/stream"
+    for headers, status in [({}, 401), ({"Authorization": f"Bearer {TENANT_KEYS['sec-b']}"}, 403)]:
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(url, json=body) as resp:
+                assert resp.status == status, await resp.text()
+    made_up = {"port": (await admin.server_info()).push_stream_port, "ticket": "0" * 32}
+    answer = await asyncio.to_thread(stream_in_steps, engine_server, made_up)
+    assert answer["error"]["type"] == "authentication_error", answer
+    (state,) = [a for a in (await admin.list_adapters()).adapters if a.lora_name == "sec-a"]
+    assert state.version == info.version  # nothing refused was loaded
 
 
 def padded(weights: bytes, header_end: int) -> bytes:

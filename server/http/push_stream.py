@@ -1,4 +1,4 @@
-"""A push's weights over a TCP stream of their own, beside HTTP (``serve --push-stream-port``).
+"""A push's weights over a TCP stream of their own, beside HTTP (on unless ``--no-push-stream``).
 
 Why: uvicorn hands a request body to the app in pieces of at most 256 KB,
 each through httptools' callbacks, an asyncio queue and a copy or two, and
