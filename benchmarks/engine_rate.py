@@ -86,7 +86,9 @@ class Running:
 
 
 @contextlib.contextmanager
-def plain_vllm(argv: list[str], log: Path, timeout_s: float = 900) -> Iterator[Running]:
+def plain_vllm(
+    argv: list[str], log: Path, env: dict[str, str], timeout_s: float = 900
+) -> Iterator[Running]:
     """vLLM's own OpenAI server with ``argv`` (its ``--port 0`` replaced by a free port)."""
     port = free_port()
     args = list(argv)
@@ -97,6 +99,7 @@ def plain_vllm(argv: list[str], log: Path, timeout_s: float = 900) -> Iterator[R
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **env},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -288,8 +291,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.servers:
             started = time.monotonic()
             try:
+                # A compile cache of its own each: vLLM keys it by the model, not
+                # by the LoRA kernels its graphs call.
+                cache = {"VLLM_CACHE_ROOT": str(out / f"vllm-cache-{name}")}
                 if name == "vllm":
-                    running = stack.enter_context(plain_vllm(vllm_flags, out / "vllm_server.log"))
+                    running = stack.enter_context(
+                        plain_vllm(vllm_flags, out / "vllm_server.log", cache)
+                    )
                     urls[name] = running.url
                 else:
                     kernels = "vllm" if name == "ours_vllm_kernels" else "grouped"
@@ -297,6 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         ["--no-ray", *vllm_flags, "--lora-kernels", kernels],
                         out / f"{name}_server.log",
                         timeout_s=900,
+                        env=cache,
                     )
                     stack.callback(server.kill_all)
                     stack.callback(server.stop)

@@ -124,11 +124,18 @@ def step_fn(
     meta: dict[str, torch.Tensor],
     groups: int,
     outs: dict[str, torch.Tensor],
+    config: Any = None,
 ) -> Callable[[], None]:
     """One decode step's LoRA work of every layer (each decoder layer its own weights)."""
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
-    from skyrl_lora.server.kernels.grouped_lora import grouped_expand, grouped_shrink
+    from skyrl_lora.server.kernels.grouped_lora import (
+        DEFAULT_CONFIG,
+        grouped_expand,
+        grouped_shrink,
+    )
+
+    config = config or DEFAULT_CONFIG
 
     no_lora = torch.tensor([False])
     count = torch.tensor([groups], dtype=torch.int32)
@@ -151,11 +158,11 @@ def step_fn(
             else:
                 grouped_shrink(
                     xin, slots.a, buf, meta["sorted"], meta["per"], meta["start"], meta["ids"],
-                    groups, scale,
+                    groups, scale, config,
                 )  # fmt: skip
                 grouped_expand(
                     buf, slots.b, y, meta["sorted"], meta["per"], meta["start"], meta["ids"],
-                    groups, 0, True,
+                    groups, 0, True, config,
                 )  # fmt: skip
 
     return run
@@ -242,6 +249,51 @@ def profile_table(fn: Callable[[], None], rows: int = 12) -> str:
         torch.cuda.synchronize()
     table: str = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
     return table
+
+
+#: Tile and grid choices the sweep tries (block_m, block_k, block_n, num_warps, blocks_per_sm).
+SWEEP = [
+    (16, 256, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 128, 128, 4, 8),
+    (16, 64, 64, 4, 8),
+    (16, 128, 64, 4, 8),
+    (16, 256, 256, 8, 2),
+    (16, 128, 128, 2, 8),
+    (16, 64, 128, 2, 16),
+]
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The grouped kernels' step time per tile/grid choice (rank 64, 64 tokens)."""
+    from skyrl_lora.server.kernels.grouped_lora import GroupedConfig
+
+    layer_shapes, depth = llama_layers(args.size)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    layers = [make_slots(s, args.slots, 64, gen) for _ in range(depth) for s in layer_shapes]
+    tokens = 64
+    x = {
+        f: torch.randn(tokens, f, device="cuda").to(torch.bfloat16)
+        for f in {s[2] for s in layer_shapes}
+    }
+    outs = {f"buf{n}": torch.empty(n, tokens, 64, device="cuda") for n in (1, 2, 3)}
+    for j, (_, widths, _) in enumerate(layer_shapes):
+        outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda").to(torch.bfloat16)
+    rows = []
+    for adapters in (1, 8, 32):
+        meta = metadata(tokens, adapters, args.slots)
+        for fields in SWEEP:
+            config = GroupedConfig(*fields)
+            try:
+                fn = step_fn("grouped", layers, x, meta, args.slots + 1, outs, config)
+                graph = graph_of(fn)
+                ms = statistics.median(time_graph(graph, args.reps) for _ in range(3))
+            except Exception as exc:  # a choice that does not compile
+                rows.append({"adapters": adapters, "config": fields, "error": str(exc)[:200]})
+                continue
+            rows.append({"adapters": adapters, "config": fields, "ms": ms})
+            print(f"sweep A={adapters} {fields}: {ms:.3f} ms", flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -341,11 +393,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time tile/grid choices")
     parser.add_argument("--machine", default="")
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = run(args)
+    if args.sweep:
+        result["sweep"] = sweep(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     for name, table in result["profiles"].items():

@@ -1,47 +1,63 @@
 #!/usr/bin/env bash
-# Run ON a lent 2-GPU machine (after the stash calls), through
+# Run ON a lent machine of 2 or 4 GPUs (after the stash calls), through
 #
 #   bash scripts/gpu_device_run.sh bg rate bash scripts/gpu_engine_rate.sh
 #
-# The engine's rate with many tenants, in one job on two GPUs at once:
-#   GPU 1: the grouped kernels' GPU test, then benchmarks.lora_kernels (every
-#          LoRA op of a step, vLLM's against ours), then benchmarks.engine_rate
-#          for `serve` against plain `vllm serve` (0, 8 and 32 adapters);
-#   GPU 0: benchmarks.engine_rate for `serve` (grouped kernels) against
-#          `serve --lora-kernels vllm`, the whole curve.
-# Both servers of a comparison share one GPU (interleaved windows). Results
-# land in $OUT: lora_kernels.json, engine_rate.json, engine_rate_vs_vllm.json,
-# and the logs (g0.log, g1.log, servers.tgz). ENGINE_RATE_ARGS adds flags to
-# both engine_rate runs. Then, here: python -m benchmarks.engine_rate --plot FILE.
+# The engine's rate with many tenants, one server per GPU, all at once
+# (benchmarks.engine_rate: the whole curve for each):
+#   GPU 0: `serve` (the grouped LoRA kernels)
+#   GPU 1: `serve --lora-kernels vllm`
+#   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
+#   GPU 3: the grouped kernels' GPU test, then benchmarks.lora_kernels with its
+#          profile and tile sweep                               (4 GPUs only)
+# Every server's base-model point (0 adapters) runs the same kernels, so it
+# calibrates the GPUs against each other. Results land in $OUT (at most 8
+# files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
+# (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every run.
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
-bash "$SITE_RUN" run true > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+bash "$SITE_RUN" run true > "$work/install.log" 2>&1 || { cat "$work/install.log"; exit 1; }
 export PYTHONPATH="$HOME/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SKYRL_LORA_CACHE="$HOME/skyrl-cache"
-gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
-machine="$gpu, $(nvidia-smi -L | wc -l) GPUs, vLLM 0.26.0"
+gpus=$(nvidia-smi -L | wc -l)
+machine="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+machine="$machine, $gpus GPUs, vLLM 0.26.0"
 echo "machine: $machine; commit ${SKYRL_COMMIT:-?}"
 CUDA_VISIBLE_DEVICES=0 python3 -c "
 from pathlib import Path
 from skyrl_lora.server.embedded.random_model import build_random_model
-build_random_model(Path('$work'), rank=16, size='8b')" > "$OUT/g0.log" 2>&1
+build_random_model(Path('$work'), rank=16, size='8b')" > "$work/model.log" 2>&1
 echo "model built $(date +%T)"
 extra=(${ENGINE_RATE_ARGS:-})
-(
-    export CUDA_VISIBLE_DEVICES=1
-    python3 -m pytest -p no:cacheprovider -o addopts="" -q gpu_tests/test_gpu_grouped_lora.py
-    python3 -m benchmarks.lora_kernels --profile --machine "$machine" \
-        --json "$OUT/lora_kernels.json"
-    python3 -m benchmarks.engine_rate --servers ours,vllm --adapters 0,8,32 --nvml-device 1 \
-        --work "$work" --out "$work/g1" --machine "$machine" --gpu-mem 0.45 \
-        --json "$OUT/engine_rate_vs_vllm.json" "${extra[@]}"
-) > "$OUT/g1.log" 2>&1 &
-g1=$!
-CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.engine_rate --servers ours,ours_vllm_kernels \
-    --nvml-device 0 --work "$work" --out "$work/g0" --machine "$machine" --gpu-mem 0.45 \
-    --json "$OUT/engine_rate.json" "${extra[@]}" >> "$OUT/g0.log" 2>&1
-echo "GPU 0 done $(date +%T)"
-wait "$g1"
-echo "GPU 1 done $(date +%T)"
-tar czf "$OUT/servers.tgz" -C "$work" g0 g1 2>/dev/null
+servers=(ours ours_vllm_kernels vllm)
+(( gpus < 4 )) && servers=(ours ours_vllm_kernels)
+pids=()
+for i in "${!servers[@]}"; do
+    name="${servers[$i]}"
+    CUDA_VISIBLE_DEVICES=$i python3 -m benchmarks.engine_rate --servers "$name" \
+        --nvml-device "$i" --work "$work" --out "$work/$name" --machine "$machine" \
+        --gpu-mem 0.85 --json "$OUT/engine_rate_$name.json" "${extra[@]}" \
+        > "$work/$name.log" 2>&1 &
+    pids+=($!)
+done
+if (( gpus >= 4 )); then
+    (
+        export CUDA_VISIBLE_DEVICES=3
+        python3 -m pytest -p no:cacheprovider -o addopts="" -q gpu_tests/test_gpu_grouped_lora.py
+        python3 -m benchmarks.lora_kernels --profile --sweep --machine "$machine" \
+            --json "$OUT/lora_kernels.json"
+    ) > "$work/kernels.log" 2>&1 &
+    pids+=($!)
+fi
+pack() { tar czf "$OUT/logs.tgz" -C "$work" --exclude='vllm-cache-*' --exclude='r64' \
+    --exclude='*.safetensors' $(cd "$work" && ls -d *.log ours* vllm* 2>/dev/null) 2>/dev/null; }
+while true; do
+    running=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
+    pack
+    grep -h -E "tok/s|up in|did not start|passed|failed|^sweep|Error" "$work"/*.log | tail -n 12
+    (( running )) || break
+    sleep 30
+done
+echo "all done $(date +%T)"

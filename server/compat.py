@@ -796,6 +796,20 @@ def _parameter_names(op: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(op).parameters)
 
 
+def vllm_cache_root() -> str:
+    """Where vLLM keeps its caches (``VLLM_CACHE_ROOT``, its default when unset)."""
+    import os
+
+    given = os.environ.get("VLLM_CACHE_ROOT")
+    if given:
+        return os.path.expanduser(given)
+    try:
+        return str(_first_attr("VLLM_CACHE_ROOT", "vllm.envs"))
+    except ImportError:
+        base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        return os.path.join(base, "vllm")
+
+
 def punica_lora_ops() -> tuple[Callable[..., None], Callable[..., None]] | None:
     """vLLM's own GPU LoRA kernels (shrink, expand) as the Punica wrapper calls
     them; None where this build has no GPU wrapper or they take other

@@ -367,6 +367,10 @@ def _fit_steps_to_cuda_graphs(args: argparse.Namespace) -> None:
         budget.max_num_seqs,
     )
 
+    if args.lora_kernels == GROUPED:
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(
+            compat.vllm_cache_root(), "skyrl-lora-grouped-kernels"
+        )
 
 def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
     """Default ``--max-cpu-loras`` to twice ``--max-loras`` (vLLM: equal to it).
