@@ -189,6 +189,9 @@ def test_every_server_package_has_a_place_and_stays_small() -> None:
     server = ROOT / "server"
     packages = {p.parent.name for p in server.glob("*/__init__.py")}
     assert packages == set(SERVER_LAYERS) | SERVER_BASE_PACKAGES  # a new one is ranked here
+    listed = (ROOT / "pyproject.toml").read_text()
+    unlisted = [p for p in packages if f'"skyrl_lora.server.{p}"' not in listed]
+    assert unlisted == [], "pyproject.toml's packages must list them (or a wheel leaves them out)"
     for package in packages:
         modules = sorted(p.name for p in (server / package).glob("*.py"))
         assert len(modules) <= MAX_PACKAGE_MODULES, (package, modules)
