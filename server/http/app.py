@@ -55,8 +55,9 @@ from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .push_stream import PushStreamConfig, PushStreamListener, load_opened
 from .push_stream_process import NICE as PUSH_STREAM_NICE
 from .push_stream_process import PushStream, PushStreamProcess
-from .routes import build_router, error_response
+from .routes import build_router, engine_global_pause, error_response
 from .sample import Sampler
+from .skyrl_routes import mount_skyrl_surface
 
 logger = logging.getLogger(__name__)
 
@@ -572,9 +573,14 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         gc_frozen_objects=frozen,
     )
     sampler = Sampler(gated, max_model_len)
+    global_pause = engine_global_pause(gated)
     app.include_router(
-        build_router(gated, sampler, info, args.max_adapter_bytes, handovers, push_stream)
+        build_router(
+            gated, sampler, info, args.max_adapter_bytes, handovers, push_stream, global_pause
+        )
     )
+    # SkyRL's RemoteInferenceClient surface (/inference/v1/generate, /pause, ...).
+    mount_skyrl_surface(app, gated, sampler.sample, info, global_pause)
     # The Tinker SDK's sampling surface (/api/v1): the same sampler, gate and keys.
     tinker = tinker_surface(sampler.sample, gated, info, lambda r: request_key(r.scope))
     app.include_router(tinker.router)
