@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -364,6 +365,71 @@ async def _release(gate: AdapterGate, admission) -> None:
     gate.release(admission)
 
 
+async def test_a_backlog_that_comes_back_after_the_window_is_still_paced() -> None:
+    """The requests a pause aborted come back when their clients have handled
+    the abort, which may be after ``window_s``: they are paced as they come
+    (a step's room at a time) until as many as were aborted are back; later
+    requests, and every request once ``backlog_s`` has passed, go straight in."""
+    pacing = ResumePacing(tokens_per_step=100, step_wait_s=10.0, window_s=0.01, backlog_s=10.0)
+    gate, engine = make(pacing)
+    running = [asyncio.create_task(engine.request("a", f"r{i}")) for i in range(3)]
+    await _settle()
+    await gate.pause("a", engine.abort)
+    await asyncio.gather(*running)
+    gate.resume("a")
+    await asyncio.sleep(0.03)  # past the window: the clients were slow to retry
+    retries = [
+        asyncio.create_task(gate.admit("a", f"retry{i}", prefill_tokens=60)) for i in range(3)
+    ]
+    await _settle()
+    assert _admitted(retries) == [True, False, False]  # 60 of 100, the next 60 do not fit
+    gate.engine_stepped()
+    await _settle()
+    assert _admitted(retries) == [True, True, False]
+    gate.engine_stepped()
+    await _settle()
+    assert all(_admitted(retries))
+    times = await _admission_times(gate, "a", 4)  # the backlog is back: no more pacing
+    assert max(times) - min(times) < 0.005
+    late, engine = make(replace(pacing, backlog_s=0.02))
+    running = [asyncio.create_task(engine.request("a", f"r{i}")) for i in range(3)]
+    await _settle()
+    await late.pause("a", engine.abort)
+    late.resume("a")
+    await asyncio.sleep(0.03)  # past backlog_s too
+    times = await _admission_times(late, "a", 3)
+    assert max(times) - min(times) < 0.005
+    with pytest.raises(ValueError, match="backlog_s"):
+        ResumePacing(backlog_s=-1)
+
+
+async def test_a_waiter_waits_for_a_step_as_long_as_the_engine_takes_for_one() -> None:
+    """Engine steps 60 ms apart: a paced request waits up to two of them for
+    the next step, not ``step_wait_s`` (20 ms), before taking one as passed,
+    so a long step does not let several steps' room in at once; within
+    ``max_step_wait_s``, and never less than ``step_wait_s``."""
+    pacing = ResumePacing(tokens_per_step=100, step_wait_s=0.02, window_s=10.0)
+    gate, engine = make(pacing)
+    for _ in range(3):
+        gate.engine_stepped()
+        await asyncio.sleep(0.06)
+    backlog = await _held_backlog(gate, engine, "a", [100, 100])
+    gate.resume("a")
+    await _settle()
+    assert _admitted(backlog) == [True, False]
+    await asyncio.sleep(0.08)  # four of the old waits, under two steps
+    assert _admitted(backlog) == [True, False]
+    await asyncio.sleep(0.1)  # no step in twice the engine's: taken as one
+    assert all(_admitted(backlog))
+    budget = gate._budget
+    budget.step_s = 5.0
+    assert budget.step_wait_s(0.02) == pacing.max_step_wait_s
+    budget.step_s = 0.001
+    assert budget.step_wait_s(0.02) == 0.02
+    budget.step_s = 5.0
+    assert budget.step_wait_s(2.0) == 2.0  # a maximum below the least is a fixed wait
+
+
 def test_serve_takes_the_room_per_step_and_refuses_less_than_one_token(capsys) -> None:
     from skyrl_lora.server.http.app import parse_server_args, resume_pacing
 
@@ -382,3 +448,10 @@ def test_serve_takes_the_room_per_step_and_refuses_less_than_one_token(capsys) -
     with pytest.raises(SystemExit):
         parse_server_args([*base, "--resume-graph-tokens", "0"])
     assert "--resume-graph-tokens must be at least 1" in capsys.readouterr().err
+    window_only = [*base, "--resume-backlog-s", "0", "--resume-step-wait-max-ms", "50"]
+    assert resume_pacing(parse_server_args(window_only)) == (
+        ResumePacing(backlog_s=0.0, max_step_wait_s=0.05)
+    )
+    with pytest.raises(SystemExit):
+        parse_server_args([*base, "--resume-step-wait-max-ms", "10"])
+    assert "--resume-step-wait-max-ms must be at least 50" in capsys.readouterr().err

@@ -88,18 +88,37 @@ class ResumePacing:
     fell to 0.89-0.90; vLLM's chunked prefill cut to the graphs
     (``--max-num-batched-tokens 512``, now ``serve``'s default on a GPU:
     :mod:`.step_budget`) did more (docs/gpu.md).
+
+    The aborted requests come back only once their clients have handled
+    the abort and retried, which ``window_s`` does not cover everywhere: on
+    the 2-core CPU machine with 64 in flight they came back 0.2-0.6 s after
+    the resume, entered unpaced, and made steps of up to 1,451 prefill
+    tokens and 1.6 s for every other tenant. So the adapter also stays
+    paced until as many requests as the pause aborted (and held) have been
+    let in, for at most ``backlog_s`` after the resume (0: ``window_s``
+    alone).
+
+    A waiter that sees no step for ``step_wait_s`` counts one. Where the
+    engine's own steps are longer (CPU steps beside a re-prefill: 0.1-0.5 s),
+    that let several steps' room into one real step, so the wait follows
+    the engine: twice its last step, within ``step_wait_s`` and
+    ``max_step_wait_s`` (at most ``step_wait_s``: a fixed wait).
     """
 
     tokens_per_step: int = 256
     step_wait_s: float = 0.05
     window_s: float = 0.25
     graph_tokens: int | None = None
+    backlog_s: float = 2.0
+    max_step_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.tokens_per_step < 1:
             raise ValueError(f"tokens_per_step must be at least 1, not {self.tokens_per_step}")
         if self.graph_tokens is not None and self.graph_tokens < 1:
             raise ValueError(f"graph_tokens must be at least 1, not {self.graph_tokens}")
+        if self.backlog_s < 0:
+            raise ValueError(f"backlog_s must be 0 (none) or more, not {self.backlog_s}")
 
 
 DEFAULT_RESUME_PACING = ResumePacing()
@@ -157,6 +176,12 @@ class _AdapterState:
     #: Admissions wait for room in the engine's step until ``paced_until``
     #: (``time.monotonic``), after the last resume.
     paced_until: float = 0.0
+    #: Requests aborted by the pause in force, which their clients will send again.
+    returning: int = 0
+    #: Since the last resume: admissions still paced as the pause's backlog
+    #: (:attr:`ResumePacing.backlog_s`), until ``backlog_until``.
+    backlog: int = 0
+    backlog_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.resumed.set()
@@ -187,9 +212,17 @@ class StepBudget:
     ``graph_tokens``, the room follows the running batch (:class:`ResumePacing`).
     """
 
-    def __init__(self, tokens_per_step: int, graph_tokens: int | None = None) -> None:
+    def __init__(
+        self, tokens_per_step: int, graph_tokens: int | None = None, max_wait_s: float = 0.0
+    ) -> None:
         self.tokens_per_step = tokens_per_step
         self.graph_tokens = graph_tokens
+        #: The longest a waiter waits for a step before counting one.
+        self.max_wait_s = max_wait_s
+        #: The time between the engine's last two steps (None until two came;
+        #: a longer one is an idle engine, not a step, and is not kept).
+        self.step_s: float | None = None
+        self._last_step_at: float | None = None
         #: Requests the engine ran in its last step; None until a step says.
         self.running: int | None = None
         self.left = tokens_per_step
@@ -222,6 +255,21 @@ class StepBudget:
         self.left -= tokens
         self.taken += 1
         return True
+
+    def engine_stepped(self, running: int | None = None) -> None:
+        """The engine's own step: as :meth:`stepped`, and its length is kept."""
+        now = time.monotonic()
+        if self._last_step_at is not None and now - self._last_step_at <= self.max_wait_s:
+            self.step_s = now - self._last_step_at
+        self._last_step_at = now
+        self.stepped(running)
+
+    def step_wait_s(self, least_s: float) -> float:
+        """How long a waiter waits for a step: twice the engine's last one,
+        within ``least_s`` and ``max_wait_s``."""
+        if self.step_s is None:
+            return least_s
+        return min(max(least_s, 2 * self.step_s), max(least_s, self.max_wait_s))
 
     def stepped(self, running: int | None = None) -> None:
         """A new step: its room is whole again, and every waiter looks."""
@@ -262,7 +310,7 @@ class AdapterGate:
         self._pacing = pacing
         self._answer_pacing = answer_pacing
         self._budget = (
-            StepBudget(pacing.tokens_per_step, pacing.graph_tokens)
+            StepBudget(pacing.tokens_per_step, pacing.graph_tokens, pacing.max_step_wait_s)
             if pacing is not None
             else StepBudget(1)
         )
@@ -328,6 +376,8 @@ class AdapterGate:
                 continue
             if not self._paced(state) or await self._room_in_step(state, prefill_tokens):
                 break
+        if state.backlog:
+            state.backlog -= 1
         # No await between the paused check above and the registration below.
         pinned = self._version_of(lora_name) if version is None else version
         admission = Admission(lora_name, request_id, pinned)
@@ -344,7 +394,10 @@ class AdapterGate:
             state.held -= 1
 
     def _paced(self, state: _AdapterState) -> bool:
-        return self._pacing is not None and time.monotonic() < state.paced_until
+        if self._pacing is None:
+            return False
+        now = time.monotonic()
+        return now < state.paced_until or (state.backlog > 0 and now < state.backlog_until)
 
     async def _room_in_step(self, state: _AdapterState, prefill_tokens: int | None) -> bool:
         """Take room in the engine's step, waiting for later steps while there
@@ -365,7 +418,7 @@ class AdapterGate:
         budget.waiting += 1
         try:
             while True:
-                await budget.next_step(self._pacing.step_wait_s)
+                await budget.next_step(budget.step_wait_s(self._pacing.step_wait_s))
                 if state.paused:
                     return False
                 if eager_anyway() or budget.take(tokens):
@@ -378,7 +431,7 @@ class AdapterGate:
         """The engine finished a step (its outputs arrived): paced requests
         may fill the next one. ``running``: the requests it ran, where the
         engine says (its scheduler's stats)."""
-        self._budget.stepped(running)
+        self._budget.engine_stepped(running)
 
     def release(self, admission: Admission) -> None:
         state = self._state(admission.lora_name)
@@ -399,7 +452,9 @@ class AdapterGate:
         state.resumed.clear()
         if not was_paused:
             self.counters.pauses += 1
-        return was_paused, await self._abort_and_drain(state, abort)
+        drain = await self._abort_and_drain(state, abort)
+        state.returning += drain.aborted
+        return was_paused, drain
 
     async def abort(self, lora_name: str, abort: AbortFn) -> DrainResult:
         """Abort the adapter's in-flight requests without closing the gate."""
@@ -412,7 +467,13 @@ class AdapterGate:
         state.paused = False
         state.resumed.set()
         if was_paused and self._pacing is not None:
-            state.paced_until = time.monotonic() + self._pacing.window_s
+            now = time.monotonic()
+            state.paced_until = now + self._pacing.window_s
+            # What the pause ended comes back as its clients retry, and what
+            # it held comes in now: both are its backlog.
+            state.backlog = state.returning + state.held
+            state.backlog_until = now + self._pacing.backlog_s
+        state.returning = 0
         return was_paused
 
     def forget(self, lora_name: str) -> None:

@@ -179,6 +179,27 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "(default: off, the fixed room above)",
     )
     group.add_argument(
+        "--resume-backlog-s",
+        type=float,
+        default=DEFAULT_RESUME_PACING.backlog_s,
+        metavar="S",
+        help="keep pacing a resumed adapter until as many of its requests as the pause "
+        "aborted have come back, for at most S seconds (clients retry once they have handled "
+        "the abort, which can take longer than the 0.25 s); 0 for the 0.25 s alone "
+        f"(default {DEFAULT_RESUME_PACING.backlog_s:g})",
+    )
+    group.add_argument(
+        "--resume-step-wait-max-ms",
+        type=float,
+        default=DEFAULT_RESUME_PACING.max_step_wait_s * 1000,
+        metavar="MS",
+        help="a paced request waits for the engine's next step at most twice its last "
+        f"step, at least {DEFAULT_RESUME_PACING.step_wait_s * 1000:g} ms and at most MS, "
+        "before counting one as passed "
+        f"(default {DEFAULT_RESUME_PACING.max_step_wait_s * 1000:g}; "
+        f"{DEFAULT_RESUME_PACING.step_wait_s * 1000:g} for a fixed wait)",
+    )
+    group.add_argument(
         "--no-resume-pacing",
         dest="resume_pacing",
         action="store_false",
@@ -312,6 +333,11 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--resume-tokens-per-step must be at least 1 (or use --no-resume-pacing)")
     if args.resume_graph_tokens is not None and args.resume_graph_tokens < 1:
         parser.error("--resume-graph-tokens must be at least 1")
+    if args.resume_backlog_s < 0:
+        parser.error("--resume-backlog-s must be 0 (none) or more")
+    least_wait_ms = DEFAULT_RESUME_PACING.step_wait_s * 1000
+    if args.resume_step_wait_max_ms < least_wait_ms:
+        parser.error(f"--resume-step-wait-max-ms must be at least {least_wait_ms:g}")
     if args.push_stream_max_lanes < 1 or args.push_stream_hash_threads < 1:
         parser.error("--push-stream-max-lanes and --push-stream-hash-threads must be at least 1")
     if not 0 <= args.push_stream_nice <= 19:
@@ -395,7 +421,15 @@ def resume_pacing(args: argparse.Namespace) -> ResumePacing | None:
         return None
     tokens = getattr(args, "resume_tokens_per_step", DEFAULT_RESUME_PACING.tokens_per_step)
     graph = getattr(args, "resume_graph_tokens", None)
-    return dataclasses.replace(DEFAULT_RESUME_PACING, tokens_per_step=tokens, graph_tokens=graph)
+    backlog = getattr(args, "resume_backlog_s", DEFAULT_RESUME_PACING.backlog_s)
+    wait_ms = getattr(args, "resume_step_wait_max_ms", DEFAULT_RESUME_PACING.max_step_wait_s * 1000)
+    return dataclasses.replace(
+        DEFAULT_RESUME_PACING,
+        tokens_per_step=tokens,
+        graph_tokens=graph,
+        backlog_s=backlog,
+        max_step_wait_s=wait_ms / 1000,
+    )
 
 
 def answer_pacing(args: argparse.Namespace) -> AnswerPacing | None:
