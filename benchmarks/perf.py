@@ -136,6 +136,19 @@ class PerfRun:
                 f" {st['p99'].median:.1f} / {st['max'].median:.1f} ms",
             )
         )
+        rows.append(
+            spread_row(
+                "another tenant's longest token gap across a pause, less its longest outside",
+                p.probe_excess,
+                ".1f",
+                " ms",
+                "<= 50 ms",
+                f"{st['max'].median:.1f} ms across ({st['max'].min:.1f}-{st['max'].max:.1f})"
+                f" against {p.probe_outside.median:.1f} ms outside"
+                f" ({p.probe_outside.min:.1f}-{p.probe_outside.max:.1f}); the probe in a"
+                " process of its own",
+            )
+        )
         ctl = self.control_spread
         rows.append(
             spread_row(
