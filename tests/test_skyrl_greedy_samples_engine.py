@@ -16,7 +16,7 @@ import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from tests.conftest import EngineServer
-from tests.test_tinker_sdk_engine import wait_in_flight
+from tests.test_tinker_sdk_engine import pauses_mid_sample
 
 pytestmark = pytest.mark.engine
 
@@ -58,13 +58,7 @@ async def test_sample_with_retry_greedy_n_across_pauses(engine_server, admin) ->
     task = asyncio.ensure_future(
         admin.sample_with_retry(prompt, 3, sampling_params=params, lora_name="greedy-babble")
     )
-    aborted = 0
-    for _ in range(2):
-        await wait_in_flight(admin, "greedy-babble")
-        (paused,) = await admin.pause_generation(lora_name="greedy-babble")
-        aborted += paused.aborted
-        await asyncio.sleep(0.2)
-        await admin.resume_generation(lora_name="greedy-babble")
+    aborted = await pauses_mid_sample(admin, "greedy-babble", times=2)
     answer = await asyncio.wait_for(task, 180)
     assert aborted >= 2, "each pause must have landed mid-sample"
     assert [s.tokens for s in answer.sequences] == [ref.tokens] * 3

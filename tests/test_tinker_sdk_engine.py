@@ -149,18 +149,26 @@ async def test_pauses_mid_sample_give_the_uninterrupted_answer(
     task = asyncio.ensure_future(
         client.sample(types.ModelInput.from_ints(prompt), 1, greedy(LONG, stop=[])).result_async()
     )
-    aborted = 0
-    for _ in range(3):
-        await wait_in_flight(admin, "tk-babble")
-        (paused,) = await admin.pause_generation(lora_name="tk-babble")
-        aborted += paused.aborted
-        await asyncio.sleep(0.3)
-        await admin.resume_generation(lora_name="tk-babble")
+    aborted = await pauses_mid_sample(admin, "tk-babble", times=3)
     (seq,) = (await asyncio.wait_for(task, 180)).sequences
     assert aborted == 3, "each pause must have landed mid-sample"
     assert seq.tokens == ref.tokens
     assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert seq.stop_reason == "length"
+
+
+async def pauses_mid_sample(
+    admin: RemoteInferenceClient, name: str, times: int, hold_s: float = 0.3
+) -> int:
+    """Pause ``name`` ``times`` times while its sample runs; how many requests they aborted."""
+    aborted = 0
+    for _ in range(times):
+        await wait_in_flight(admin, name)
+        (paused,) = await admin.pause_generation(lora_name=name)
+        aborted += paused.aborted
+        await asyncio.sleep(hold_s)
+        await admin.resume_generation(lora_name=name)
+    return aborted
 
 
 async def wait_in_flight(admin: RemoteInferenceClient, name: str) -> None:
