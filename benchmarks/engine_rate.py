@@ -51,6 +51,12 @@ HBM_BYTES_PER_S = 4.8e12
 #: server start of minutes fewer on a lent GPU), up to the 512-token step budget.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512]
 SERVERS = ("ours", "ours_vllm_kernels", "vllm")
+#: How the plot names them.
+LABELS = {
+    "ours": "skyrl-lora serve (grouped kernels)",
+    "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm",
+    "vllm": "plain vllm serve",
+}
 
 
 @dataclass(frozen=True)
@@ -390,7 +396,10 @@ def summary(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(path: Path) -> Path:
     """tokens/s against distinct adapters, one line per server and stream count,
-    with the roofline's tokens/s beside them."""
+    with the roofline's tokens/s beside them; where the JSON holds a
+    ``kernels`` run (:mod:`benchmarks.lora_kernels`), a last panel of the
+    step's LoRA work alone, vLLM's kernels against ours and the adapter
+    bytes' HBM time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,18 +408,17 @@ def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
     rows = data["summary"]
     streams_list = sorted({r["streams"] for r in rows})
-    fig, axes = plt.subplots(1, len(streams_list), figsize=(6 * len(streams_list), 4.5))
-    axes = axes if len(streams_list) > 1 else [axes]
-    for ax, streams in zip(axes, streams_list):
+    kernels = data.get("kernels")
+    panels = len(streams_list) + (1 if kernels else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    for ax, streams in zip(axes[0], streams_list):
         for server in sorted({r["server"] for r in rows}):
             pts = [r for r in rows if r["server"] == server and r["streams"] == streams]
             xs = [max(r["adapters"], 0.5) for r in pts]
-            ax.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=server)
-        roof = [
-            p
-            for p in data["points"]
-            if p["streams"] == streams and p["server"] == rows[0]["server"]
-        ]
+            label = LABELS.get(server, server)
+            ax.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=label)
+        first = rows[0]["server"]
+        roof = [p for p in data["points"] if p["streams"] == streams and p["server"] == first]
         roof_x = sorted({p["adapters"] for p in roof})
         roof_y = [
             1e3 * streams / next(p["roofline_ms"] for p in roof if p["adapters"] == a)
@@ -421,6 +429,23 @@ def plot(path: Path) -> Path:
         ax.set_xlabel("distinct adapters in the batch (0 = base model, drawn at 0.5)")
         ax.set_ylabel("engine tokens/s")
         ax.set_title(f"{data['size']} shape, rank {data['rank']}, {streams} streams")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    if kernels:
+        ax = axes[0][-1]
+        pts = [
+            p
+            for p in kernels["points"]
+            if p["rank"] == data["rank"] and p["tokens"] == min(streams_list)
+        ]
+        xs = [p["adapters"] for p in pts]
+        for variant, label in (("vllm", "vLLM's kernels"), ("grouped", "grouped (ours)")):
+            ax.plot(xs, [p[variant]["ms"] for p in pts], marker="o", label=label)
+        ax.plot(xs, [p["roofline_ms"] for p in pts], "k--", label="adapter bytes' HBM time")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distinct adapters in the batch")
+        ax.set_ylabel("ms of LoRA kernels per decode step (CUDA graph)")
+        ax.set_title(f"the step's LoRA work alone, {min(streams_list)} tokens")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.suptitle(f"{data['machine']}, main {data['commit']}, {data['date']}", fontsize=9)
