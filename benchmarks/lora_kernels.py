@@ -87,27 +87,27 @@ def make_slots(layer: Layer, slots: int, rank: int, gen: torch.Generator) -> Slo
     )
 
 
-def metadata(tokens: int, adapters: int, slots: int) -> dict[str, torch.Tensor]:
-    """vLLM's kernel metadata for ``tokens`` mapped round-robin onto ``adapters`` slots."""
-    mapping = torch.arange(tokens, dtype=torch.int32) % max(adapters, 1)
-    order = torch.sort(mapping, stable=True).indices.to(torch.int32)
-    active, counts = torch.unique(mapping, sorted=True, return_counts=True)
+def kernel_metadata(mapping: torch.Tensor, slots: int) -> dict[str, torch.Tensor]:
+    """What vLLM's ``LoRAKernelMeta.prepare_tensors`` makes of a token-to-slot
+    mapping (-1: the base model), on the mapping's device; ``active`` (the
+    groups present) stays on the host."""
+    host = mapping.cpu()
+    order = torch.sort(host, stable=True).indices.to(torch.int32)
+    active, counts = torch.unique(host, sorted=True, return_counts=True)
     ids = torch.full((slots + 1,), -1, dtype=torch.int32)
     ids[: len(active)] = active
     per = torch.zeros(slots + 1, dtype=torch.int32)
     per[: len(counts)] = counts
     start = torch.zeros(slots + 2, dtype=torch.int32)
     start[1 : 1 + len(counts)] = torch.cumsum(counts, 0)
-    return {
-        k: v.cuda()
-        for k, v in {
-            "mapping": mapping,
-            "sorted": order,
-            "per": per,
-            "start": start,
-            "ids": ids,
-        }.items()
-    }
+    meta = {"mapping": host, "sorted": order, "per": per, "start": start, "ids": ids}
+    return {k: v.to(mapping.device) for k, v in meta.items()} | {"active": active}
+
+
+def metadata(tokens: int, adapters: int, slots: int) -> dict[str, torch.Tensor]:
+    """vLLM's kernel metadata for ``tokens`` mapped round-robin onto ``adapters`` slots."""
+    mapping = torch.arange(tokens, dtype=torch.int32, device="cuda") % max(adapters, 1)
+    return kernel_metadata(mapping, slots)
 
 
 def captured_count(adapters: int, slots: int) -> int:
@@ -279,7 +279,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     outs = {f"buf{n}": torch.empty(n, tokens, 64, device="cuda") for n in (1, 2, 3)}
     for j, (_, widths, _) in enumerate(layer_shapes):
         outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda").to(torch.bfloat16)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for adapters in (1, 8, 32):
         meta = metadata(tokens, adapters, args.slots)
         for fields in SWEEP:

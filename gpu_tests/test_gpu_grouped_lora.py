@@ -14,23 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.lora_kernels import llama_layers, make_slots
+from benchmarks.lora_kernels import kernel_metadata, llama_layers, make_slots
 
 if not torch.cuda.is_available():  # pragma: no cover - the CPU suite never collects gpu_tests
     pytest.skip("no CUDA device", allow_module_level=True)
-
-
-def _metadata(slots_of_tokens: torch.Tensor, max_loras: int) -> dict[str, torch.Tensor]:
-    order = torch.sort(slots_of_tokens, stable=True).indices.to(torch.int32)
-    active, counts = torch.unique(slots_of_tokens, sorted=True, return_counts=True)
-    ids = torch.full((max_loras + 1,), -1, dtype=torch.int32)
-    ids[: len(active)] = active
-    per = torch.zeros(max_loras + 1, dtype=torch.int32)
-    per[: len(counts)] = counts
-    start = torch.zeros(max_loras + 2, dtype=torch.int32)
-    start[1 : 1 + len(counts)] = torch.cumsum(counts, 0)
-    meta = {"mapping": slots_of_tokens, "sorted": order, "per": per, "start": start, "ids": ids}
-    return {k: v.cuda() for k, v in meta.items()} | {"active": active}
 
 
 @pytest.mark.parametrize("rank", [16, 64])
@@ -44,7 +31,7 @@ def test_grouped_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters:
     gen = torch.Generator(device="cuda").manual_seed(rank * 1000 + tokens)
     mapping = torch.arange(tokens, dtype=torch.int32) % adapters
     mapping[::5] = -1  # some tokens on the base model
-    meta = _metadata(mapping, slots)
+    meta = kernel_metadata(mapping.cuda(), slots)
     no_lora = torch.tensor([False])
     layers, _ = llama_layers("8b")
     for layer in layers:
@@ -102,7 +89,7 @@ def test_installed_ops_replay_in_a_cuda_graph() -> None:
     x = torch.randn(tokens, layer[2], device="cuda", generator=gen).to(torch.bfloat16)
     y = torch.zeros(tokens, sum(layer[1]), device="cuda").to(torch.bfloat16)
     buf = torch.empty(len(layer[1]), tokens, rank, device="cuda")
-    live = _metadata(torch.arange(tokens, dtype=torch.int32) % 4, slots)
+    live = kernel_metadata(torch.arange(tokens, dtype=torch.int32, device="cuda") % 4, slots)
     no_lora, groups = torch.tensor([False]), torch.tensor([slots + 1], dtype=torch.int32)
 
     def step() -> None:
@@ -121,7 +108,9 @@ def test_installed_ops_replay_in_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         step()
     for adapters in (4, 1, 7):
-        fresh = _metadata(torch.arange(tokens, dtype=torch.int32) % adapters, slots)
+        fresh = kernel_metadata(
+            torch.arange(tokens, dtype=torch.int32, device="cuda") % adapters, slots
+        )
         for key in ("mapping", "sorted", "per", "start", "ids"):
             live[key].copy_(fresh[key])
         graph.replay()

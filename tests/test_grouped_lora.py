@@ -53,21 +53,9 @@ CASES = [
 ]
 
 
-def kernel_metadata(slots: torch.Tensor, max_loras: int) -> dict[str, torch.Tensor]:
-    """What vLLM's ``LoRAKernelMeta.prepare_tensors`` makes of a token-to-slot mapping."""
-    order = torch.sort(slots, stable=True).indices.to(torch.int32)
-    active, counts = torch.unique(slots, sorted=True, return_counts=True)
-    ids = torch.full((max_loras + 1,), -1, dtype=torch.int32)
-    ids[: len(active)] = active
-    per_lora = torch.zeros(max_loras + 1, dtype=torch.int32)
-    per_lora[: len(counts)] = counts
-    start = torch.zeros(max_loras + 2, dtype=torch.int32)
-    start[1 : 1 + len(counts)] = torch.cumsum(counts, 0)
-    return {"sorted": order, "per_lora": per_lora, "start": start, "ids": ids, "active": active}
-
-
 def _run_case(case: Case) -> dict[str, float]:
     """Both kernels on one case; the largest errors against the references."""
+    from benchmarks.lora_kernels import kernel_metadata
     from skyrl_lora.server.kernels.grouped_lora import (
         GroupedConfig,
         grouped_expand,
@@ -92,7 +80,7 @@ def _run_case(case: Case) -> dict[str, float]:
 
     shrunk = torch.full((len(case.widths), case.tokens, case.rank), 3.0)  # zeroed by the op
     grouped_shrink(
-        x, a, shrunk, meta["sorted"], meta["per_lora"], meta["start"], meta["ids"], groups,
+        x, a, shrunk, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups,
         scaling, config,
     )  # fmt: skip
     shrunk_ref = torch.zeros_like(shrunk)
@@ -106,7 +94,7 @@ def _run_case(case: Case) -> dict[str, float]:
     y0 = torch.randn(case.tokens, width, generator=gen).to(dtype)
     y = y0.clone()
     grouped_expand(
-        shrunk_ref, b, y, meta["sorted"], meta["per_lora"], meta["start"], meta["ids"], groups,
+        shrunk_ref, b, y, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups,
         case.offset_start, case.add_inputs, config,
     )  # fmt: skip
     y_ref = y0.float().clone()
