@@ -21,7 +21,16 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import adapter_read, client_overhead, fanout, perf, plot, retry_overhead, slot_write
+from benchmarks import (
+    adapter_read,
+    client_overhead,
+    engine_overhead,
+    fanout,
+    perf,
+    plot,
+    retry_overhead,
+    slot_write,
+)
 from benchmarks.common import greeting_prompt
 from benchmarks.isolation import IsolationConfig
 from benchmarks.report import Row, spread_row, table
@@ -197,6 +206,7 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot_path = plot.plot(run.isolation, ROOT / "docs" / "swap_isolation.png")
     print("\n" + table(rows))
+    print(results["engine_overhead"]["verdict"])
     print(
         f"\n{results['seconds']:.0f} s in all   plot: {plot_path.relative_to(ROOT)}"
         "   raw: benchmarks/out/results.json"
@@ -233,6 +243,14 @@ def _measure(quick: bool, results: dict[str, Any]) -> tuple[list[Row], perf.Perf
         ro_off = asyncio.run(retry_overhead.run(url2, model, prompt, prefix_caching=False))
     results["retry_overhead"] = {str(r.prefix_caching): r.to_json() for r in (ro, ro_off)}
     rows += [*run.rows(), _retry_row(ro), _retry_row(ro_off)]
+    # Ours against plain vLLM, same flags and load: a slower step anywhere in
+    # what serve adds shows here (the row says REGRESSION below 0.90x).
+    eo = engine_overhead.run(
+        engine_overhead.Load(rounds=4 if quick else 6),
+        ROOT / "benchmarks" / "out" / "engine_overhead",
+    )
+    results["engine_overhead"] = eo.to_json()
+    rows.append(eo.row())
     results["seconds"] = time.monotonic() - began
     return rows, run
 
