@@ -207,3 +207,25 @@ def test_kernel_choice_from_the_environment(monkeypatch):
     monkeypatch.setenv(punica_ops.KERNELS_ENV, "grouped")
     assert punica_ops.install() is False
     assert not punica_ops.installed()
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora-kernels", "grouped"], ["--lora-kernels", "vllm"]])
+def test_serve_tells_its_workers_the_kernels_and_keeps_their_compile_caches_apart(
+    flags, monkeypatch, tmp_path
+):
+    """``serve`` hands the choice to the engine's workers through the
+    environment, and the grouped kernels compile into a cache root of their
+    own: vLLM's compile cache key does not name the kernels a graph calls."""
+    from skyrl_lora.server.http.app import parse_server_args
+    from skyrl_lora.server.kernels import GROUPED, KERNELS_ENV
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    args = parse_server_args(["--model", "unused", *flags])
+    chosen = flags[1] if flags else GROUPED
+    assert args.lora_kernels == chosen
+    assert os.environ[KERNELS_ENV] == chosen
+    expected = tmp_path / "skyrl-lora-grouped-kernels" if chosen == GROUPED else tmp_path
+    assert os.environ["VLLM_CACHE_ROOT"] == str(expected)
+    parse_server_args(["--model", "unused", *flags])  # a second serve in one process
+    assert os.environ["VLLM_CACHE_ROOT"] == str(expected)

@@ -355,12 +355,25 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+#: The grouped kernels' compile cache, under vLLM's cache root.
+GROUPED_CACHE_DIR = "skyrl-lora-grouped-kernels"
+
+
 def _choose_lora_kernels(args: argparse.Namespace) -> None:
     """Tell the engine's workers which LoRA kernels to run. They read it from
     the environment they inherit, as vLLM imports our worker extension in
     each of them and before it captures the model's CUDA graphs
-    (:mod:`..kernels.punica_ops`)."""
+    (:mod:`..kernels.punica_ops`).
+
+    The grouped kernels also get a compile cache of their own: vLLM keys its
+    torch.compile cache by the model's config and code, not by the kernels
+    its LoRA ops call, so a cache built with one choice would be replayed
+    with the other (and fail where the other's ops are not registered).
+    """
     os.environ[KERNELS_ENV] = args.lora_kernels
+    root = compat.vllm_cache_root()
+    if args.lora_kernels == GROUPED and os.path.basename(root) != GROUPED_CACHE_DIR:
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, GROUPED_CACHE_DIR)
 
 
 def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
@@ -394,10 +407,6 @@ def _fit_steps_to_cuda_graphs(args: argparse.Namespace) -> None:
         budget.max_num_seqs,
     )
 
-    if args.lora_kernels == GROUPED:
-        os.environ["VLLM_CACHE_ROOT"] = os.path.join(
-            compat.vllm_cache_root(), "skyrl-lora-grouped-kernels"
-        )
 
 def _leave_cpu_cache_room_for_new_versions(args: argparse.Namespace) -> None:
     """Default ``--max-cpu-loras`` to twice ``--max-loras`` (vLLM: equal to it).
