@@ -10,7 +10,7 @@ design this replaces slept a fixed 5 s before aborting.
 One streamed probe on another adapter runs alongside, in a process of its
 own as another tenant's client would be: in the load's process, its tokens
 waited for that process to handle 64 aborted answers (its event loop held
-for 0.44 s after a pause on the 2-core CPU machine). Its inter-token gaps
+for up to 0.44 s after a pause on the 2-core CPU machine). Its inter-token gaps
 that overlap a pause (from the pause call to the resume's answer) show what
 the pause costs a tenant that is not paused, against its longest gap
 outside pauses: the excess is the pause's own cost. Each pause comes right

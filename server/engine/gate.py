@@ -91,9 +91,9 @@ class ResumePacing:
 
     The aborted requests come back only once their clients have handled
     the abort and retried, which ``window_s`` does not cover everywhere: on
-    the 2-core CPU machine with 64 in flight they came back 0.2-0.6 s after
-    the resume, entered unpaced, and made steps of up to 1,451 prefill
-    tokens and 1.6 s for every other tenant. So the adapter also stays
+    the 2-core CPU machine with 64 in flight they reached the engine 0.1-0.6 s
+    after the resume, 25-64 in one step, which made steps of up to 1,451
+    prefill tokens and 1.6 s for every other tenant. So the adapter also stays
     paced until as many requests as the pause aborted (and held) have been
     let in, for at most ``backlog_s`` after the resume (0: ``window_s``
     alone).
