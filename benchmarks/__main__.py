@@ -250,7 +250,7 @@ def _measure(quick: bool, results: dict[str, Any]) -> tuple[list[Row], perf.Perf
         ROOT / "benchmarks" / "out" / "engine_overhead",
     )
     results["engine_overhead"] = eo.to_json()
-    rows.append(eo.row())
+    rows += eo.rows()
     results["seconds"] = time.monotonic() - began
     return rows, run
 

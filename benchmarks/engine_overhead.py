@@ -15,12 +15,13 @@ Both stay up; in each round one of them takes the load while the other
 idles, in the order A B, B A, A B, ... The load is the same each time: the
 base model and three tenants' adapters, a few back-to-back streamed greedy
 completions each (:func:`benchmarks.streams.keep_streaming`), a warm-up,
-then a timed window. The figure is ours over plain vLLM's tokens/s, one
-ratio per round (the two windows of a round are neighbours in time, so a
-neighbour's load on the shared cores cancels to first order), as a median
-with its min-max; beside it each side's inter-token gaps (p50/p99/max, the
-median of the rounds' figures). The check is a median ratio of at least
-:data:`MIN_RATIO`.
+then a timed window. Per round and server: the tokens/s, the tokens per
+CPU-second that the server's whole process tree used in the window, and
+the inter-token gaps. The figures are ours over plain vLLM's, one ratio per
+round (the two windows of a round are neighbours in time), as a median
+with its min-max, and each side's gaps (p50/p99/max, the median of the
+rounds' figures). The check is on tokens per CPU-second, a median ratio
+of at least :data:`MIN_RATIO`.
 
 ``python -m benchmarks.engine_overhead [--rounds 6] [--json PATH]``; exit
 status 1 where the check fails.
@@ -48,13 +49,17 @@ from benchmarks.stats import Spread, Tail, UntrustworthyRunError, tails_spread
 from benchmarks.streams import StreamLog, keep_streaming
 
 SERVERS = ("ours", "vllm")
-#: The check: ours at no less than this share of plain vLLM's tokens/s. The
-#: 2-core machine's rounds spread by several percent (other work shares the
-#: cores), so the bar sits below that noise and still catches a step that
-#: grew by a tenth.
+#: The check: ours at no less than this share of plain vLLM's tokens per
+#: CPU-second (median over rounds). CPU per token counts host work that a
+#: second core would hide from tokens/s (our API process runs beside the
+#: engine's), which is the overhead this row guards. Both figures move by
+#: tens of percent from round to round while other work shares the 2 cores
+#: (docs/benchmarks.md), so the bar is loose and the row is meant for a
+#: machine that runs nothing else.
 MIN_RATIO = 0.90
 #: The base model's served name and three tenants' adapters of the embedded model.
 MODELS = ("tiny-llama", "meow", "woof", "moo")
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,24 @@ class Load:
 
 @dataclass(frozen=True)
 class Window:
-    """One server's timed window: its tokens/s and its inter-token gaps (ms)."""
+    """One server's timed window: tokens, wall and CPU seconds, inter-token gaps (ms).
 
-    tokens_per_s: float
+    ``cpu_s`` is what the server's whole process tree (API server, engine
+    core, worker, and for ours its helpers) used in the window.
+    """
+
+    tokens: float
+    wall_s: float
+    cpu_s: float
     gaps_ms: tuple[float, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -82,10 +101,9 @@ class Overhead:
 
     windows: dict[str, list[Window]]
 
-    @property
-    def ratios(self) -> list[float]:
-        """Ours over plain vLLM's tokens/s, per round."""
-        return [o.tokens_per_s / v.tokens_per_s for o, v in zip(*self._pairs())]
+    def ratios(self, per: str = "tokens_per_s") -> list[float]:
+        """Ours over plain vLLM's ``per`` (a :class:`Window` figure), per round."""
+        return [getattr(o, per) / getattr(v, per) for o, v in zip(*self._pairs())]
 
     def _pairs(self) -> tuple[list[Window], list[Window]]:
         ours, plain = self.windows["ours"], self.windows["vllm"]
@@ -95,14 +113,20 @@ class Overhead:
 
     @property
     def ratio(self) -> Spread:
-        return Spread.of(self.ratios)
+        """Ours over plain vLLM's tokens/s."""
+        return Spread.of(self.ratios())
+
+    @property
+    def cpu_ratio(self) -> Spread:
+        """Ours over plain vLLM's tokens per CPU-second: the checked figure."""
+        return Spread.of(self.ratios("tokens_per_cpu_s"))
 
     @property
     def passed(self) -> bool:
-        return self.ratio.median >= MIN_RATIO
+        return self.cpu_ratio.median >= MIN_RATIO
 
-    def rate(self, server: str) -> Spread:
-        return Spread.of(w.tokens_per_s for w in self.windows[server])
+    def figure(self, server: str, per: str) -> Spread:
+        return Spread.of(getattr(w, per) for w in self.windows[server])
 
     def gaps(self, server: str) -> dict[str, Spread]:
         """p50, p99 and max inter-token gap of each round, summarised over the rounds."""
@@ -111,54 +135,95 @@ class Overhead:
     def check(self) -> None:
         """Raise :class:`UntrustworthyRunError` where a window saw nothing to compare."""
         for server, windows in self.windows.items():
-            empty = [i for i, w in enumerate(windows) if w.tokens_per_s <= 0 or not w.gaps_ms]
+            empty = [
+                i for i, w in enumerate(windows) if w.tokens <= 0 or w.cpu_s <= 0 or not w.gaps_ms
+            ]
             if empty:
                 raise UntrustworthyRunError(
-                    "load", f"{server} streamed no tokens in rounds {empty}: nothing was measured"
+                    "load",
+                    f"{server} streamed no tokens (or used no CPU) in rounds {empty}:"
+                    " nothing was measured",
                 )
         self._pairs()
 
     def verdict(self) -> str:
         """One line that says whether the engine got slower here than plain vLLM."""
-        r = self.ratio
+        c, r = self.cpu_ratio, self.ratio
         head = "ok" if self.passed else "REGRESSION"
         return (
-            f"engine overhead {head}: ours / plain vLLM tokens/s {r.median:.3f}x"
-            f" (rounds {r.min:.3f}-{r.max:.3f}, {r.rounds}), check >= {MIN_RATIO:.2f}x"
+            f"engine overhead {head}: ours / plain vLLM tokens per CPU-second {c.median:.3f}x"
+            f" (rounds {c.min:.3f}-{c.max:.3f}, {c.rounds}), check >= {MIN_RATIO:.2f}x;"
+            f" tokens/s {r.median:.3f}x ({r.min:.3f}-{r.max:.3f})"
         )
 
-    def row(self) -> Row:
+    def rows(self) -> list[Row]:
         g = {s: self.gaps(s) for s in SERVERS}
         gaps = "; ".join(
-            f"{s} gaps p50/p99/max {g[s]['p50'].median:.0f}/{g[s]['p99'].median:.0f}"
+            f"{s} p50/p99/max {g[s]['p50'].median:.0f}/{g[s]['p99'].median:.0f}"
             f"/{g[s]['max'].median:.0f} ms"
             for s in SERVERS
         )
+        rate = {s: self.figure(s, "tokens_per_s").median for s in SERVERS}
+        per_cpu = {s: self.figure(s, "tokens_per_cpu_s").median for s in SERVERS}
         flag = "" if self.passed else "REGRESSION: "
-        return spread_row(
-            "engine tokens/s on the CPU build: ours / plain vLLM, same flags and load",
-            self.ratio,
-            ".3f",
-            "x",
-            f">= {MIN_RATIO:.2f}x",
-            f"{flag}{self.rate('ours').median:.0f} vs {self.rate('vllm').median:.0f} tok/s,"
-            f" {self.ratio.rounds} rounds; {gaps}",
-        )
+        return [
+            spread_row(
+                "engine tokens per CPU-second, CPU build: ours / plain vLLM, same flags and load",
+                self.cpu_ratio,
+                ".3f",
+                "x",
+                f">= {MIN_RATIO:.2f}x",
+                f"{flag}{per_cpu['ours']:.0f} vs {per_cpu['vllm']:.0f} tokens per CPU-second"
+                f" of each server's processes, {self.cpu_ratio.rounds} rounds",
+            ),
+            spread_row(
+                "engine tokens/s, CPU build: ours / plain vLLM, same flags and load",
+                self.ratio,
+                ".3f",
+                "x",
+                "",
+                f"{rate['ours']:.0f} vs {rate['vllm']:.0f} tok/s (the machine's neighbours"
+                f" move it); inter-token gaps {gaps}",
+            ),
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "cpu_ratio": self.cpu_ratio.to_json(),
+            "cpu_ratios": [round(r, 4) for r in self.ratios("tokens_per_cpu_s")],
             "ratio": self.ratio.to_json(),
-            "ratios": [round(r, 4) for r in self.ratios],
+            "ratios": [round(r, 4) for r in self.ratios()],
             "min_ratio": MIN_RATIO,
             "passed": self.passed,
             "verdict": self.verdict(),
-            "tokens_per_s": {s: self.rate(s).to_json() for s in SERVERS},
+            "tokens_per_s": {s: self.figure(s, "tokens_per_s").to_json() for s in SERVERS},
+            "tokens_per_cpu_s": {s: self.figure(s, "tokens_per_cpu_s").to_json() for s in SERVERS},
             "gaps_ms": {s: {k: v.to_json() for k, v in self.gaps(s).items()} for s in SERVERS},
         }
 
 
-async def measure_window(url: str, prompt: list[int], load: Load) -> Window:
-    """Tokens/s and inter-token gaps of every model's streams in one timed window."""
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user and system) used so far by ``root`` and every process below it.
+
+    Only live processes count: one that exits takes its CPU with it (into its
+    parent's children's total), so a short-lived helper that starts and ends
+    inside a window is missed. The servers' processes live as long as they do.
+    """
+    from skyrl_lora.server.reaper import PROC, descendants, process_table
+
+    total = 0
+    for pid in descendants([root], process_table()):
+        try:
+            stat = (PROC / str(pid) / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS_PER_S
+
+
+async def measure_window(url: str, pid: int, prompt: list[int], load: Load) -> Window:
+    """Tokens, CPU and inter-token gaps of every model's streams in one timed window."""
     logs = [StreamLog(m) for m in MODELS]
     stop = asyncio.Event()
     tasks = [
@@ -170,9 +235,9 @@ async def measure_window(url: str, prompt: list[int], load: Load) -> Window:
     ]  # fmt: skip
     try:
         await asyncio.sleep(load.warmup_s)
-        start = time.monotonic()
+        start, cpu = time.monotonic(), tree_cpu_s(pid)
         await asyncio.sleep(load.window_s)
-        end = time.monotonic()
+        end, cpu = time.monotonic(), tree_cpu_s(pid) - cpu
         for task in tasks:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
@@ -183,12 +248,13 @@ async def measure_window(url: str, prompt: list[int], load: Load) -> Window:
         await asyncio.gather(*tasks, return_exceptions=True)
     tokens = sum(log.tokens_in(start, end) for log in logs)
     gaps = tuple(g.ms for log in logs for g in log.gaps(start, end))
-    return Window(tokens / (end - start), gaps)
+    return Window(tokens, end - start, cpu, gaps)
 
 
 @contextlib.contextmanager
-def both_servers(logs: Path) -> Iterator[tuple[dict[str, str], list[int]]]:
-    """Ours and plain vLLM on the embedded model, started side by side; their URLs and a prompt.
+def both_servers(logs: Path) -> Iterator[tuple[dict[str, tuple[str, int]], list[int]]]:
+    """Ours and plain vLLM on the embedded model, started side by side; their
+    URLs and root pids, and a prompt.
 
     Started at once, the two take about as long as one alone would on a busy
     2-core machine (each start mostly waits on imports and its engine process).
@@ -210,7 +276,9 @@ def both_servers(logs: Path) -> Iterator[tuple[dict[str, str], list[int]]]:
 
         stack.callback(stop_ours)
         plain = stack.enter_context(plain_vllm(argv, logs / "vllm.log", CPU_ENV, timeout_s=540))
-        yield {"ours": pending.result().url, "vllm": plain.url}, greeting_prompt(model)
+        ours = pending.result()
+        servers = {"ours": (ours.url, ours.proc.pid), "vllm": (plain.url, plain.proc.pid)}
+        yield servers, greeting_prompt(model)
 
 
 def run(load: Load, logs: Path) -> Overhead:
@@ -220,10 +288,10 @@ def run(load: Load, logs: Path) -> Overhead:
     first window (its adapters' first use) ran at half the rate of its next.
     """
     logs.mkdir(parents=True, exist_ok=True)
-    with both_servers(logs) as (urls, prompt):
+    with both_servers(logs) as (servers, prompt):
 
         async def measure(server: str) -> Window:
-            return await measure_window(urls[server], prompt, load)
+            return await measure_window(*servers[server], prompt, load)
 
         async def rounds() -> dict[str, list[Window]]:
             for server in SERVERS:
@@ -232,7 +300,10 @@ def run(load: Load, logs: Path) -> Overhead:
                 SERVERS,
                 load.rounds,
                 measure,
-                lambda w: f"{w.tokens_per_s:.0f} tok/s, {len(w.gaps_ms)} gaps",
+                lambda w: (
+                    f"{w.tokens_per_s:.0f} tok/s, {w.tokens_per_cpu_s:.0f} per CPU-s,"
+                    f" {len(w.gaps_ms)} gaps"
+                ),
             )
 
         windows = asyncio.run(rounds())
