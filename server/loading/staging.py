@@ -124,6 +124,9 @@ logger = logging.getLogger("vllm.skyrl_lora.staging")
 # worker builds the model: the LoRA kernels must be in place before the model's
 # CUDA graphs are captured, since a graph replays the kernels it captured.
 punica_ops.install()
+# The CPU build's LoRA ops would apply the last adapter slot to base-model rows
+# batched beside an adapter's (:func:`..compat.mask_base_rows_in_cpu_lora_ops`).
+compat.mask_base_rows_in_cpu_lora_ops()
 
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.
