@@ -856,8 +856,8 @@ def replace_punica_lora_ops(
     _REGISTERED_LIBRARIES.append(lib)  # an op lives as long as its library object
     ops = getattr(torch.ops, library)
     module = importlib.import_module(_PUNICA_GPU_MODULE)
-    module.lora_shrink = ops.lora_shrink
-    module.lora_expand = ops.lora_expand
+    setattr(module, "lora_shrink", ops.lora_shrink)  # noqa: B010 (a module's global)
+    setattr(module, "lora_expand", ops.lora_expand)  # noqa: B010
     return True
 
 
