@@ -2,7 +2,7 @@
 # Set up the project's virtualenv (once) and run one of its jobs.
 #
 #   scripts/dev.sh demo    the main job: three tenants, two live weight swaps
-#   scripts/dev.sh test    lint, type-check and the whole test suite (real CPU vLLM)
+#   scripts/dev.sh test    lint, type-check and the test suite (real CPU vLLM; -m soak: the soaks)
 #   scripts/dev.sh setup   only build the virtualenv
 #   scripts/dev.sh bench   the benchmarks
 #   scripts/dev.sh bench-push   the weight-sync benchmark (push, swap policies)

@@ -1,13 +1,22 @@
 """Shared fixtures: the embedded model and real CPU vLLM servers on Ray.
 
 Servers run in Ray actors, exactly as ``skyrl-lora serve`` runs them. They
-start lazily, so the pure unit tests never pay for them.
+start lazily, so the pure unit tests never pay for them. A server's start
+costs 40-95 s on the 2-core CPU machine, most of the suite's time, so tests
+share servers wherever their flags allow: the session's ``engine_server``,
+and ``serves`` for the ``skyrl-lora serve`` processes of the step-watch and
+shutdown tests (the shutdown tests stop the servers the others used, last).
+
+Soak-length tests carry the ``soak`` marker: deselected by default
+(pyproject's addopts), run by ``-m soak`` at full size and by ``.ci/run``
+in the same session as the rest, scaled by ``SKYRL_TEST_SOAK_SCALE``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +32,47 @@ TENANT_KEYS = {"sec-a": "tenant-a-key", "sec-b": "tenant-b-key"}
 #: The session server's push limit: the embedded adapters are ~140 KB, and
 #: the push stream's tests pad one to three 8 MiB chunks.
 MAX_ADAPTER_BYTES = 24 << 20
+
+
+#: How large the soak tests run: 1 is the full soak; ``.ci/run`` runs a bounded slice.
+SOAK_SCALE = float(os.environ.get("SKYRL_TEST_SOAK_SCALE", "1"))
+
+
+def soak_size(full: int, least: int = 1) -> int:
+    """A soak's count (samples, cycles, requests) at ``SOAK_SCALE``."""
+    return max(least, round(full * SOAK_SCALE))
+
+
+#: ``skyrl-lora serve`` as a user starts it: the embedded model, a free port, nothing else.
+SERVE_FLAGLESS = ("--embedded", "--port", "0")
+#: The step watch's in-process server: every step logged, resumed requests one a step.
+SERVE_STEP_WATCH = (
+    *SERVE_FLAGLESS,
+    *("--no-ray", "--long-step-ms", "1", "--max-num-seqs", "48", "--resume-tokens-per-step", "1"),
+)
+#: The step watch's control: the same pace, but following the running batch.
+SERVE_STEP_WATCH_CONTROL = (
+    *SERVE_FLAGLESS,
+    *("--no-ray", "--long-step-ms", "1", "--resume-tokens-per-step", "1"),
+    *("--resume-graph-tokens", "2"),
+)
+
+#: Tests moved to the session's end, in this order (by node id prefix), so
+#: that each shared ``serve`` is stopped by a shutdown test right after its
+#: last user, and at most two of them run beside the session's server.
+LAST = (
+    "tests/test_push_stream_default_engine.py::",  # the flag-less serve...
+    "tests/test_shutdown_engine.py::test_serve_leaves_no_process_behind[SIGTERM-ray]",  # stops it
+    "tests/test_step_watch_engine.py::",  # the two --no-ray serves...
+    "tests/test_shutdown_engine.py::",  # ...stopped by the --no-ray cases
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i + 1 for i, p in enumerate(LAST) if item.nodeid.startswith(p)), 0)
+
+    items.sort(key=rank)  # stable: every other test keeps its place
 
 
 @dataclass(frozen=True)
@@ -123,6 +173,44 @@ def replica_group(
     )
     with ServerGroup(config) as group:
         yield group
+
+
+class Serves:
+    """``skyrl-lora serve`` processes shared by argv: ``use`` gives the running
+    server for those flags (started on first use); ``take`` hands it to a test
+    that stops it, so a later ``use`` or ``take`` starts another."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._running: dict[tuple[str, ...], Any] = {}  # argv -> ServeProcess
+
+    def use(self, argv: tuple[str, ...]) -> Any:
+        from skyrl_lora.server.cluster.process import start_serve
+
+        if argv not in self._running:
+            log = self._folder / f"serve-{len(list(self._folder.iterdir()))}.log"
+            self._running[argv] = start_serve(argv, log)
+        return self._running[argv]
+
+    def take(self, argv: tuple[str, ...]) -> Any:
+        server = self.use(argv)
+        del self._running[argv]
+        return server
+
+    def close(self) -> None:
+        for server in self._running.values():
+            if server.proc.poll() is None:
+                server.stop()
+            server.kill_all()
+
+
+@pytest.fixture(scope="session")
+def serves(embedded_model: Any, tmp_path_factory: Any) -> Iterator[Serves]:
+    shared = Serves(tmp_path_factory.mktemp("serves"))
+    try:
+        yield shared
+    finally:
+        shared.close()
 
 
 @pytest.fixture

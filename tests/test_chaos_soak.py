@@ -1,5 +1,6 @@
 """Chaos soak: 200+ concurrent resumable samples over three adapters while
-random pause / reload / resume cycles run. Bounded to a couple of minutes.
+random pause / reload / resume cycles run. Bounded to a couple of minutes;
+a ``soak`` test, which ``.ci/run`` runs at ``SKYRL_TEST_SOAK_SCALE``.
 
 Every reload swaps the adapter's weights between two words, so each version
 range of every result can be checked against the word its version must say.
@@ -19,13 +20,13 @@ import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.types import SampleResponse
-from tests.conftest import EngineServer
+from tests.conftest import EngineServer, soak_size
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.soak]
 
 WEIGHTS = {"chaos-a": ("meow", "woof"), "chaos-b": ("moo", "quack"), "chaos-c": ("woof", "moo")}
-SAMPLES = 210
-CYCLES = 24
+SAMPLES = soak_size(210, least=20)
+CYCLES = soak_size(24, least=4)
 
 
 async def test_chaos_soak(engine_server: EngineServer, capsys) -> None:

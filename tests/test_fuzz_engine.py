@@ -5,7 +5,8 @@ the real server. Every answer must be a status the schema documents, never a
 5xx, and the server must stay healthy. Two passes: as tenant A (mostly the
 authorization paths) and as the admin (the validation paths); after each
 admin case that could pause, the engine and the case's adapter are resumed,
-so fuzzing cannot leave the session's server frozen for later tests.
+so fuzzing cannot leave the session's server frozen for later tests. A
+``soak`` test: ``.ci/run`` runs it with ``SKYRL_TEST_SOAK_SCALE`` of the examples.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.conftest import TENANT_KEYS, EngineServer
+from tests.conftest import TENANT_KEYS, EngineServer, soak_size
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.soak]
 
-EXAMPLES_PER_ROUTE = 20
+EXAMPLES_PER_ROUTE = soak_size(20, least=5)
 
 
 def _skyrl_operations(server: EngineServer) -> list[Any]:

@@ -35,7 +35,7 @@ import pytest
 from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import FanOutError, PayloadTooLargeError
 from skyrl_lora.types import SampleResponse
-from tests.conftest import replica_group, staged_file_reads
+from tests.conftest import replica_group, soak_size, staged_file_reads
 
 pytestmark = pytest.mark.engine
 
@@ -378,6 +378,7 @@ SOAK_WEIGHTS = {
 }
 
 
+@pytest.mark.soak
 async def test_chaos_soak_over_a_group_with_an_engine_kill(
     group: Any, embedded_model: Any, tokenizer: Any, capsys
 ) -> None:
@@ -395,7 +396,9 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
     (a group start of its own cost over a minute on the CPU machine), and its
     engine-kill drill: one rebuild for both, as a rebuild costs a replica's
     start. The last test, after the actor-kill drill has healed, with
-    adapter names of its own; it counts only the rebuild its own kill causes."""
+    adapter names of its own; it counts only the rebuild its own kill causes.
+    A ``soak`` test: ``.ci/run`` runs it in the same session as the others,
+    so the group's start is shared."""
     rng = random.Random(4321)
     word_id = {
         w: tokenizer.encode(w, add_special_tokens=False)[0]
@@ -434,7 +437,7 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
 
         async def arrivals() -> list[asyncio.Task]:
             started = []
-            while not done.is_set() or len(started) < 60:
+            while not done.is_set() or len(started) < soak_size(60, least=20):
                 started.append(asyncio.create_task(one(len(started))))
                 await asyncio.sleep(rng.uniform(0.05, 0.3))
             return started

@@ -9,7 +9,8 @@ counts, logprob options and model names range over what those types accept,
 edges and nonsense included. Every answer must be a result or a 4xx whose
 message names what was wrong; never a 5xx. The requests are drawn first and
 sent concurrently (no shrinking: a failure lists the requests that got it),
-so ``TOTAL`` requests take well under a minute on the 2-core CI machine.
+so ``TOTAL`` requests take well under a minute on the 2-core CI machine (a
+``soak`` test: ``.ci/run`` sends ``SKYRL_TEST_SOAK_SCALE`` of them).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import EngineServer
+from tests.conftest import EngineServer, soak_size
 from tests.test_skyrl_client_engine import skyrl_client
 
 pytestmark = pytest.mark.engine
@@ -35,7 +36,7 @@ tinker = pytest.importorskip("tinker")
 tinker_compat = pytest.importorskip("tinker._compat")
 
 #: Requests sent in all; at most ``CONCURRENCY`` at once.
-TOTAL = 2400
+TOTAL = soak_size(2400, least=240)
 CONCURRENCY = 48
 ADAPTER = "fuzz-meow"
 MAX_MODEL_LEN = 1024  # the embedded preset's --max-model-len
@@ -340,6 +341,7 @@ async def http(engine_server: EngineServer) -> AsyncIterator[aiohttp.ClientSessi
         yield session
 
 
+@pytest.mark.soak
 async def test_client_requests_never_get_a_500(engine_server, http, setup) -> None:
     drawn = REGRESSIONS + draw_requests(TOTAL)
     client = skyrl_client(engine_server)
@@ -368,9 +370,9 @@ async def test_client_requests_never_get_a_500(engine_server, http, setup) -> No
         a for a in sent if a.status >= 400 and not any(name in a.message.lower() for name in NAMES)
     ]
     assert not unnamed, "\n".join(map(describe, unnamed[:10]))
-    assert len(sent) >= 2000
-    assert by_status.get(200, 0) >= 1000, "most drawn requests must be served"
-    assert sum(n for status, n in by_status.items() if status >= 400) >= 300
+    assert len(sent) >= TOTAL * 5 // 6
+    assert by_status.get(200, 0) >= TOTAL * 5 // 12, "most drawn requests must be served"
+    assert sum(n for status, n in by_status.items() if status >= 400) >= TOTAL // 8
 
 
 async def test_seeded_prompts_prefilled_in_chunks_keep_the_engine_alive(

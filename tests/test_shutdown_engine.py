@@ -8,8 +8,8 @@ Both with the server in a Ray actor (the default) and in-process
 (``--no-ray``). The process tree is walked before the signal and checked
 after it, by pid and start time.
 
-Each case starts a server (40-55 s on the 2-core CPU machine, nearly all of
-it the start), so the cases are a pairwise cover of signal and mode, not
+Each case stops a server (a start is 40-55 s on the 2-core CPU machine),
+so the cases are a pairwise cover of signal and mode, not
 all six: every signal and every mode, and SIGKILL (the reaper's path) in
 both modes. SIGTERM and SIGINT take one path in ``serve`` (``cli.py``): in
 both modes ``on_signals`` installs the same handler for the two signals
@@ -20,6 +20,14 @@ uvicorn's handlers are off, ``_SignalFreeServer``, and vLLM's
 them alike. So SIGTERM is checked in Ray mode and SIGINT in ``--no-ray``
 mode, and each check asserts that the handler logged the signal it got:
 a signal that reached another handler fails the case.
+
+The servers are ones other tests have used (``conftest.serves``; these
+cases run last, each right after its server's last user): the Ray-mode
+SIGTERM case stops the flag-less ``serve`` that took a push over its
+stream, the ``--no-ray`` cases the step watch's two servers (their flags
+log steps and pace resumes; none touches stopping). A server that has
+served, pushed, paused and reloaded must stop as cleanly as a fresh one,
+and each start saved is 40-95 s of the suite.
 """
 
 from __future__ import annotations
@@ -34,9 +42,14 @@ from typing import Any
 import pytest
 import requests
 
-from skyrl_lora.server.cluster.process import start_serve
 from skyrl_lora.server.compat import submitted_request_ids
 from skyrl_lora.server.reaper import alive
+from tests.conftest import (
+    SERVE_FLAGLESS,
+    SERVE_STEP_WATCH,
+    SERVE_STEP_WATCH_CONTROL,
+    Serves,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -79,38 +92,47 @@ def _command(pid: int) -> str:
         return "?"
 
 
-def _engine_generating(url: str) -> bool:
-    """Whether the engine has made two tokens per sample: a stop right after
-    the first step (one token each) answered 64 samples with none at all at
-    e950fe3, which is not what this test checks."""
+def _generated(url: str) -> float:
+    """The tokens the engine has made so far (the server may have served before)."""
     metrics = requests.get(f"{url}/metrics", timeout=10).text
     for line in metrics.splitlines():
         if line.startswith("vllm:generation_tokens_total"):
-            return float(line.rsplit(" ", 1)[1]) >= 2 * SAMPLES
-    return False
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
-#: (signal, mode) pairs: each signal and each mode, SIGKILL in both (see above).
+def _engine_generating(url: str, before: float) -> bool:
+    """Whether the engine has made two tokens per sample since ``before``: a
+    stop right after the first step (one token each) answered 64 samples
+    with none at all at e950fe3, which is not what this test checks."""
+    return _generated(url) - before >= 2 * SAMPLES
+
+
+#: (signal, mode) pairs: each signal and each mode, SIGKILL in both (see above),
+#: with the shared server each stops. SIGINT's case checks every sample's
+#: tokens, so it takes the control's server (the other runs 48 sequences at
+#: most: 16 of the 64 would wait with none).
 CASES = [
-    (signal.SIGTERM, "ray"),
-    (signal.SIGINT, "no-ray"),
-    (signal.SIGKILL, "ray"),
-    (signal.SIGKILL, "no-ray"),
+    (signal.SIGTERM, "ray", SERVE_FLAGLESS),
+    (signal.SIGINT, "no-ray", SERVE_STEP_WATCH_CONTROL),
+    (signal.SIGKILL, "ray", SERVE_FLAGLESS),
+    (signal.SIGKILL, "no-ray", SERVE_STEP_WATCH),
 ]
 
 
-@pytest.mark.parametrize(("sig", "mode"), CASES, ids=[f"{s.name}-{m}" for s, m in CASES])
+@pytest.mark.parametrize(("sig", "mode", "argv"), CASES, ids=[f"{s.name}-{m}" for s, m, _ in CASES])
 def test_serve_leaves_no_process_behind(
-    mode: str, sig: signal.Signals, embedded_model: Any, tmp_path: Path
+    mode: str, sig: signal.Signals, argv: tuple[str, ...], serves: Serves
 ) -> None:
-    argv = ["--embedded", "--port", "0"] + (["--no-ray"] if mode == "no-ray" else [])
-    server = start_serve(argv, tmp_path / "serve.log")
+    assert ("--no-ray" in argv) == (mode == "no-ray")
+    server = serves.take(argv)
     try:
         answer: dict[str, Any] = {}
+        before = _generated(server.url)
         sampler = threading.Thread(target=_long_sample, args=(server.url, answer))
         sampler.start()
         deadline = time.monotonic() + 30
-        while not _engine_generating(server.url) and time.monotonic() < deadline:
+        while not _engine_generating(server.url, before) and time.monotonic() < deadline:
             time.sleep(0.05)
         started = server.tree()
         assert started, "the server started no process: nothing to check"

@@ -1,6 +1,8 @@
 """The engine's steps on the real engine, as the step watch and the resume pacing see them.
 
-One ``--no-ray`` server on the embedded model with ``--long-step-ms 1``: on
+One ``--no-ray`` server on the embedded model with ``--long-step-ms 1``
+(``conftest.SERVE_STEP_WATCH``, shared through ``serves``; the shutdown
+tests stop it and the control's server after these tests): on
 two CPU cores nearly every step takes longer than that, so the server's log
 holds an ``engine_long_step`` event for each step with the step's shape read
 from vLLM's own scheduler output.
@@ -32,15 +34,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from skyrl_lora.server.cluster.process import ServeProcess, serving
+from skyrl_lora.server.cluster.process import ServeProcess
+from tests.conftest import SERVE_STEP_WATCH, SERVE_STEP_WATCH_CONTROL, Serves
 
 pytestmark = pytest.mark.engine
 
@@ -51,11 +53,8 @@ _EVENT = re.compile(
 
 
 @pytest.fixture(scope="module")
-def server(embedded_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    log = tmp_path_factory.mktemp("step_watch") / "serve.log"
-    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1", "--max-num-seqs", "48"]
-    with serving([*argv, "--resume-tokens-per-step", "1"], log) as serve:
-        yield serve
+def server(serves: Serves) -> ServeProcess:
+    return serves.use(SERVE_STEP_WATCH)
 
 
 def _events(server: ServeProcess) -> list[dict[str, Any]]:
@@ -176,9 +175,7 @@ def test_a_resumed_backlog_enters_spread_over_steps(server: ServeProcess) -> Non
     assert max(entries) <= 2, f"a step took in more than two resumed requests: {entries}"
 
 
-def test_the_same_backlog_enters_together_with_no_room_beside_the_batch(
-    embedded_model: Any, tmp_path: Path
-) -> None:
+def test_the_same_backlog_enters_together_with_no_room_beside_the_batch(serves: Serves) -> None:
     """The other side of the test above: where a resumed request fits in no
     step beside the running batch, the same requests enter in at most two
     steps, so the test above can fail. The room is the same 1 token a step,
@@ -190,13 +187,11 @@ def test_the_same_backlog_enters_together_with_no_room_beside_the_batch(
     which lets the backlog in at once; ``--no-resume-pacing`` reaching the
     server is ``test_cli.py``'s and ``test_gate.py``'s): a second server for
     it cost about a minute of the CPU suite."""
-    argv = ["--embedded", "--port", "0", "--no-ray", "--long-step-ms", "1"]
-    pacing = ["--resume-tokens-per-step", "1", "--resume-graph-tokens", "2"]
-    with serving([*argv, *pacing], tmp_path / "serve.log") as server:
-        info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
-        assert info["resume_graph_tokens"] == 2 and info["resume_pacing_sees_steps"]
-        _sample(server.url, [1, 2, 3], 2)  # a step that says how many requests run
-        entries = _resumed_backlog_entries(server, "meow")
+    server = serves.use(SERVE_STEP_WATCH_CONTROL)
+    info = requests.get(f"{server.url}/skyrl/v1/server_info", timeout=30).json()
+    assert info["resume_graph_tokens"] == 2 and info["resume_pacing_sees_steps"]
+    _sample(server.url, [1, 2, 3], 2)  # a step that says how many requests run
+    entries = _resumed_backlog_entries(server, "meow")
     assert sum(map(bool, entries)) <= 2 and max(entries) >= 2, entries
 
 
