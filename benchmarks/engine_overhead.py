@@ -334,11 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         window_s=args.window_s,
         rounds=args.rounds,
     )
+    commit = current_commit()  # what the servers start from, not what is there at the end
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         overhead = run(load, logs)
     result = {
-        "commit": current_commit(),
+        "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "load": {**asdict(load), "models": list(MODELS)},
