@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import random
+import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -21,6 +22,13 @@ from skyrl_lora.client import RemoteInferenceClient
 T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a server that cannot pick its own)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def current_commit() -> str:

@@ -29,11 +29,9 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,8 +40,9 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.common import current_commit
+from benchmarks.common import current_commit, free_port
 from benchmarks.streams import StreamLog, keep_streaming
+from examples.rl.gpu_busy import GpuBusy
 
 #: H200 HBM3e, the datasheet's bandwidth.
 HBM_BYTES_PER_S = 4.8e12
@@ -76,12 +75,6 @@ def model_facts(model_dir: Path, adapter_dir: Path) -> Model:
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     adapter = sum(p.stat().st_size for p in adapter_dir.glob("*.safetensors"))
     return Model(model_dir.name, weights, kv, adapter)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -132,40 +125,6 @@ def plain_vllm(
             os.killpg(proc.pid, 9)
 
 
-class BusyMeter:
-    """The GPU's busy share (NVML utilization), sampled while a window runs."""
-
-    def __init__(self, device: int) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-            self._nvml: Any = pynvml
-        except Exception:
-            self._nvml = None
-
-    def __enter__(self) -> BusyMeter:
-        if self._nvml is not None:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.2):
-            rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-            self.samples.append(float(rates.gpu))
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-
-    @property
-    def share(self) -> float | None:
-        return statistics.mean(self.samples) / 100 if self.samples else None
-
-
 async def measure_point(
     url: str, models: list[str], streams: int, prompt: list[int], args: argparse.Namespace
 ) -> tuple[float, float | None]:
@@ -182,21 +141,25 @@ async def measure_point(
         for m, log, n in zip(models, logs, per)
         if n > 0
     ]
+    busy = GpuBusy.open(args.nvml_device, interval=0.2)  # None without NVML
+    polled = asyncio.Event()
+    polling = asyncio.create_task(busy.run(polled)) if busy is not None else None
     try:
         await asyncio.sleep(args.warmup_s)
         start = time.monotonic()
-        with BusyMeter(args.nvml_device) as busy:
-            await asyncio.sleep(args.window_s)
+        await asyncio.sleep(args.window_s)
         end = time.monotonic()
         for task in tasks:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
     finally:
+        polled.set()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *([polling] if polling else []), return_exceptions=True)
     tokens = sum(log.tokens_in(start, end) for log in logs)
-    return tokens / (end - start), busy.share
+    share = busy.between(start, end)["device_busy_pct"] / 100 if busy is not None else None
+    return tokens / (end - start), share
 
 
 async def same_outputs(

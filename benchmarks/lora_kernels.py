@@ -91,17 +91,18 @@ def kernel_metadata(mapping: torch.Tensor, slots: int) -> dict[str, torch.Tensor
     """What vLLM's ``LoRAKernelMeta.prepare_tensors`` makes of a token-to-slot
     mapping (-1: the base model), on the mapping's device; ``active`` (the
     groups present) stays on the host."""
-    host = mapping.cpu()
-    order = torch.sort(host, stable=True).indices.to(torch.int32)
-    active, counts = torch.unique(host, sorted=True, return_counts=True)
+    from skyrl_lora.server.lora_metadata import plan
+
+    step = plan(mapping.cpu())
+    active = step.active_slots
     ids = torch.full((slots + 1,), -1, dtype=torch.int32)
     ids[: len(active)] = active
     per = torch.zeros(slots + 1, dtype=torch.int32)
-    per[: len(counts)] = counts
+    per[: len(active)] = step.tokens_per_slot
     start = torch.zeros(slots + 2, dtype=torch.int32)
-    start[1 : 1 + len(counts)] = torch.cumsum(counts, 0)
-    meta = {"mapping": host, "sorted": order, "per": per, "start": start, "ids": ids}
-    return {k: v.to(mapping.device) for k, v in meta.items()} | {"active": active}
+    start[1 : 1 + len(active)] = step.start_loc
+    meta = {"mapping": step.slots, "sorted": step.sorted_by_slot, "per": per, "start": start}
+    return {k: v.to(mapping.device) for k, v in (meta | {"ids": ids}).items()} | {"active": active}
 
 
 def metadata(tokens: int, adapters: int, slots: int) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_commit
+from benchmarks.common import current_commit, free_port
 from benchmarks.cpu_neighbour import Neighbour, Window, stretched
 from benchmarks.report import spread_row, table
 from benchmarks.stats import Spread, Tail, median
@@ -414,12 +414,6 @@ def quiet_window(seconds: float = 2.0) -> Window:
     start = time.time()
     time.sleep(seconds)
     return Window(start, time.time())
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def main() -> int:
