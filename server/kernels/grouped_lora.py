@@ -18,7 +18,7 @@ its tile of the adapter's weights once and applies it to every token of
 that adapter, in chunks of ``block_m`` rows. Items of empty slots cost two
 scalar loads. They take the same arguments as vLLM's ops, so they replace
 them in ``PunicaWrapperGPU`` without touching the LoRA layers
-(:mod:`.install`).
+(:mod:`.punica_ops`).
 
 The shrink adds split-K partial products with atomics into the fp32 buffer,
 as vLLM's does; the expand adds in fp32 and rounds once, where vLLM rounds
@@ -32,7 +32,9 @@ interpreter (``TRITON_INTERPRET=1``), which is how the CPU tests check it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import triton
@@ -61,7 +63,7 @@ class GroupedConfig:
     def for_tokens(self, tokens: int) -> GroupedConfig:
         """Prefill-sized steps use wider row chunks (fewer passes per item)."""
         if tokens > 512 and self.block_m < 64:
-            return GroupedConfig(64, self.block_k, self.block_n, self.num_warps, self.blocks_per_sm)
+            return replace(self, block_m=64)
         return self
 
 
@@ -250,11 +252,12 @@ def _as_slot_rows_cols(weight: torch.Tensor) -> torch.Tensor:
 def supports(weights: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
     """Whether these kernels take a layer's stacked weights (else vLLM's ops run):
     at most three slices of one dtype, laid out alike but for their row counts."""
-    if not 1 <= len(weights) <= MAX_SLICES or any(w.ndim not in (3, 4) for w in weights):
+    if not 1 <= len(weights) <= MAX_SLICES:
         return False
-    if any(w.ndim == 4 and w.size(1) != 1 for w in weights):
+    try:
+        views = [_as_slot_rows_cols(w) for w in weights]
+    except ValueError:
         return False
-    views = [_as_slot_rows_cols(w) for w in weights]
     first = views[0]
     return all(
         v.stride()[1:] == first.stride()[1:]
@@ -264,10 +267,18 @@ def supports(weights: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
     )
 
 
+T = TypeVar("T")
+
+
+def _three(values: Sequence[T], pad: T) -> list[T]:
+    """One value per slice argument of the kernels; the unused ones are never read."""
+    return [*values, *[pad] * (MAX_SLICES - len(values))]
+
+
 def _slot_strides(views: list[torch.Tensor]) -> list[int]:
-    """Each slice's stride between slots (slices of other widths differ), padded to three."""
+    """Each slice's stride between slots (slices of other widths differ)."""
     strides = [int(v.stride(0)) for v in views]
-    return [*strides, strides[0], strides[0]][:MAX_SLICES]
+    return _three(strides, strides[0])
 
 
 @functools.lru_cache(maxsize=8)
@@ -308,7 +319,7 @@ def grouped_shrink(
     slices = len(views)
     config = config.for_tokens(inputs.size(0))
     output_tensor.zero_()
-    ptrs = [*views, views[0], views[0]][:MAX_SLICES]
+    ptrs = _three(views, views[0])
     items = num_groups * slices * triton.cdiv(k, config.block_k)
     _grouped_shrink_kernel[_grid(items, inputs.device, config)](
         inputs,
@@ -363,14 +374,11 @@ def grouped_expand(
     cols = [offset_start + sum(widths[:i]) for i in range(slices)]
     config = config.for_tokens(inputs.size(1))
     n_blocks = triton.cdiv(max(widths), config.block_n)
-    ptrs = [*views, views[0], views[0]][:MAX_SLICES]
-    widths3 = [*widths, 0, 0][:MAX_SLICES]
-    cols3 = [*cols, 0, 0][:MAX_SLICES]
     output = output_tensor.view(-1, output_tensor.size(-1))
     items = num_groups * slices * n_blocks
     _grouped_expand_kernel[_grid(items, inputs.device, config)](
         inputs,
-        *ptrs,
+        *_three(views, views[0]),
         output,
         token_indices_sorted_by_lora_ids,
         num_tokens_per_lora,
@@ -379,8 +387,8 @@ def grouped_expand(
         num_groups,
         n_blocks,
         rank,
-        *widths3,
-        *cols3,
+        *_three(widths, 0),
+        *_three(cols, 0),
         inputs.stride(0),
         inputs.stride(1),
         inputs.stride(2),
