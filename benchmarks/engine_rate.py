@@ -222,18 +222,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # One adapter's files under every name: a name is a slot of its own, and
     # the kernels read each slot's weights whatever they hold.
     modules = ["--lora-modules", *(f"{n}={adapter}" for n in names)]
-    vllm_flags = random_model_server_argv(
+    flags = random_model_server_argv(
         model.model_dir,
         max_lora_rank=args.rank,
         max_loras=args.max_loras,
         gpu_memory_utilization=args.gpu_mem,
         extra=[
-            *modules,
             "--max-num-batched-tokens", "512",
             "--max-num-seqs", "512",
             "--compilation-config", json.dumps({"cudagraph_capture_sizes": CAPTURE_SIZES}),
         ],
     )  # fmt: skip
+    vllm_flags = [*flags, *modules]
     result: dict[str, Any] = {
         "commit": args.commit,
         "date": time.strftime("%Y-%m-%d"),
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "model": facts.__dict__,
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "vllm_flags": [f for f in vllm_flags if not f.startswith(("a", "/"))],
+        "vllm_flags": flags,  # and --lora-modules a0..aN, all one adapter's files
         "model_build_s": round(time.monotonic() - built, 1),
         "server_start_s": {},
         "points": [],
