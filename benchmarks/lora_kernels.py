@@ -10,8 +10,12 @@ vLLM replays them), the shrink and expand of every layer:
   over every slot (``--max-loras`` + 1 groups);
 * ``vllm_specialized``: the same over the captured count of active
   adapters (what ``--specialize-active-lora`` buys);
-* ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` over every slot;
-* ``grouped_active``: the same over the active adapters only.
+* ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` as ``serve``
+  runs them: given every slot, they walk the groups up to the last that
+  holds tokens;
+* ``grouped_walk_all``: the same kernels walking every slot's group (their
+  first version, ``walk_active=False``);
+* ``grouped_active``: ``grouped`` given the active adapters only.
 
 Each variant's outputs are checked against ``vllm``'s (bf16 tolerance)
 before it is timed. Beside each figure: the HBM time of the adapter bytes
@@ -28,7 +32,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -210,11 +214,18 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / per
 
 
-VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_active")
+VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_walk_all", "grouped_active")
+
+
+def config_of(variant: str) -> Any:
+    """The grouped kernels' configuration a variant runs (None: the default)."""
+    from skyrl_lora.server.kernels.grouped_lora import DEFAULT_CONFIG
+
+    return replace(DEFAULT_CONFIG, walk_active=False) if variant == "grouped_walk_all" else None
 
 
 def groups_of(variant: str, adapters: int, slots: int) -> int:
-    if variant in ("vllm", "grouped"):
+    if variant in ("vllm", "grouped", "grouped_walk_all"):
         return slots + 1
     if variant == "vllm_specialized":
         return captured_count(adapters, slots)
@@ -231,7 +242,8 @@ def check(
     for variant in VARIANTS:
         for y in ("y0", "y1", "y2", "y3"):
             outs[y].zero_()
-        step_fn(variant, first, x, meta, groups_of(variant, adapters, slots), outs)()
+        groups = groups_of(variant, adapters, slots)
+        step_fn(variant, first, x, meta, groups, outs, config_of(variant))()
         results[variant] = [outs[y].float().clone() for y in ("y0", "y1", "y2", "y3")]
     ref = results["vllm"]
     return {
@@ -334,12 +346,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["checks"].append(
                     {"rank": rank, "tokens": tokens, "adapters": adapters, "max_rel_err": errors}
                 )
-                graphs = {
-                    v: graph_of(
-                        step_fn(v, layers, x, meta, groups_of(v, adapters, args.slots), outs)
+                steps = {
+                    v: step_fn(
+                        v, layers, x, meta, groups_of(v, adapters, args.slots), outs, config_of(v)
                     )
                     for v in VARIANTS
                 }
+                graphs = {v: graph_of(fn) for v, fn in steps.items()}
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 for r in range(args.rounds):
                     order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
@@ -367,9 +380,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 profiled = rank == max(args.ranks) and tokens == min(args.tokens)
                 if args.profile and profiled and adapters in (8, 32):
                     for v in ("vllm", "grouped"):
-                        fn = step_fn(v, layers, x, meta, groups_of(v, adapters, args.slots), outs)
-                        result["profiles"][f"{v}_A{adapters}"] = profile_table(fn)
-                del graphs
+                        result["profiles"][f"{v}_A{adapters}"] = profile_table(steps[v])
+                del graphs, steps
                 torch.cuda.synchronize()
         del layers
         torch.cuda.empty_cache()

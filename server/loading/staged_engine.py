@@ -118,6 +118,7 @@ class StagedLoRAEngine:
         #: Whether every worker prepares the LoRA kernels' metadata on the host.
         self.host_lora_metadata = False
         self.grouped_lora_kernels = False
+        self.lora_shrink_overlap = False
         #: Pinned host bytes the workers reserved for stagings before serving.
         self.pinned_reserve_bytes = 0
         #: Steps longer than this are logged on every worker (None: not watched).
@@ -189,6 +190,7 @@ class StagedLoRAEngine:
             self.logits_guard = all(p.get("logits_guard") for p in parts)
             self.host_lora_metadata = all(p.get("host_lora_metadata") for p in parts)
             self.grouped_lora_kernels = all(p.get("grouped_lora_kernels") for p in parts)
+            self.lora_shrink_overlap = all(p.get("lora_shrink_overlap") for p in parts)
             if not self.logits_guard:
                 logger.warning("a worker has no sampler to guard: NaN logits may kill the engine")
             if all(p.get("status_files") for p in parts):

@@ -85,7 +85,7 @@ from ..adapters.cuda_streams import AFTER_SWAP, side_stream
 from ..adapters.finite_check import ensure_finite, model_tensors, on_host
 from ..adapters.scale_fold import multiply_in_place
 from ..adapters.snapshot_writer import SNAPSHOT_MARKERS, SnapshotWriter, write_weights_from
-from ..kernels import punica_ops
+from ..kernels import overlap, punica_ops
 from ..logits_guard import LogitsGuard
 from ..telemetry.loop_monitor import watch_engine_collections
 from ..telemetry.observability import log_engine_event
@@ -124,6 +124,7 @@ logger = logging.getLogger("vllm.skyrl_lora.staging")
 # worker builds the model: the LoRA kernels must be in place before the model's
 # CUDA graphs are captured, since a graph replays the kernels it captured.
 punica_ops.install()
+overlap.install()
 # The CPU build's LoRA ops would apply the last adapter slot to base-model rows
 # batched beside an adapter's (:func:`..compat.mask_base_rows_in_cpu_lora_ops`).
 compat.mask_base_rows_in_cpu_lora_ops()
@@ -849,6 +850,7 @@ class LoRAStagingExtension:
             ),
             "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
             "grouped_lora_kernels": punica_ops.installed(),
+            "lora_shrink_overlap": overlap.installed(),
             "prompt_logits_per_request": compat.per_request_prompt_logits(
                 getattr(self, "model_runner", None)
             ),
