@@ -31,6 +31,11 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of counts, as benchmark flags take them (``64,256``)."""
+    return [int(v) for v in text.split(",") if v]
+
+
 def current_commit() -> str:
     """The checkout's short commit, for the figures a benchmark writes ("unknown" outside git).
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.common import current_commit, free_port
+from benchmarks.common import current_commit, free_port, int_list
 from benchmarks.streams import StreamLog, keep_streaming
 from examples.rl.gpu_busy import GpuBusy
 
@@ -416,10 +416,6 @@ def plot(path: Path) -> Path:
     png = path.with_suffix(".png")
     fig.savefig(png, dpi=110)
     return png
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import isolation, transport_swap
-from benchmarks.common import current_commit
+from benchmarks.common import current_commit, int_list
 from benchmarks.stats import IsolationChecks, UntrustworthyRunError
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import AdapterNotFoundError
@@ -375,19 +375,11 @@ def isolation_title(mode: str) -> str:
     return {"per_adapter": "per-adapter pause", "global": "global keep pause"}[mode]
 
 
-def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",")]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="8b")
-    parser.add_argument(
-        "--ranks", type=lambda s: [int(r) for r in s.split(",")], default=[8, 32, 64, 128]
-    )
-    parser.add_argument(
-        "--tenants", type=lambda s: [int(t) for t in s.split(",")], default=[8, 16, 32]
-    )
+    parser.add_argument("--ranks", type=int_list, default=[8, 32, 64, 128])
+    parser.add_argument("--tenants", type=int_list, default=[8, 16, 32])
     parser.add_argument("--parts", default="tenants,swap_cost")
     parser.add_argument(
         "--transports",
