@@ -5,8 +5,11 @@
 from several servers side by side on one GPU, each with its share of the
 memory (``--gpu-mem``):
 
-* ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA kernels);
-* ``ours_vllm_kernels``: the same with ``--lora-kernels vllm``;
+* ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA
+  kernels, each layer's shrink on a second stream beside its base GEMM);
+* ``ours_no_overlap``: the same with ``--lora-overlap off``;
+* ``ours_vllm_kernels``: the same with vLLM's kernels and no overlap, as
+  plain vLLM runs its LoRA layers (what the wrapper itself costs);
 * ``vllm``: plain ``vllm serve`` (vLLM's OpenAI server) with the same vLLM flags.
 
 For each point (``--streams`` concurrent streamed completions, spread
@@ -49,11 +52,18 @@ HBM_BYTES_PER_S = 4.8e12
 #: vLLM's CUDA graph sizes for every server here: fewer than its default 67 (a
 #: server start of minutes fewer on a lent GPU), up to the 512-token step budget.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512]
-SERVERS = ("ours", "ours_vllm_kernels", "vllm")
+#: Our servers' flags beyond the shared vLLM flags.
+OURS = {
+    "ours": [],
+    "ours_no_overlap": ["--lora-overlap", "off"],
+    "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
+}
+SERVERS = (*OURS, "vllm")
 #: How the plot names them.
 LABELS = {
-    "ours": "skyrl-lora serve (grouped kernels)",
-    "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm",
+    "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
+    "ours_no_overlap": "skyrl-lora serve --lora-overlap off",
+    "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm --lora-overlap off",
     "vllm": "plain vllm serve",
 }
 
@@ -165,8 +175,9 @@ async def measure_point(
 async def same_outputs(
     urls: dict[str, str], models: list[str], prompt: list[int]
 ) -> dict[str, Any]:
-    """Greedy 16 tokens of each model from every server, against the first
-    server's: the same tokens, and how far apart the first token's logprob is."""
+    """Greedy 16 tokens of each model from every server (``greedy``), against
+    the first server's: the same tokens, and how far apart the first token's
+    logprob is."""
     got: dict[str, dict[str, Any]] = {}
     async with aiohttp.ClientSession() as session:
         for server, url in urls.items():
@@ -185,7 +196,9 @@ async def same_outputs(
     if not got:
         return {}
     first = next(iter(got))
-    report: dict[str, Any] = {}
+    # The tokens themselves too: servers run one per GPU, in processes of
+    # their own, are compared across their JSON files afterwards.
+    report: dict[str, Any] = {"greedy": got}
     for server in list(got)[1:]:
         same, lp = 0, 0.0
         for model in models:
@@ -269,9 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     urls[name] = running.url
                 else:
-                    kernels = "vllm" if name == "ours_vllm_kernels" else "grouped"
                     server = start_serve(
-                        ["--no-ray", *vllm_flags, "--lora-kernels", kernels],
+                        ["--no-ray", *vllm_flags, *OURS[name]],
                         out / f"{name}_server.log",
                         timeout_s=900,
                         env=cache,

@@ -5,11 +5,11 @@
 #
 # The engine's rate with many tenants, one server per GPU, all at once
 # (benchmarks.engine_rate: the whole curve for each):
-#   GPU 0: `serve` (the grouped LoRA kernels)
-#   GPU 1: `serve --lora-kernels vllm`
+#   GPU 0: `serve` (its defaults: grouped LoRA kernels, overlapped shrink)
+#   GPU 1: `serve --lora-overlap off`
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
-#   GPU 3: the grouped kernels' GPU test, then benchmarks.lora_kernels with its
-#          profile and tile sweep                               (4 GPUs only)
+#   GPU 3: the GPU tests of the kernels and the overlap, benchmarks.lora_kernels
+#          with its profile, then benchmarks.pause_latency --gpu (4 GPUs only)
 # Every server's base-model point (0 adapters) runs the same kernels, so it
 # calibrates the GPUs against each other. Results land in $OUT (at most 8
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
@@ -30,8 +30,8 @@ from skyrl_lora.server.embedded.random_model import build_random_model
 build_random_model(Path('$work'), rank=16, size='8b')" > "$work/model.log" 2>&1
 echo "model built $(date +%T)"
 extra=(${ENGINE_RATE_ARGS:-})
-servers=(ours ours_vllm_kernels vllm)
-(( gpus < 4 )) && servers=(ours ours_vllm_kernels)
+servers=(ours ours_no_overlap vllm)
+(( gpus < 4 )) && servers=(ours ours_no_overlap)
 pids=()
 for i in "${!servers[@]}"; do
     name="${servers[$i]}"
@@ -44,9 +44,16 @@ done
 if (( gpus >= 4 )); then
     (
         export CUDA_VISIBLE_DEVICES=3
-        python3 -m pytest -p no:cacheprovider -o addopts="" -q gpu_tests/test_gpu_grouped_lora.py
-        python3 -m benchmarks.lora_kernels --profile --sweep --machine "$machine" \
-            --json "$OUT/lora_kernels.json"
+        python3 -m pytest -p no:cacheprovider -o addopts="" -q \
+            gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py
+        python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
+            --machine "$machine" --json "$OUT/lora_kernels.json"
+        # Issue 67's GPU row: another tenant's token gaps across one tenant's
+        # pauses, 64 and 256 of the paused tenant's requests in flight.
+        python3 -m benchmarks.pause_latency --gpu --size 0.8b --in-flight 64,256 \
+            --rounds 3 --pauses 20 --gpu-mem 0.3 --machine "$machine" \
+            --work "$HOME/pause-latency" --log "$work/pause_latency_server.log" \
+            --json "$OUT/pause_latency_gpu.json"
     ) > "$work/kernels.log" 2>&1 &
     pids+=($!)
 fi
