@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -416,12 +417,16 @@ class RemoteInferenceClient:
         (or as ``version``, as for :meth:`load_lora_adapter`).
 
         ``adapter`` is a PEFT folder or an :class:`InMemoryAdapter`. The
-        servers need no access to the trainer's disk; each gets its own
-        streamed request, concurrently, checked against the weights' sha256.
+        servers need no access to the trainer's disk; the weights are
+        streamed to them concurrently and checked against their digest.
         A server with a push stream (``ServerInfo.push_stream_port``) gets the
         weights over it instead of in the HTTP body, unless ``push_stream``
-        (default: ``config.push_stream``) is False. Returns when every server
-        answered (fan-out rules as for loads, atomic too).
+        (default: ``config.push_stream``) is False. Servers of one host (the
+        same ``ServerInfo.push_share_host``) get them once: the first one
+        over its stream, the others from its receive area as the bytes land
+        (``POST /skyrl/v1/adapters/push/shared``; :meth:`_host_shares`).
+        Returns when every server answered (fan-out rules as for loads,
+        atomic too).
 
         An :class:`AdapterHandover` (a trainer on the servers' host) is handed
         over by handle instead: no bytes on the wire. Where a server cannot
@@ -456,7 +461,7 @@ class RemoteInferenceClient:
             else None
         )
 
-        async def send(url: str) -> bytes:
+        async def own(url: str) -> bytes:
             if request is not None and (await self.server_info(url)).push_stream_port:
                 try:
                     return await self._push_stream(url, request, payload.weights)
@@ -465,20 +470,78 @@ class RemoteInferenceClient:
             form = payload.form(lora_name, swap_policy, version, keep)
             return await self._call(url, "POST", path, form, timeout=self.config.control_timeout)
 
+        shares = await self._host_shares(request) if request is not None else {}
+
+        async def send(url: str) -> bytes:
+            share = shares.get(url)
+            if share is not None and url == share.receiver:
+                try:
+                    return await self._push_stream(url, share.request, payload.weights, share)
+                except PushStreamUnavailableError:  # it lends no area now: a push of its own
+                    self._info.pop(url, None)
+            elif share is not None and await share.opened:
+                try:
+                    answer = await self._call(
+                        url,
+                        "POST",
+                        f"{API}/adapters/push/shared",
+                        share.request,
+                        timeout=self.config.control_timeout,
+                    )
+                    self._metrics.pushes_shared += 1
+                    return answer
+                except PushStreamUnavailableError:  # the share is out of its reach after all
+                    logger.info("%s could not load push share from %s", url, share.receiver)
+            return await own(url)
+
         return LoadResult(await self._all_or_none(path, send, lora_name, version))
 
-    async def _push_stream(
-        self, url: str, request: PushStreamRequest, weights: bytes | Path
-    ) -> bytes:
-        """Open a push over HTTP, then send its weights over the server's push stream."""
-        raw = await self._call(
-            url,
-            "POST",
-            f"{API}/adapters/push/stream",
-            request,
-            timeout=self.config.control_timeout,
+    async def _host_shares(self, request: PushStreamRequest) -> dict[str, _HostShare]:
+        """The servers that share one push's bytes, each host's by URL: those
+        with a push stream that name the same ``push_share_host``, where one
+        host has several. A server whose info cannot be read is left to its
+        own push (whose fan-out reports it)."""
+        if len(self.urls) == 1:
+            return {}
+        infos = await asyncio.gather(
+            *(self.server_info(url) for url in self.urls), return_exceptions=True
         )
-        ticket = _parsed(PushStreamTicket, raw, url)
+        hosts: dict[str, list[str]] = {}
+        for url, info in zip(self.urls, infos):
+            if isinstance(info, ServerInfo) and info.push_stream_port and info.push_share_host:
+                hosts.setdefault(info.push_share_host, []).append(url)
+        shares: dict[str, _HostShare] = {}
+        for urls in hosts.values():
+            if len(urls) > 1:
+                update = {"share": secrets.token_hex(16), "share_peers": len(urls) - 1}
+                share = _HostShare(request.model_copy(update=update), urls[0])
+                shares |= dict.fromkeys(urls, share)
+        return shares
+
+    async def _push_stream(
+        self,
+        url: str,
+        request: PushStreamRequest,
+        weights: bytes | Path,
+        share: _HostShare | None = None,
+    ) -> bytes:
+        """Open a push over HTTP, then send its weights over the server's push
+        stream; ``share``: its peers learn whether the open succeeded."""
+        try:
+            raw = await self._call(
+                url,
+                "POST",
+                f"{API}/adapters/push/stream",
+                request,
+                timeout=self.config.control_timeout,
+            )
+            ticket = _parsed(PushStreamTicket, raw, url)
+        except BaseException:
+            if share is not None:
+                share.opened.set_result(False)
+            raise
+        if share is not None:
+            share.opened.set_result(True)
         answer = await stream_weights(
             url,
             ticket,
@@ -639,6 +702,17 @@ class RemoteInferenceClient:
 
 class _Ack(BaseModel):
     lora_name: str
+
+
+class _HostShare:
+    """One push's bytes for the servers of one host: streamed to
+    ``receiver``, whose receive area the others load them from once
+    ``opened`` says its push is open (False: each gets a push of its own)."""
+
+    def __init__(self, request: PushStreamRequest, receiver: str) -> None:
+        self.request = request
+        self.receiver = receiver
+        self.opened: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
 
 def _parsed(model: type[ModelT], raw: bytes, url: str) -> ModelT:

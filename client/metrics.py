@@ -35,6 +35,7 @@ class ClientMetricsSnapshot:
     handovers: int = 0
     handover_fallbacks: int = 0
     pushes_streamed: int = 0
+    pushes_shared: int = 0
 
 
 @dataclass
@@ -57,6 +58,9 @@ class ClientMetrics:
     handover_fallbacks: int = 0
     #: Pushes to one server whose weights went over its push stream, not HTTP.
     pushes_streamed: int = 0
+    #: Pushes to one server loaded from another's receive area on its host
+    #: (no bytes sent to it: see ``RemoteInferenceClient.push_lora_adapter``).
+    pushes_shared: int = 0
 
     def snapshot(self) -> ClientMetricsSnapshot:
         return ClientMetricsSnapshot(
@@ -69,6 +73,7 @@ class ClientMetrics:
             handovers=self.handovers,
             handover_fallbacks=self.handover_fallbacks,
             pushes_streamed=self.pushes_streamed,
+            pushes_shared=self.pushes_shared,
         )
 
 
@@ -110,6 +115,7 @@ class _ClientCollector:
         ("skyrl_client_handovers", "adapters handed over by handle", "handovers"),
         ("skyrl_client_handover_fallbacks", "hand-overs pushed as bytes", "handover_fallbacks"),
         ("skyrl_client_pushes_streamed", "pushes sent over a push stream", "pushes_streamed"),
+        ("skyrl_client_pushes_shared", "pushes loaded from a peer's area", "pushes_shared"),
     )
 
     def collect(self) -> Iterator[Any]:

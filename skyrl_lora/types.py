@@ -291,6 +291,14 @@ class PushStreamRequest(_Wire):
     #: Connections the weights would travel over at once (the ticket says
     #: how many the server grants).
     lanes: int = Field(default=1, ge=1, le=PUSH_STREAM_MAX_LANES)
+    #: Where set (32 random hex digits, the sender's), the bytes are shared
+    #: on the server's host: the server that streams them lends its receive
+    #: area under this name to ``share_peers`` others, which load the same
+    #: push from it (``POST /skyrl/v1/adapters/push/shared``, this body) and
+    #: take no stream of their own. Only between servers whose
+    #: ``ServerInfo.push_share_host`` is the same.
+    share: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    share_peers: int = Field(default=0, ge=0, le=1024)
 
 
 #: What each connection of a push stream starts with, before its ticket's 32
@@ -483,6 +491,12 @@ class ServerInfo(_Wire):
     #: Whether that stream is received in a process of its own, outside the
     #: API server's (``serve --push-stream-in-process`` turns it off).
     push_stream_process: bool = False
+    #: Names this server's host memory (its ``/dev/shm``, as its user sees
+    #: it): servers that report the same one load a push streamed to any of
+    #: them from that one's receive area (:attr:`PushStreamRequest.share`),
+    #: so its bytes reach the host once. None where this server lends no
+    #: receive areas (no push stream, or no ``/dev/shm``).
+    push_share_host: str | None = None
     #: What the sample logprobs are (vLLM's ``--logprobs-mode``): the default
     #: ``raw_logprobs`` are the model's log-softmax before temperature, top-k
     #: and top-p; ``processed_logprobs`` are those of the distribution sampled

@@ -30,12 +30,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from skyrl_lora.client import InMemoryAdapter, RemoteInferenceClient
 from skyrl_lora.errors import FanOutError, PayloadTooLargeError
 from skyrl_lora.types import SampleResponse
-from tests.conftest import replica_group, soak_size, staged_file_reads
+from tests.conftest import counts_by_label, replica_group, soak_size, staged_file_reads
 
 pytestmark = pytest.mark.engine
 
@@ -190,22 +191,49 @@ async def test_group_serves_on_every_replica(group, embedded_model, tokenizer) -
     assert [await staged_file_reads(url) for url in group.urls] == [b + 1 for b in before]
 
 
-async def test_push_fans_out_to_every_replica(group, embedded_model, tokenizer) -> None:
-    """Over each replica's push stream, which every replica opens by default."""
+async def pushed_bytes(url: str) -> dict[str, float]:
+    """``skyrl_pushed_bytes_total`` of one replica, by how the bytes came."""
+    async with aiohttp.ClientSession() as http:
+        return await counts_by_label(http, url, "skyrl_pushed_bytes_total")
+
+
+async def test_a_push_to_one_host_sends_its_bytes_once(group, embedded_model, tokenizer) -> None:
+    """Both replicas share a host (``push_share_host``): the client streams
+    each push to the first replica only, and the second loads it from the
+    first's receive area as it lands (``adapters/push/shared``). Both serve
+    every version, token for token."""
+    adapters = embedded_model.adapters
+    weights = [adapters[w] / "adapter_model.safetensors" for w in ("moo", "woof")]
+    sizes = [w.stat().st_size for w in weights]
+    prompt = tokenizer.encode("hello", add_special_tokens=False)
+    receiver, peer = group.urls
     async with RemoteInferenceClient(group.urls) as client:
-        infos = await client.push_lora_adapter("g-pushed", embedded_model.adapters["woof"])
-        assert [i.version for i in infos] == [1, 1]
-        assert client.metrics().pushes_streamed == 2
-        for url in group.urls:
-            listing = await client.list_adapters(url)
-            (state,) = [a for a in listing.adapters if a.lora_name == "g-pushed"]
-            assert state.version == 1 and state.lora_path.startswith("push-stream:")
-        out = await client.sample_with_retry(
-            tokenizer.encode("hello", add_special_tokens=False),
-            sampling_params=greedy(8),
-            lora_name="g-pushed",
-        )
-        assert set(text(tokenizer, out)) == {"woof"}
+        hosts = {(await client.server_info(url)).push_share_host for url in group.urls}
+        assert len(hosts) == 1 and None not in hosts
+        before = [await pushed_bytes(url) for url in group.urls]
+        for version, word in enumerate(("moo", "woof"), start=1):
+            infos = await client.push_lora_adapter("g-pushed", adapters[word])
+            assert [i.version for i in infos] == [version, version]
+            paths = {i.lora_path for i in infos}  # one digest: the same bytes
+            assert len(paths) == 1 and paths.pop().startswith("push-stream:")
+            outs = []
+            for url in group.urls:
+                async with RemoteInferenceClient(url) as one:
+                    outs.append(
+                        await one.sample(prompt, sampling_params=greedy(8), lora_name="g-pushed")
+                    )
+            assert [o.adapter_version for o in outs] == [version, version]
+            assert outs[0].sequences[0].tokens == outs[1].sequences[0].tokens
+            assert set(text(tokenizer, outs[0])) == {word}
+        metrics = client.metrics()
+        assert (metrics.pushes_streamed, metrics.pushes_shared) == (2, 2)
+    after = [await pushed_bytes(url) for url in group.urls]
+    came = [
+        {via: after[i].get(via, 0.0) - before[i].get(via, 0.0) for via in ("stream", "host_share")}
+        for i in range(2)
+    ]
+    assert came[0] == {"stream": sum(sizes), "host_share": 0}, (receiver, came)
+    assert came[1] == {"stream": 0, "host_share": sum(sizes)}, (peer, came)
 
 
 async def test_push_from_a_trainer_actor_through_the_object_store(

@@ -106,12 +106,31 @@ class ArrivalWriter:
         os.pwrite(self._fd, _RECORD.pack(self.total_bytes, ready, state), 0)
 
 
-class Arrival:
-    """The reader's side, for a weights file whose marker is beside it."""
+class ArrivalStalled(ArrivalFailed):
+    """No byte came for longer than the reader waits without one: its writer
+    is gone without a word, or as good as gone."""
 
-    def __init__(self, marker: Path, timeout_s: float) -> None:
-        self._fd = os.open(marker, os.O_RDONLY)
+
+class Arrival:
+    """The reader's side, for a weights file whose marker is beside it.
+
+    ``dir_fd``: the folder the ``marker`` (then a name) is in, opened.
+    ``stop``: a waiting reader gives up (:class:`ArrivalFailed`) once it is
+    set; ``stall_s``: once no byte came for that long (:class:`ArrivalStalled`).
+    """
+
+    def __init__(
+        self,
+        marker: Path | str,
+        timeout_s: float,
+        dir_fd: int | None = None,
+        stop: threading.Event | None = None,
+        stall_s: float | None = None,
+    ) -> None:
+        self._fd = os.open(marker, os.O_RDONLY, dir_fd=dir_fd)
         self._timeout_s = timeout_s
+        self._stop = stop
+        self._stall_s = stall_s
         self.total_bytes, _, _ = self._read()
 
     @classmethod
@@ -135,17 +154,34 @@ class Arrival:
 
     def _wait(self, done: Callable[[int, int], bool], nbytes: int) -> None:
         deadline = time.monotonic() + self._timeout_s
+        seen, moved_at = -1, time.monotonic()
         while True:
             _, ready, state = self._read()
             if state == FAILED:
                 raise ArrivalFailed("the push writing this adapter's weights failed")
             if done(ready, state):
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise ArrivalFailed(
                     f"{ready} of the {nbytes} bytes needed arrived in {self._timeout_s} s"
                 )
+            if ready != seen:
+                seen, moved_at = ready, now
+            elif self._stall_s is not None and now - moved_at > self._stall_s:
+                raise ArrivalStalled(f"no byte came for {self._stall_s:g} s ({ready} in)")
+            if self._stop is not None and self._stop.is_set():
+                raise ArrivalFailed("the reader stopped waiting")
             time.sleep(POLL_S)
+
+    def abandon(self) -> None:
+        """Mark the arrival failed, for every reader: its writer is gone
+        (:class:`ArrivalStalled`), and will not say so itself."""
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY)
+        try:
+            os.pwrite(fd, _RECORD.pack(self.total_bytes, 0, FAILED), 0)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         os.close(self._fd)

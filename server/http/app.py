@@ -55,6 +55,7 @@ from .push import DEFAULT_MAX_ADAPTER_BYTES
 from .push_stream import PushStreamConfig, PushStreamListener, load_opened
 from .push_stream_process import NICE as PUSH_STREAM_NICE
 from .push_stream_process import PushStream, PushStreamProcess
+from .receive_area import host_token
 from .routes import build_router, engine_global_pause, error_response
 from .sample import Sampler
 from .skyrl_routes import mount_skyrl_surface
@@ -636,6 +637,7 @@ async def build_skyrl_app(engine_client: Any, args: argparse.Namespace) -> tuple
         new_kv_blocks_zeroed=getattr(args, "new_kv_blocks_zeroed", False),
         push_stream_port=None if push_stream is None else push_stream.port,
         push_stream_process=isinstance(push_stream, PushStreamProcess),
+        push_share_host=push_share_host(push_stream, args),
         logprobs_mode=compat.logprobs_mode(engine_client),
         gc_frozen_objects=frozen,
     )
@@ -812,6 +814,14 @@ def push_stream_port(args: argparse.Namespace) -> int | None:
         return None
     port: int | None = getattr(args, "push_stream_port", None)
     return port
+
+
+def push_share_host(push_stream: PushStream | None, args: argparse.Namespace) -> str | None:
+    """What ``server_info`` names this server's host memory by, where it
+    lends receive areas to the servers beside it (and loads from theirs)."""
+    if push_stream is None or push_stream_config(args).idle_areas < 1:
+        return None
+    return host_token()
 
 
 def push_stream_config(args: argparse.Namespace) -> PushStreamConfig:

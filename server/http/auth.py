@@ -81,6 +81,7 @@ TENANT_ROUTES: dict[tuple[str, str], Access] = {
     ("POST", "/skyrl/v1/adapters/unload"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/push"): Access.PUSH,
     ("POST", "/skyrl/v1/adapters/push/stream"): Access.CONTROL,
+    ("POST", "/skyrl/v1/adapters/push/shared"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/handover"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/lease"): Access.CONTROL,
     ("POST", "/skyrl/v1/adapters/commit"): Access.CONTROL,

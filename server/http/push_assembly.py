@@ -54,6 +54,10 @@ class OpenedPush:
     #: Connections its weights travel over (asked for; the ticket grants at most
     #: :attr:`PushStreamConfig.max_lanes`).
     lanes: int = 1
+    #: The name its receive area is lent under to ``share_peers`` servers on
+    #: this host (:meth:`.receive_area.ReceiveArea.lend`); None: not lent.
+    share: str | None = None
+    share_peers: int = 0
 
 
 class Receipt:
@@ -161,6 +165,13 @@ class Assembly:
             lands_in = self.area.folder
         self._dir = os.open(lands_in, os.O_RDONLY | os.O_DIRECTORY)  # kept across its move
         self.arrival = ArrivalWriter(lands_in, push.weights_bytes)
+        if self.area is not None and push.share is not None:
+            try:  # with its marker in it: a peer that finds it can follow the bytes
+                lands_in = self.area.lend(push.share, push.share_peers)
+            except BaseException:
+                self.arrival.close()
+                os.close(self._dir)
+                raise
         self.digest = ChunkedDigest(total_bytes=push.weights_bytes, pool=pool)
         self.receipt = Receipt(lands_in / WEIGHTS_FILE, None if self.area is None else self.area.fd)
         self._area_holds = 2  # the lanes and the load: the last to finish gives it back
@@ -258,8 +269,8 @@ class Assembly:
         """Chunk ``index`` is in place: tell readers how far the weights are
         there from their start."""
         with self._lock:
-            if index == 0:  # safetensors: the header's length, then the header
-                end = 8 + int.from_bytes(view[:8], "little") if len(view) >= 8 else len(view)
+            if index == 0:
+                end = head_end(view)
                 self._head = bytes(view[:end]) if end <= len(view) else None
             self._written.add(index)
             advanced = self._prefix
@@ -292,6 +303,8 @@ class Assembly:
                     f"{WEIGHTS_FILE} has {DIGEST_NAME} digest {digest}, the stream said "
                     f"{said}: the bytes were damaged"
                 )
+        if self.area is not None:
+            self.area.settled(digest)
         self.arrival.complete()
         with contextlib.suppress(FileNotFoundError):  # the folder may be a snapshot by now
             os.unlink(MARKER, dir_fd=self._dir)
@@ -355,6 +368,13 @@ class Assembly:
                 )
         assert self._reply is not None
         return self._reply
+
+
+def head_end(first: bytes | memoryview) -> int:
+    """Where a safetensors file's header ends, from its first bytes: the
+    header's length in 8 bytes, then the header (a file shorter than 8
+    bytes: its end, and its check refuses it)."""
+    return 8 + int.from_bytes(first[:8], "little") if len(first) >= 8 else len(first)
 
 
 def _ms(seconds: float) -> float:

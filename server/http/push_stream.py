@@ -85,6 +85,7 @@ from skyrl_lora.types import PUSH_STREAM_HELLO, AdapterInfo, PushStreamTicket
 
 from ..adapters.registry import AdapterRecord, PreparedVersion
 from ..engine.gated import GatedEngine
+from ..telemetry.observability import PUSHED_BYTES
 from .push import (
     check_safetensors,
     check_safetensors_head,
@@ -484,13 +485,17 @@ def _answer(conn: socket.socket, line: bytes, linger_s: float) -> None:
         pass  # the sender is gone; the push's outcome is in the log
 
 
-async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -> AdapterInfo:
+async def load_opened(
+    engine: GatedEngine, push: OpenedPush, receipt: Receipt, via: str = "stream"
+) -> AdapterInfo:
     """The :data:`Finish` of a server: check the push's fields as an HTTP
     push's are checked, stage it while its bytes arrive, and install it as
     the adapter's next version once they all came and their digest matched.
 
     A push naming the current version is compared by its weights, so that
-    one waits for all of them first.
+    one waits for all of them first. ``via``: how the bytes came, as
+    ``skyrl_pushed_bytes_total`` counts them (a peer's lent area loads
+    the same way, :mod:`.push_shared`).
     """
     fields = {**push.fields, "lora_name": push.lora_name}
     pushed = checked_push(fields, push.folder, "", weights_written=False)
@@ -520,6 +525,7 @@ async def load_opened(engine: GatedEngine, push: OpenedPush, receipt: Receipt) -
         except BaseException:
             await registry.abandon(prepared)
             raise
+        PUSHED_BYTES.labels(via=via).inc(push.weights_bytes)
         return dataclasses.replace(prepared, source_path=STREAMED_PREFIX + digest)
 
     applied = await load_pushed(engine, pushed, prepare)

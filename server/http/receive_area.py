@@ -33,18 +33,39 @@ mapped a new one (about 250 ms): 7 of 19 rank-64 pushes did.
 
 An area is reused only after a push that succeeded: a failed push's
 readers may still hold its file, so that one is closed and removed.
+
+**Lent to the host.** Replicas of a group often share a host, and each
+receiving the same push over a stream of its own moved the same bytes into
+the host once per replica. A push opened with a ``share`` name
+(:attr:`~skyrl_lora.types.PushStreamRequest.share`) has its area *lent*:
+its folder is renamed ``skyrl-share-`` and the name (32 random hex digits
+of the sender's: the capability to read it), and the other servers on the
+host load the push from it (:mod:`.push_shared`), following its arrival
+marker as this server's own staging does. Each peer holds a shared
+``flock`` on the weights file while it reads, and adds a byte to
+:data:`TAKEN_FILE` once it holds it; the digest, once matched, is written
+to :data:`DIGEST_FILE` for a peer that comes after the marker went. A lent
+area is reused only once every peer took it (or :data:`LEND_S` passed) and
+none holds its lock, and then under a private name again, so that no peer
+of an earlier push finds the next one's bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import secrets
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
+
+from skyrl_lora.errors import ConflictError
 
 from ..transfer.handover import SHM_DIR
 from .push import WEIGHTS_FILE
@@ -54,6 +75,22 @@ from .push import WEIGHTS_FILE
 #: so both name the one directory.
 SHM_ROOT = SHM_DIR
 _PAGE = mmap.PAGESIZE
+#: An area's private folder name starts with this.
+PRIVATE_PREFIX = "skyrl-push-"
+#: A lent area's folder: this, then the share's 32 hex digits.
+SHARE_PREFIX = "skyrl-share-"
+#: Beside a lent area's weights: the push's digest, once it matched.
+DIGEST_FILE = ".digest"
+#: Beside a lent area's weights: one byte per peer that took it.
+TAKEN_FILE = ".taken"
+#: Seconds a lent area waits for peers that have not taken it, at most.
+LEND_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Lent:
+    peers: int
+    since: float  # time.monotonic()
 
 
 class ReceiveArea:
@@ -61,8 +98,9 @@ class ReceiveArea:
 
     def __init__(self, root: Path, size: int) -> None:
         self.size = size
-        self.folder = Path(tempfile.mkdtemp(prefix="skyrl-push-", dir=root))
+        self.folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=root))
         self.path = self.folder / WEIGHTS_FILE
+        self.lent: _Lent | None = None
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             _allocate(self.fd, size)
@@ -72,6 +110,57 @@ class ReceiveArea:
             raise
         _touch(self._map)
         self.view = memoryview(self._map)[:size]
+
+    def lend(self, share: str, peers: int) -> Path:
+        """Lend the area to ``peers`` servers on this host under ``share``
+        (see the module's docstring); its folder, renamed, is returned."""
+        shared = self.folder.parent / f"{SHARE_PREFIX}{share}"
+        try:
+            os.rename(self.folder, shared)  # only an empty folder of ours could be replaced
+        except OSError as exc:
+            raise ConflictError(f"push share {share} cannot be lent: {exc.strerror}") from exc
+        self._moved(shared)
+        self.lent = _Lent(peers, time.monotonic())
+        return shared
+
+    def settled(self, digest: str) -> None:
+        """The push's bytes are whole and matched ``digest``: peers that come
+        after its arrival marker went read the digest here."""
+        if self.lent is not None:
+            (self.folder / DIGEST_FILE).write_text(digest)
+
+    def reusable(self) -> bool:
+        """Whether the next push may write it: every peer it was lent to took
+        it (or had :data:`LEND_S` to), and none holds it now."""
+        lent = self.lent
+        if lent is not None and time.monotonic() - lent.since < LEND_S:
+            try:
+                taken = os.stat(self.folder / TAKEN_FILE).st_size
+            except FileNotFoundError:
+                taken = 0
+            if taken < lent.peers:
+                return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return True
+
+    def reclaim(self) -> None:
+        """Take a lent area back for the next push, under a private name."""
+        if self.lent is None:
+            return
+        for name in (DIGEST_FILE, TAKEN_FILE):
+            (self.folder / name).unlink(missing_ok=True)
+        private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=self.folder.parent))
+        os.rename(self.folder, private)  # onto the empty folder just made for it
+        self._moved(private)
+        self.lent = None
+
+    def _moved(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = folder / WEIGHTS_FILE
 
     def close(self) -> None:
         """Unmap and remove it (a reader holding the file keeps its bytes)."""
@@ -106,22 +195,34 @@ class ReceiveAreas:
         return cls(SHM_ROOT, keep, closer) if keep > 0 and SHM_ROOT.is_dir() else None
 
     def take(self, size: int) -> ReceiveArea:
-        """An area of ``size`` bytes: an idle one of that size, else a new one."""
+        """An area of ``size`` bytes: an idle one of that size that no peer
+        still needs (:meth:`ReceiveArea.reusable`), else a new one."""
         with self._lock:
             for index, area in enumerate(self._idle):
-                if area.size == size:
-                    return self._idle.pop(index)
-        return ReceiveArea(self.root, size)
+                if area.size == size and area.reusable():
+                    taken = self._idle.pop(index)
+                    break
+            else:
+                taken = None
+        if taken is None:
+            return ReceiveArea(self.root, size)
+        try:
+            taken.reclaim()
+        except BaseException:
+            close_area(taken, self._closer)
+            raise
+        return taken
 
     def give_back(self, area: ReceiveArea) -> None:
-        """``area``'s push installed: keep it for the next (the oldest idle
-        one goes if more than ``keep`` would be kept)."""
+        """``area``'s push installed: keep it for the next (if more than
+        ``keep`` would be kept, the oldest goes, one no peer needs first)."""
         with self._lock:
             if not self._closed:
                 self._idle.append(area)
                 if len(self._idle) <= self.keep:
                     return
-                area = self._idle.pop(0)
+                free = [index for index, idle in enumerate(self._idle) if idle.reusable()]
+                area = self._idle.pop(free[0] if free else 0)
         close_area(area, self._closer)
 
     def idle(self) -> int:
@@ -145,6 +246,31 @@ def close_area(area: ReceiveArea, closer: Executor | None) -> None:
         except RuntimeError:  # shut down with the listener
             pass
     area.close()
+
+
+def host_token(root: Path = SHM_ROOT) -> str | None:
+    """This host's name for its shared memory as this user sees it (see
+    ``ServerInfo.push_share_host``): every server that sees the same
+    ``root`` reads the same one, made by the first; None without ``root``,
+    or where the name's file is not this user's."""
+    if not root.is_dir():
+        return None
+    path = root / f"skyrl-host-{os.getuid()}"
+    if not path.exists():
+        made = root / f".skyrl-host-{secrets.token_hex(16)}"
+        made.write_text(secrets.token_hex(16))
+        try:
+            os.link(made, path)  # atomic: of servers starting at once, one name wins
+        except FileExistsError:
+            pass
+        finally:
+            made.unlink()
+    try:
+        if path.stat().st_uid != os.getuid():
+            return None
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _allocate(fd: int, size: int) -> None:

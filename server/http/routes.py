@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from skyrl_lora.errors import (
+    BadRequestError,
     ConflictError,
     PermissionDeniedError,
     PushStreamUnavailableError,
@@ -42,18 +43,20 @@ from .. import compat
 from ..adapters.leases import Lease
 from ..engine.gated import GatedEngine
 from ..engine.global_pause import GlobalPause
-from ..telemetry.observability import log_event
+from ..telemetry.observability import PUSHED_BYTES, log_event
 from ..transfer.handover import NO_HANDOVERS, HandoverAccess, write_handover
 from .auth import ApiKey, request_key
 from .push import (
     CONFIG_FILE,
     PUSH_FORM_SCHEMA,
+    WEIGHTS_FILE,
     PushedAdapter,
     load_pushed,
     payload_too_large,
     receive_push,
 )
 from .push_assembly import OpenedPush
+from .push_shared import load_shared
 from .push_stream_process import PushStream
 from .sample import Sampler
 
@@ -65,6 +68,9 @@ _ERRORS = {
     403: {"model": ErrorBody, "description": "API key not allowed this adapter or operation"},
     404: {"model": ErrorBody, "description": "unknown adapter"},
 }
+
+#: The answer of a weights route to an adapter above ``--max-adapter-bytes``.
+_TOO_LARGE = {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"}
 
 
 def error_response(exc: ServerError) -> JSONResponse:
@@ -208,7 +214,7 @@ def build_router(
                 "content": {"multipart/form-data": {"schema": PUSH_FORM_SCHEMA}},
             }
         },
-        responses={413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"}},
+        responses={413: _TOO_LARGE},
     )
     async def push_adapter(request: Request) -> AdapterInfo:
         """Load adapter weights sent in the body (no shared disk), as the next version.
@@ -224,6 +230,7 @@ def build_router(
         except BaseException:
             shutil.rmtree(pushed.folder, ignore_errors=True)
             raise
+        PUSHED_BYTES.labels(via="http").inc((pushed.folder / WEIGHTS_FILE).stat().st_size)
         applied = await load_pushed(engine, pushed)
         return answered("push", pushed.lora_name, applied, started)
 
@@ -231,7 +238,7 @@ def build_router(
         "/adapters/push/stream",
         responses={
             409: {"model": ErrorBody, "description": "too many pushes open"},
-            413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"},
+            413: _TOO_LARGE,
             422: {"model": ErrorBody, "description": "this server has no push stream"},
         },
     )
@@ -240,12 +247,49 @@ def build_router(
         --push-stream-port``) instead of in the body; answers a one-time ticket.
 
         Same rules as a push, checked here: the stream trusts only the ticket.
+        With ``share``, the push's receive area is lent to the servers on this
+        host that load it by ``.../push/shared``.
         """
         if push_stream is None:
             raise PushStreamUnavailableError(
                 "this server takes pushed weights in the HTTP body only "
                 "(start it with --push-stream-port to stream them)"
             )
+        if body.share is not None and info.push_share_host is None:
+            raise PushStreamUnavailableError(
+                "this server lends no receive areas (no /dev/shm): open the push without a share"
+            )
+        return await push_stream.open(_opened(body, request))
+
+    @router.post(
+        "/adapters/push/shared",
+        responses={
+            409: {"model": ErrorBody, "description": "the push that brought the bytes failed"},
+            413: _TOO_LARGE,
+            422: {"model": ErrorBody, "description": "no such share on this server's host"},
+        },
+    )
+    async def push_shared(body: PushStreamRequest, request: Request) -> AdapterInfo:
+        """Load a push that another server on this host receives over its push
+        stream, opened with the same body and ``share``: from its receive
+        area, as it lands, instead of a stream of this server's own.
+
+        Same rules as a push; 422 where this server lends no areas itself or
+        the share is not (or no longer) on its host: stream it the push.
+        """
+        started = time.perf_counter()
+        if info.push_share_host is None:
+            raise PushStreamUnavailableError(
+                "this server takes no shared pushes (no push stream or no /dev/shm)"
+            )
+        if body.share is None:
+            raise BadRequestError("a shared push names its share")
+        loaded = await load_shared(engine, _opened(body, request), body.share)
+        return answered("push_shared", body.lora_name, loaded.applied_swap_policy, started)
+
+    def _opened(body: PushStreamRequest, request: Request) -> OpenedPush:
+        """A streamed push's fields checked as a push's, its config written
+        into a fresh upload folder (the caller's from then on)."""
         config = json.dumps(body.config).encode()
         if body.weights_bytes + len(config) > max_adapter_bytes:
             raise payload_too_large(max_adapter_bytes, body.weights_bytes + len(config))
@@ -257,13 +301,20 @@ def build_router(
             fields["keep_previous_s"] = str(body.keep_previous_s)
         folder = engine.registry.upload_dir()
         (folder / CONFIG_FILE).write_bytes(config)
-        opened = OpenedPush(body.lora_name, folder, body.weights_bytes, fields, body.lanes)
-        return await push_stream.open(opened)
+        return OpenedPush(
+            body.lora_name,
+            folder,
+            body.weights_bytes,
+            fields,
+            body.lanes,
+            body.share,
+            body.share_peers,
+        )
 
     @router.post(
         "/adapters/handover",
         responses={
-            413: {"model": ErrorBody, "description": "adapter above --max-adapter-bytes"},
+            413: _TOO_LARGE,
             422: {"model": ErrorBody, "description": "this server cannot open that memory"},
         },
     )

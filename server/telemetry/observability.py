@@ -67,6 +67,16 @@ SNAPSHOTS = Counter(
     labelnames=["weights"],
 )
 
+#: Pushed adapter weights that reached this server, in bytes, by how:
+#: ``via="stream"`` over its push stream, ``"http"`` in an HTTP body, and
+#: ``"host_share"`` from another server's receive area on this host
+#: (``server/http/push_shared.py``): bytes that crossed no wire to reach it.
+PUSHED_BYTES = Counter(
+    "skyrl_pushed_bytes",
+    "Bytes of pushed adapter weights received, by how they reached this server.",
+    labelnames=["via"],
+)
+
 #: Naps a staging took to give the GIL back to a busy step loop
 #: (``server/loading/staging_yield.py``): none while the engine is idle.
 STAGING_NAPS = Counter(
