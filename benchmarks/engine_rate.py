@@ -369,6 +369,30 @@ def summary(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def merge(server_jsons: list[Path], kernels: Path | None, how: str) -> dict[str, Any]:
+    """One JSON from runs made one server per GPU (``scripts/gpu_engine_rate.sh``):
+    every server's points, start time, GPU and greedy tokens, the summary over
+    all of them, and the kernel benchmark's run (profiles apart) if given."""
+    runs = [json.loads(p.read_text()) for p in server_jsons]
+    merged: dict[str, Any] = {k: v for k, v in runs[0].items() if k not in ("points", "summary")}
+    merged["how"] = how
+    merged["server_start_s"] = {}
+    merged["gpu_of_server"] = {}
+    merged["greedy"] = {}
+    merged["points"] = []
+    for gpu, run in enumerate(runs):
+        merged["server_start_s"] |= run["server_start_s"]
+        merged["gpu_of_server"] |= {name: gpu for name in run["server_start_s"]}
+        merged["greedy"] |= run.get("outputs", {}).get("greedy", {})
+        merged["points"] += run["points"]
+    merged.pop("outputs", None)
+    merged["summary"] = summary(merged["points"])
+    if kernels is not None:
+        merged["kernels"] = json.loads(kernels.read_text())
+        merged["kernel_profiles"] = merged["kernels"].pop("profiles", {})
+    return merged
+
+
 def plot(path: Path) -> Path:
     """tokens/s against distinct adapters, one line per server and stream count,
     with the roofline's tokens/s beside them; where the JSON holds a
@@ -452,7 +476,18 @@ def main() -> int:
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="draw an earlier run's JSON and exit")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", help="merge runs of one server each into --json, draw it"
+    )
+    parser.add_argument("--kernels", type=Path, help="with --merge: benchmarks.lora_kernels' JSON")
+    parser.add_argument("--how", default="", help="with --merge: how the runs were made")
     args = parser.parse_args()
+    if args.merge:
+        if not args.json:
+            parser.error("--merge needs --json")
+        args.json.write_text(json.dumps(merge(args.merge, args.kernels, args.how), indent=1))
+        print(plot(args.json))
+        return 0
     if args.plot:
         print(plot(args.plot))
         return 0
