@@ -267,45 +267,46 @@ def profile_table(fn: Callable[[], None], rows: int = 12) -> str:
 #: Tile and grid choices the sweep tries (block_m, block_k, block_n, num_warps, blocks_per_sm).
 SWEEP = [
     (16, 256, 128, 4, 4),
-    (16, 128, 128, 4, 4),
+    (32, 256, 128, 4, 4),
+    (64, 256, 128, 4, 4),
+    (64, 128, 128, 4, 4),
+    (64, 128, 64, 4, 4),
+    (32, 128, 128, 4, 8),
     (16, 128, 128, 4, 8),
-    (16, 64, 64, 4, 8),
-    (16, 128, 64, 4, 8),
-    (16, 256, 256, 8, 2),
-    (16, 128, 128, 2, 8),
-    (16, 64, 128, 2, 16),
+    (64, 64, 128, 4, 8),
 ]
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The grouped kernels' step time per tile/grid choice (rank 64, 64 tokens)."""
+    """The grouped kernels' step time per tile/grid choice (rank 64, each of ``--tokens``)."""
     from skyrl_lora.server.kernels.grouped_lora import GroupedConfig
 
     layer_shapes, depth = llama_layers(args.size)
     gen = torch.Generator(device="cuda").manual_seed(1)
     layers = [make_slots(s, args.slots, 64, gen) for _ in range(depth) for s in layer_shapes]
-    tokens = 64
-    x = {
-        f: torch.randn(tokens, f, device="cuda").to(torch.bfloat16)
-        for f in {s[2] for s in layer_shapes}
-    }
-    outs = {f"buf{n}": torch.empty(n, tokens, 64, device="cuda") for n in (1, 2, 3)}
-    for j, (_, widths, _) in enumerate(layer_shapes):
-        outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda").to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
-    for adapters in (1, 8, 32):
-        meta = metadata(tokens, adapters, args.slots)
-        for fields in SWEEP:
-            config = GroupedConfig(*fields)
-            try:
-                fn = step_fn("grouped", layers, x, meta, args.slots + 1, outs, config)
-                graph = graph_of(fn)
-                ms = statistics.median(time_graph(graph, args.reps) for _ in range(3))
-            except Exception as exc:  # a choice that does not compile
-                rows.append({"adapters": adapters, "config": fields, "error": str(exc)[:200]})
-                continue
-            rows.append({"adapters": adapters, "config": fields, "ms": ms})
-            print(f"sweep A={adapters} {fields}: {ms:.3f} ms", flush=True)
+    for tokens in args.tokens:
+        x = {
+            f: torch.randn(tokens, f, device="cuda").to(torch.bfloat16)
+            for f in {s[2] for s in layer_shapes}
+        }
+        outs = {f"buf{n}": torch.empty(n, tokens, 64, device="cuda") for n in (1, 2, 3)}
+        for j, (_, widths, _) in enumerate(layer_shapes):
+            outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda").to(torch.bfloat16)
+        for adapters in (1, 8, 32):
+            meta = metadata(tokens, adapters, args.slots)
+            for fields in SWEEP:
+                point = {"tokens": tokens, "adapters": adapters, "config": fields}
+                try:
+                    config = GroupedConfig(*fields)
+                    fn = step_fn("grouped", layers, x, meta, args.slots + 1, outs, config)
+                    graph = graph_of(fn)
+                    ms = statistics.median(time_graph(graph, args.reps) for _ in range(3))
+                except Exception as exc:  # a choice that does not compile
+                    rows.append(point | {"error": str(exc)[:200]})
+                    continue
+                rows.append(point | {"ms": ms})
+                print(f"sweep M={tokens} A={adapters} {fields}: {ms:.3f} ms", flush=True)
     return rows
 
 

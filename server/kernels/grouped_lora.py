@@ -148,10 +148,11 @@ def _grouped_shrink_kernel(
         rest = item % per_group
         s = rest // k_blocks
         kb = rest % k_blocks
+        # The three loads in flight at once: none waits for another's answer.
         slot = tl.load(slot_ptr + group)
         rows_n = tl.load(count_ptr + group)
+        first = tl.load(start_ptr + group)
         if (slot >= 0) & (rows_n > 0):
-            first = tl.load(start_ptr + group)
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -233,9 +234,9 @@ def _grouped_expand_kernel(
         nb = rest % n_blocks
         slot = tl.load(slot_ptr + group)
         rows_n = tl.load(count_ptr + group)
+        first = tl.load(start_ptr + group)
         n_s = _pick(s, n0, n1, n2)
         if (slot >= 0) & (rows_n > 0) & (nb * BLOCK_N < n_s):
-            first = tl.load(start_ptr + group)
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
             col = _pick(s, col0, col1, col2)
