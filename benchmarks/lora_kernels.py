@@ -13,9 +13,8 @@ vLLM replays them), the shrink and expand of every layer:
 * ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` as ``serve``
   runs them: given every slot, they walk the groups up to the last that
   holds tokens;
-* ``grouped_walk_all``: the same kernels as their first version: walking
-  every slot's group (``walk_active=False``), every adapter's rows 16 at a
-  time (``wide_m=16``);
+* ``grouped_walk_all``: the same kernels walking every slot's group (their
+  first version, ``walk_active=False``);
 * ``grouped_active``: ``grouped`` given the active adapters only.
 
 Each variant's outputs are checked against ``vllm``'s (bf16 tolerance)
@@ -222,9 +221,7 @@ def config_of(variant: str) -> Any:
     """The grouped kernels' configuration a variant runs (None: the default)."""
     from skyrl_lora.server.kernels.grouped_lora import DEFAULT_CONFIG
 
-    if variant != "grouped_walk_all":
-        return None
-    return replace(DEFAULT_CONFIG, walk_active=False, wide_m=DEFAULT_CONFIG.block_m)
+    return replace(DEFAULT_CONFIG, walk_active=False) if variant == "grouped_walk_all" else None
 
 
 def groups_of(variant: str, adapters: int, slots: int) -> int:

@@ -40,7 +40,6 @@ class Case:
     offset_start: int = 0
     block_m: int = 16
     walk_active: bool = True  # False: every one of ``groups``, as the first version did
-    wide_m: int = 16  # groups of at least this many rows take chunks of this many
 
 
 CASES = [
@@ -53,7 +52,6 @@ CASES = [
     Case("every token on the base model", 9, 3, 64, 8, (16,), base_share=1.0),
     Case("rank below a tile, wide output", 12, 2, 48, 4, (160,)),
     Case("walk every captured group", 23, 5, 64, 8, (24, 40), walk_active=False),
-    Case("wide and narrow groups in one step", 120, 3, 64, 8, (24, 40), wide_m=32),
 ]
 
 
@@ -80,11 +78,7 @@ def _run_case(case: Case) -> dict[str, float]:
     meta = kernel_metadata(slots, case.slots)
     groups = case.slots + 1 if case.groups == "all" else len(meta["active"])
     config = GroupedConfig(
-        block_m=case.block_m,
-        block_k=32,
-        block_n=32,
-        walk_active=case.walk_active,
-        wide_m=case.wide_m,
+        block_m=case.block_m, block_k=32, block_n=32, walk_active=case.walk_active
     )
     scaling = 0.5
 

@@ -58,11 +58,7 @@ class GroupedConfig:
     tokens (vLLM lists a step's adapters first, then empty padding up to
     the captured count), not every captured group: with one adapter in a
     graph captured for 33 groups, the walk over every group spent most of
-    its time on the empty groups' scalar loads. ``wide_m``: an adapter with
-    at least this many rows in the step walks them this many at a time
-    instead of ``block_m`` (one adapter's 64 decode rows in one pass, not
-    four; smaller groups keep the small chunk, which suits them better).
-    ``wide_m`` equal to ``block_m`` turns this off.
+    its time on the empty groups' scalar loads.
     """
 
     block_m: int = 16
@@ -71,7 +67,6 @@ class GroupedConfig:
     num_warps: int = 4
     blocks_per_sm: int = 4
     walk_active: bool = True
-    wide_m: int = 64
 
     def for_tokens(self, tokens: int) -> GroupedConfig:
         """Prefill-sized steps use wider row chunks (fewer passes per item)."""
@@ -109,53 +104,6 @@ def _groups_to_walk(count_ptr, num_groups, GROUPS_P2: tl.constexpr, WALK_ACTIVE:
 
 
 @triton.jit
-def _shrink_rows(
-    x_ptr, out_ptr, rows_ptr, rows_n, b, offs_k, k_mask, offs_n, n_mask, scaling,
-    x_s0, x_s1, o_s1, o_s2, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """One shrink item's rows, ``CHUNK`` at a time: out[t] += scaling * x[t] @ b."""
-    for m0 in range(0, rows_n, CHUNK):
-        offs_m = m0 + tl.arange(0, CHUNK)
-        m_mask = offs_m < rows_n
-        rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
-        a = tl.load(
-            x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(a, b) * scaling
-        tl.atomic_add(
-            out_ptr + rows[:, None] * o_s1 + offs_n[None, :] * o_s2,
-            acc,
-            mask=m_mask[:, None] & n_mask[None, :],
-            sem="relaxed",
-        )
-
-
-@triton.jit
-def _expand_rows(
-    in_ptr, out_ptr, rows_ptr, rows_n, b, offs_r, r_mask, cols, n_mask,
-    i_s1, i_s2, o_s0, o_s1, ADD_INPUTS: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """One expand item's rows, ``CHUNK`` at a time: out[t, cols] (+)= in[t] @ b."""
-    for m0 in range(0, rows_n, CHUNK):
-        offs_m = m0 + tl.arange(0, CHUNK)
-        m_mask = offs_m < rows_n
-        rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
-        a = tl.load(
-            in_ptr + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(a.to(b.dtype), b)
-        o_ptrs = out_ptr + rows[:, None] * o_s0 + cols[None, :] * o_s1
-        mask = m_mask[:, None] & n_mask[None, :]
-        if ADD_INPUTS:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _grouped_shrink_kernel(
     x_ptr,
     w0_ptr,
@@ -186,7 +134,6 @@ def _grouped_shrink_kernel(
     BLOCK_K: tl.constexpr,
     GROUPS_P2: tl.constexpr,
     WALK_ACTIVE: tl.constexpr,
-    WIDE_M: tl.constexpr,
 ):
     """out[s, t, :] += scaling * x[t, :] @ W_s[slot(t)].T, one item per (group, slice, K block)."""
     pid = tl.program_id(0)
@@ -215,13 +162,22 @@ def _grouped_shrink_kernel(
                 mask=k_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            out_s = out_ptr + s * o_s0
-            if rows_n >= WIDE_M:
-                _shrink_rows(x_ptr, out_s, sorted_ptr + first, rows_n, b, offs_k, k_mask,
-                             offs_n, n_mask, scaling, x_s0, x_s1, o_s1, o_s2, WIDE_M)  # fmt: skip
-            else:
-                _shrink_rows(x_ptr, out_s, sorted_ptr + first, rows_n, b, offs_k, k_mask,
-                             offs_n, n_mask, scaling, x_s0, x_s1, o_s1, o_s2, BLOCK_M)  # fmt: skip
+            for m0 in range(0, rows_n, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < rows_n
+                rows = tl.load(sorted_ptr + first + offs_m, mask=m_mask, other=0)
+                a = tl.load(
+                    x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
+                    mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(a, b) * scaling
+                tl.atomic_add(
+                    out_ptr + s * o_s0 + rows[:, None] * o_s1 + offs_n[None, :] * o_s2,
+                    acc,
+                    mask=m_mask[:, None] & n_mask[None, :],
+                    sem="relaxed",
+                )
 
 
 @triton.jit
@@ -261,7 +217,6 @@ def _grouped_expand_kernel(
     ADD_INPUTS: tl.constexpr,
     GROUPS_P2: tl.constexpr,
     WALK_ACTIVE: tl.constexpr,
-    WIDE_M: tl.constexpr,
 ):
     """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :].
 
@@ -292,15 +247,21 @@ def _grouped_expand_kernel(
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            in_s = in_ptr + s * i_s0
-            if rows_n >= WIDE_M:
-                _expand_rows(in_s, out_ptr, sorted_ptr + first, rows_n, b, offs_r, r_mask,
-                             col + offs_n, n_mask, i_s1, i_s2, o_s0, o_s1, ADD_INPUTS,
-                             WIDE_M)  # fmt: skip
-            else:
-                _expand_rows(in_s, out_ptr, sorted_ptr + first, rows_n, b, offs_r, r_mask,
-                             col + offs_n, n_mask, i_s1, i_s2, o_s0, o_s1, ADD_INPUTS,
-                             BLOCK_M)  # fmt: skip
+            for m0 in range(0, rows_n, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < rows_n
+                rows = tl.load(sorted_ptr + first + offs_m, mask=m_mask, other=0)
+                a = tl.load(
+                    in_ptr + s * i_s0 + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
+                    mask=m_mask[:, None] & r_mask[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(a.to(b.dtype), b)
+                o_ptrs = out_ptr + rows[:, None] * o_s0 + (col + offs_n)[None, :] * o_s1
+                mask = m_mask[:, None] & n_mask[None, :]
+                if ADD_INPUTS:
+                    acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_slot_rows_cols(weight: torch.Tensor) -> torch.Tensor:
@@ -412,7 +373,6 @@ def grouped_shrink(
         BLOCK_K=config.block_k,
         GROUPS_P2=_padded(num_groups, 1),
         WALK_ACTIVE=config.walk_active,
-        WIDE_M=config.wide_m,
         num_warps=config.num_warps,
     )
 
@@ -472,6 +432,5 @@ def grouped_expand(
         ADD_INPUTS=add_inputs,
         GROUPS_P2=_padded(num_groups, 1),
         WALK_ACTIVE=config.walk_active,
-        WIDE_M=config.wide_m,
         num_warps=config.num_warps,
     )
