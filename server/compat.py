@@ -11,7 +11,7 @@ import gc
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -430,10 +430,51 @@ def tokens_prompt(token_ids: list[int]) -> Any:
     return tokens_prompt_cls(prompt_token_ids=token_ids)
 
 
-def sampling_params(**kwargs: Any) -> Any:
+def sampling_params(*, flat_logprobs: bool = False, **kwargs: Any) -> Any:
+    """vLLM's sampling params for one answer at the end (``FINAL_ONLY``).
+
+    ``flat_logprobs``: keep the request's logprobs as a few flat lists
+    instead of a dict and a ``Logprob`` per token, where this vLLM can
+    (read them with :func:`position_logprobs`). The per-token objects live
+    until the request ends, in the API process: at a GPU's token rate they
+    are most of what its collector walks, and each full collection holds
+    the event loop that answers every tenant.
+    """
     cls = _first_attr("SamplingParams", "vllm")
     kind = _first_attr("RequestOutputKind", "vllm.sampling_params")
+    if flat_logprobs and hasattr(cls, "flat_logprobs"):
+        kwargs["flat_logprobs"] = True
     return cls(output_kind=kind.FINAL_ONLY, **kwargs)
+
+
+def position_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float | None]:
+    """The logprob of ``token_ids[i]`` at each position of vLLM's logprobs,
+    None where a position has none (a prompt's first token).
+
+    ``logprobs`` is either form vLLM keeps them in: a list of
+    ``{token: Logprob}`` (or None) per position, or ``FlatLogprobs``, whose
+    lists hold every position's entries with ``start_indices`` /
+    ``end_indices`` marking each position's (the sampled token first).
+    Reading the flat lists directly builds nothing per token.
+    """
+    if logprobs is None:
+        return []
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:
+        return [
+            None if step is None else float(step[token].logprob)
+            for token, step in zip(token_ids, logprobs)
+        ]
+    ids, values = logprobs.token_ids, logprobs.logprobs
+    found: list[float | None] = []
+    for token, start, end in zip(token_ids, starts, logprobs.end_indices):
+        if start == end:
+            found.append(None)
+        elif ids[start] == token:
+            found.append(float(values[start]))
+        else:
+            found.append(float(values[ids.index(token, start, end)]))
+    return found
 
 
 async def get_tokenizer(engine_client: Any) -> Any:

@@ -167,6 +167,7 @@ class Sampler:
                 logprobs=0,
                 prompt_logprobs=0 if request.prompt_logprobs else None,
                 detokenize=bool(sp.stop_strings),
+                flat_logprobs=True,
             )
         except compat.client_error_types() as exc:  # vLLM's own checks (temperature <= 2, ...)
             raise BadRequestError(f"invalid sampling params: {exc}") from exc
@@ -174,9 +175,8 @@ class Sampler:
     @staticmethod
     def _sequence(output: Any, version: int | None) -> SampledSequence:
         tokens = list(output.token_ids)
-        logprobs = [
-            float(step[token].logprob) for token, step in zip(tokens, output.logprobs or [])
-        ]
+        found = compat.position_logprobs(tokens, output.logprobs)
+        logprobs = [lp for lp in found if lp is not None]
         if len(logprobs) != len(tokens):
             raise InternalServerError(
                 f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens"
@@ -203,11 +203,7 @@ def _first_nonfinite(sequences: list[SampledSequence]) -> int | None:
 
 
 def _prompt_logprobs(final: Any, request: SampleRequest) -> list[float | None]:
-    steps = final.prompt_logprobs or []
-    return [
-        None if step is None else float(step[token].logprob)
-        for token, step in zip(request.prompt_token_ids, steps)
-    ]
+    return compat.position_logprobs(request.prompt_token_ids, final.prompt_logprobs)
 
 
 def _cut_at_boundary_stop(
