@@ -64,17 +64,24 @@ def start_serve(
     *,
     timeout_s: float = 540,
     env: dict[str, str] | None = None,
+    launcher: Sequence[str] = ("-m", "skyrl_lora.server", "serve"),
+    cwd: Path | None = None,
 ) -> ServeProcess:
-    """Start ``skyrl-lora serve ARGV`` and wait for its ready line."""
+    """Start ``skyrl-lora serve ARGV`` and wait for its ready line.
+
+    ``launcher``: the Python arguments before ``ARGV`` (a benchmark's
+    wrapper around ``serve``), run in ``cwd``.
+    """
     # Line-buffered, so a test can read the log while the server runs.
     log = open(log_path, "w", buffering=1)  # noqa: SIM115 (lives with the process)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "skyrl_lora.server", "serve", *argv],
+        [sys.executable, *launcher, *argv],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
         start_new_session=True,
         env=None if env is None else {**os.environ, **env},
+        cwd=cwd,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
