@@ -41,6 +41,20 @@ class FanOutError(SkyRLLoraError):
         self.failures = failures
 
 
+class ReplicaStartError(SkyRLLoraError):
+    """Replicas of a server group that could not start, or be rebuilt.
+
+    ``failures`` maps each such replica's index to why (the last line of its
+    start-up error: a GPU out of memory, a flag the engine refused), so the
+    caller knows which replica and what to fix rather than a group that
+    retries forever.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
 class ResponseFormatError(SkyRLLoraError):
     """The server's answer does not match the wire format this client reads:
     a server of another version, or a value JSON cannot carry (a NaN

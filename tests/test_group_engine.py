@@ -539,3 +539,31 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
             f"cycles, engine killed and replica serving again with {rebuilt.adapters} adapters "
             f"after {heal_s:.1f} s, {lost} samples lost, {elapsed:.1f} s"
         )
+
+
+async def test_a_replica_that_cannot_be_rebuilt_is_named_not_retried(
+    group: Any, tokenizer: Any
+) -> None:
+    """The last drill: replica 1 killed, and its rebuilds refused by its engine
+    (a context longer than the model's, as a GPU replica's rebuild can meet a
+    GPU out of memory). The group tries ``rebuild_attempts`` times, then
+    stops, and names replica 1 with the engine's reason
+    (:attr:`ServerGroup.failed`); replica 0 keeps serving all along."""
+    from dataclasses import replace
+
+    refused = [*group.config.replica_argv.get(1, ()), "--max-model-len", "10000000"]
+    group.config = replace(
+        group.config, replica_argv={**group.config.replica_argv, 1: refused}, rebuild_attempts=2
+    )
+    restarts = len(group.restarts)
+    group.kill(1)
+    deadline = time.monotonic() + 240
+    while 1 not in group.failed:
+        assert time.monotonic() < deadline, "the group kept rebuilding replica 1"
+        await asyncio.sleep(0.25)
+    assert "max_model_len" in group.failed[1].lower().replace("-", "_"), group.failed[1]
+    await asyncio.sleep(3 * group.config.health_interval_s)
+    assert group._rebuild_failures[1] == 2, "no rebuild after giving up"
+    assert len(group.restarts) == restarts
+    version, words = await served(group.urls[0], tokenizer, "g-moo")
+    assert version is not None and words == {"moo"}

@@ -77,7 +77,10 @@ class ServerActor:
         started: list[asyncio.Future[Any]] = [self._task, ready]
         await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
-            await self._task  # re-raises the start-up error
+            try:
+                await self._task  # re-raises the start-up error
+            except Exception as exc:  # as one picklable line: vLLM's may not pickle
+                raise RuntimeError(error_line(exc)) from None
             raise RuntimeError("server exited before it was ready")
         self._running = ready.result()
         if restore_to is not None and peers:
@@ -221,6 +224,19 @@ class ActorOptions:
     num_cpus: float = 1
     num_gpus: float = 0
     env: Mapping[str, str] = field(default_factory=dict)
+
+
+def error_line(exc: BaseException) -> str:
+    """An error in one line: the replica's own exception where Ray wraps it
+    (its ``cause``), its type and message without traceback or help links."""
+    cause = getattr(exc, "cause", None)
+    error = cause if isinstance(cause, BaseException) else exc
+    kept = [
+        line.strip()
+        for line in str(error).splitlines()
+        if line.strip() and not line.strip().startswith("For further information")
+    ]
+    return f"{type(error).__name__}: {' | '.join(kept)}"[:400]
 
 
 def start_server_actor(

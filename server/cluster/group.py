@@ -33,10 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
+from skyrl_lora.errors import ReplicaStartError
 from skyrl_lora.types import AdapterInfo, SwapPolicy
 
 from ..telemetry.observability import log_event
-from .actor import ServerActor
+from .actor import ServerActor, error_line
 from .replay import (
     PUSHED_PREFIX,
     AdapterState,
@@ -77,6 +78,7 @@ class GroupConfig:
     timeouts_before_rebuild: int = 3
     replica_argv: Mapping[int, Sequence[str]] = field(default_factory=dict)
     commit_timeout_s: float = 600.0
+    rebuild_attempts: int = 3
 
 
 @dataclass
@@ -114,6 +116,9 @@ class ServerGroup:
         self._supervisor: threading.Thread | None = None
         self._behind: dict[int, set[str]] = {}  # names behind in the last round
         self._slow: dict[int, int] = {}  # consecutive health checks that timed out
+        self._rebuild_failures: dict[int, int] = {}  # failed rebuilds in a row
+        #: Replicas the group gave up rebuilding, by index: why their last start failed.
+        self.failed: dict[int, str] = {}
 
     @property
     def urls(self) -> list[str]:
@@ -149,10 +154,11 @@ class ServerGroup:
     def start(self) -> list[str]:
         """Start every replica concurrently; return their URLs once all are healthy.
 
-        If any replica fails to start, the ones that did are stopped again and
-        the error is raised: a half-started group is of no use to the caller.
+        If any replica fails to start, every replica is stopped at once (a
+        half-started group is of no use to the caller) and
+        :class:`~skyrl_lora.errors.ReplicaStartError` names the ones that
+        failed, with why.
         """
-        import ray
         from ray.util.placement_group import placement_group
 
         cfg = self.config
@@ -162,13 +168,18 @@ class ServerGroup:
         for index in range(cfg.num_replicas):
             pg = placement_group([bundle], strategy="STRICT_PACK")
             pending.append((index, self._new_actor(index, pg), pg))
-        try:
-            urls = ray.get([a.start.remote() for _, a, _ in pending], timeout=cfg.start_timeout_s)
-        except Exception:
+        urls, failures = _started(
+            {index: actor.start.remote() for index, actor, _ in pending}, cfg.start_timeout_s
+        )
+        if failures:
             for _, actor, pg in pending:
                 _kill(actor, pg)
-            raise
-        self.replicas = [ReplicaHandle(i, a, pg, u) for (i, a, pg), u in zip(pending, urls)]
+            raise ReplicaStartError(
+                f"{len(failures)} of {cfg.num_replicas} replicas did not start: "
+                + "; ".join(f"replica {i}: {why}" for i, why in sorted(failures.items())),
+                failures,
+            )
+        self.replicas = [ReplicaHandle(i, a, pg, urls[i]) for i, a, pg in pending]
         if cfg.heal:
             self._stop.clear()
             self._supervisor = threading.Thread(
@@ -214,6 +225,8 @@ class ServerGroup:
         for index, exc in failed.items():
             if self._stop.is_set():
                 return
+            if index in self.failed:  # given up on: reported, not retried
+                continue
             if _is_timeout(exc):  # busy, or hung: only a hang that lasts is rebuilt
                 self._slow[index] = self._slow.get(index, 0) + 1
                 if self._slow[index] < self.config.timeouts_before_rebuild:
@@ -244,13 +257,14 @@ class ServerGroup:
         peers = [r.actor for r in self.replicas if r.index != index]
         try:
             url = ray.get(actor.start.remote(target, peers), timeout=self.config.start_timeout_s)
-        except Exception as exc:  # the next round tries again
-            logger.warning("rebuilding replica %d failed: %r", index, exc)
+        except Exception as exc:  # the next round tries again, up to rebuild_attempts
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+            self._rebuild_failed(index, replica.url, exc)
             return
+        self._rebuild_failures.pop(index, None)
         seconds = time.monotonic() - detected
         self.replicas[index] = ReplicaHandle(
             index, actor, replica.placement_group, url, restarted_at=time.monotonic()
@@ -259,6 +273,20 @@ class ServerGroup:
         log_event(
             "replica_rebuilt", index=index, url=url, seconds=round(seconds, 2), adapters=len(target)
         )
+
+    def _rebuild_failed(self, index: int, url: str, exc: Exception) -> None:
+        attempts = self._rebuild_failures.get(index, 0) + 1
+        self._rebuild_failures[index] = attempts
+        why = error_line(exc)
+        if attempts < self.config.rebuild_attempts:
+            logger.warning("rebuilding replica %d failed (%d): %s", index, attempts, why)
+            return
+        self.failed[index] = why
+        logger.error(
+            "replica %d (%s) did not start in %d rebuilds; no longer rebuilt: %s",
+            index, url, attempts, why,
+        )  # fmt: skip
+        log_event("replica_failed", index=index, url=url, attempts=attempts, error=why)
 
     def _poll_others(
         self, index: int
@@ -484,6 +512,30 @@ def _gather(refs: Sequence[Any], timeout_s: float) -> list[Any]:
         except Exception as exc:
             answers.append(exc)
     return answers
+
+
+def _started(refs: Mapping[int, Any], timeout_s: float) -> tuple[dict[int, str], dict[int, str]]:
+    """Each replica's URL as its start answers, until the first that fails
+    (a group that cannot start all of them stops them all, so the others'
+    starts are not awaited); (urls, why each failed one did) by index."""
+    import ray
+
+    by_ref = {ref: index for index, ref in refs.items()}
+    waiting = list(by_ref)
+    urls: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        ready, waiting = ray.wait(
+            waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+        )
+        if not ready:
+            return urls, {by_ref[r]: f"not started in {timeout_s:g} s" for r in waiting}
+        for ref in ready:
+            try:
+                urls[by_ref[ref]] = ray.get(ref)
+            except Exception as exc:
+                return urls, {by_ref[ref]: error_line(exc)}
+    return urls, {}
 
 
 def _is_timeout(exc: Exception) -> bool:
