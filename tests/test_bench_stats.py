@@ -419,3 +419,14 @@ def test_step_budget_rounds_give_ratios_round_by_round_and_refuse_thin_tails() -
     assert out["enough_prompts"]
     thin = [Round(1000.0, Tail.of([100.0] * 4)), base[1]]
     assert not summarize({"default": thin, "budget256": cut}, "budget256")["enough_prompts"]
+
+
+def test_gate_pacing_times_a_backlog_let_in_a_steps_room_at_a_time() -> None:
+    import uvloop
+
+    from benchmarks.common import ROOT
+    from benchmarks.gate_pacing import GATE, load_gate, per_step_ms
+
+    gate = load_gate(ROOT / GATE, "gate_under_test")
+    steps, _ = uvloop.run(per_step_ms(gate, waiting=8, tokens=120))
+    assert steps == 4  # two of 120 tokens in each step's 256
