@@ -39,8 +39,8 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.common import current_commit, greeting_prompt
-from benchmarks.gc_freeze import _gc_totals
+from benchmarks.common import current_commit, greeting_prompt, skyrl_event
+from benchmarks.gc_freeze import gc_figures, gc_totals
 from benchmarks.pause_latency import run as pause_round
 from benchmarks.stats import Spread, Tail
 
@@ -79,16 +79,15 @@ def _events(log: Path, start: int) -> dict[str, list[float]]:
         f.seek(start)
         data = f.read()
     for line in data.decode(errors="replace").splitlines():
-        _, sep, body = line.partition("skyrl_event ")
-        if sep:
-            event = json.loads(body)
+        event = skyrl_event(line)
+        if event is not None:
             found.setdefault(event["event"], []).append(float(event.get("ms", 0.0)))
     return found
 
 
 async def _metrics(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as session:
-        return await _gc_totals(session, url)
+        return await gc_totals(session, url)
 
 
 def _round(url: str, log: Path, model: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -102,7 +101,6 @@ def _round(url: str, log: Path, model: Any, args: argparse.Namespace) -> dict[st
     after = asyncio.run(_metrics(url))
     events = _events(log, start)
     stalls = events.get("event_loop_stall") or [0.0]
-    full = after.get("count2", 0.0) - before.get("count2", 0.0)
     return {
         "probe_outside_max_ms": figures.probe_outside_max[0],
         "probe_across_max_ms": figures.probe[0].max,
@@ -110,11 +108,7 @@ def _round(url: str, log: Path, model: Any, args: argparse.Namespace) -> dict[st
         "stalls": float(len(events.get("event_loop_stall", []))),
         "stall_p99_ms": Tail.of(stalls).p99,
         "stall_max_ms": max(stalls),
-        "gc_share": (after["sum"] - before["sum"]) / wall,
-        "full_collections": full,
-        "full_collection_mean_ms": (
-            (after.get("sum2", 0.0) - before.get("sum2", 0.0)) / full * 1000 if full else 0.0
-        ),
+        **gc_figures(before, after, wall),
         "gc_pause_max_ms": max(events.get("gc_pause") or [0.0]),
     }
 

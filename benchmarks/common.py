@@ -31,6 +31,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def skyrl_event(line: str) -> dict[str, Any] | None:
+    """The event a server log line carries (``... skyrl_event {json}``), else None."""
+    _, sep, body = line.partition("skyrl_event ")
+    return json.loads(body) if sep else None
+
+
 def int_list(text: str) -> list[int]:
     """A comma-separated list of counts, as benchmark flags take them (``64,256``)."""
     return [int(v) for v in text.split(",") if v]

@@ -58,7 +58,7 @@ class Load:
     round_s: float = 8.0
 
 
-async def _gc_totals(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def gc_totals(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """``{"sum2": ..., "count2": ..., "sum": ...}`` from the server's /metrics."""
     async with session.get(f"{url}/metrics") as reply:
         text = await reply.text()
@@ -73,6 +73,19 @@ async def _gc_totals(session: aiohttp.ClientSession, url: str) -> dict[str, floa
         if generation == "2":
             totals[f"{kind}2"] = value
     return totals
+
+
+def gc_figures(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """What the collector cost between two :func:`gc_totals` readings ``wall``
+    seconds apart: its share of the time, the full (generation 2) collections
+    and their mean length."""
+    full = after.get("count2", 0.0) - before.get("count2", 0.0)
+    full_s = after.get("sum2", 0.0) - before.get("sum2", 0.0)
+    return {
+        "gc_share": (after["sum"] - before["sum"]) / wall,
+        "full_collections": full,
+        "full_collection_mean_ms": full_s / full * 1000 if full else 0.0,
+    }
 
 
 async def _round(url: str, prompt: list[int], load: Load) -> dict[str, float]:
@@ -98,7 +111,7 @@ async def _round(url: str, prompt: list[int], load: Load) -> dict[str, float]:
             await asyncio.sleep(PROBE_EVERY_S)
 
     async with RemoteInferenceClient(url) as client, aiohttp.ClientSession() as session:
-        before = await _gc_totals(session, url)
+        before = await gc_totals(session, url)
         started = time.perf_counter()
         tasks = [asyncio.create_task(sampling(client)) for _ in range(load.streams)]
         tasks.append(asyncio.create_task(probing(session)))
@@ -106,18 +119,13 @@ async def _round(url: str, prompt: list[int], load: Load) -> dict[str, float]:
         stop.set()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
-        after = await _gc_totals(session, url)
+        after = await gc_totals(session, url)
     tail = Tail.of(probes_ms)
-    full = after.get("count2", 0.0) - before.get("count2", 0.0)
     return {
         "probe_p50_ms": tail.p50,
         "probe_p99_ms": tail.p99,
         "probe_max_ms": tail.max,
-        "gc_share": (after["sum"] - before["sum"]) / wall,
-        "full_collections": full,
-        "full_collection_mean_ms": (
-            (after.get("sum2", 0.0) - before.get("sum2", 0.0)) / full * 1000 if full else 0.0
-        ),
+        **gc_figures(before, after, wall),
         "tokens_per_s": tokens / wall,
     }
 

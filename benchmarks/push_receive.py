@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_commit, free_port
+from benchmarks.common import current_commit, free_port, skyrl_event
 from benchmarks.cpu_neighbour import Neighbour, Window, stretched
 from benchmarks.report import spread_row, table
 from benchmarks.stats import Spread, Tail, median
@@ -337,7 +337,7 @@ def receive_parts(events: Path) -> dict[str, dict[str, float]]:
     the writes' summed time, and the wait for the digest after the last lane."""
     by_lanes: dict[str, list[dict[str, Any]]] = {}
     for line in events.read_text().splitlines() if events.exists() else []:
-        event = json.loads(line.split("skyrl_event ", 1)[1]) if "skyrl_event " in line else {}
+        event = skyrl_event(line) or {}
         if event.get("event") == "push_stream_received":
             where = f"{event['lanes']} lane(s) into {event.get('into', 'file')}"
             by_lanes.setdefault(where, []).append(event)
@@ -375,10 +375,8 @@ def loop_stalls(events: Path, spans: list[Span]) -> dict[str, dict[str, Any]]:
     stalls: list[tuple[float, float, dict[str, Any]]] = []
     for line in events.read_text().splitlines() if events.exists() else []:
         stamp, _, rest = line.partition(" ")
-        if "skyrl_event " not in rest:
-            continue
-        event = json.loads(rest.split("skyrl_event ", 1)[1])
-        if event.get("event") == "event_loop_stall":
+        event = skyrl_event(rest)
+        if event is not None and event.get("event") == "event_loop_stall":
             end = float(stamp)
             stalls.append((end - event["ms"] / 1000, end, event))
     out: dict[str, dict[str, Any]] = {}
