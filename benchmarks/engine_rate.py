@@ -231,7 +231,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_random_model(work, rank=16, size=args.size)
     adapter = write_model_adapter(model.model_dir, args.out / f"r{args.rank}", args.rank, seed=7)
     facts = model_facts(model.model_dir, adapter)
-    names = [f"a{i}" for i in range(args.max_loras)]
+    # As many adapters as the largest point uses (vLLM loads each at start, about
+    # 15 s apiece at the 8B shape), in a server of --max-loras slots either way.
+    names = [f"a{i}" for i in range(min(args.max_loras, max([*args.adapters, 4])))]
     # One adapter's files under every name: a name is a slot of its own, and
     # the kernels read each slot's weights whatever they hold.
     modules = ["--lora-modules", *(f"{n}={adapter}" for n in names)]
@@ -254,6 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "size": args.size,
         "rank": args.rank,
         "max_loras": args.max_loras,
+        "adapters_loaded": len(names),
         "model": facts.__dict__,
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "vllm_flags": flags,  # and --lora-modules a0..aN, all one adapter's files

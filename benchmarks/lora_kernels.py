@@ -11,10 +11,11 @@ vLLM replays them), the shrink and expand of every layer:
 * ``vllm_specialized``: the same over the captured count of active
   adapters (what ``--specialize-active-lora`` buys);
 * ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` as ``serve``
-  runs them: given every slot, they walk the groups up to the last that
-  holds tokens;
-* ``grouped_walk_all``: the same kernels walking every slot's group (their
-  first version, ``walk_active=False``);
+  runs them: given every slot, they make work only for the row chunks of
+  the groups that hold an adapter's tokens;
+* ``grouped_base`` (with ``--base-kernels FILE``): an earlier revision's
+  ``grouped_lora.py`` (``git show REV:server/kernels/grouped_lora.py``),
+  given every slot as ``grouped`` is, so old and new are timed in one run;
 * ``grouped_active``: ``grouped`` given the active adapters only.
 
 Each variant's outputs are checked against ``vllm``'s (bf16 tolerance)
@@ -28,12 +29,15 @@ of ``vllm`` and ``grouped`` at 8 and 32 adapters.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -122,6 +126,35 @@ def captured_count(adapters: int, slots: int) -> int:
     return next(n for n in get_captured_lora_counts(slots, True) if n >= adapters)
 
 
+def kernels_of(variant: str) -> ModuleType:
+    """The grouped kernels' module a variant runs: this tree's, or ``--base-kernels``'."""
+    if variant == "grouped_base":
+        return _base_kernels()
+    from skyrl_lora.server.kernels import grouped_lora
+
+    return grouped_lora
+
+
+_BASE_KERNELS: list[ModuleType] = []
+
+
+def load_base_kernels(path: Path) -> None:
+    """Import an earlier ``grouped_lora.py`` under a name of its own (it imports
+    only torch and Triton; Triton reads its kernels' source from the file)."""
+    spec = importlib.util.spec_from_file_location("grouped_lora_base", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    _BASE_KERNELS[:] = [module]
+
+
+def _base_kernels() -> ModuleType:
+    if not _BASE_KERNELS:
+        raise RuntimeError("variant grouped_base needs --base-kernels FILE")
+    return _BASE_KERNELS[0]
+
+
 def step_fn(
     variant: str,
     layers: list[Slots],
@@ -134,13 +167,10 @@ def step_fn(
     """One decode step's LoRA work of every layer (each decoder layer its own weights)."""
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
-    from skyrl_lora.server.kernels.grouped_lora import (
-        DEFAULT_CONFIG,
-        grouped_expand,
-        grouped_shrink,
-    )
-
-    config = config or DEFAULT_CONFIG
+    kernels = None if variant.startswith("vllm") else kernels_of(variant)
+    if kernels is not None:
+        grouped_shrink, grouped_expand = kernels.grouped_shrink, kernels.grouped_expand
+        config = config or kernels.DEFAULT_CONFIG
 
     no_lora = torch.tensor([False])
     count = torch.tensor([groups], dtype=torch.int32)
@@ -214,18 +244,16 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / per
 
 
-VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_walk_all", "grouped_active")
+VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_active")
 
 
-def config_of(variant: str) -> Any:
-    """The grouped kernels' configuration a variant runs (None: the default)."""
-    from skyrl_lora.server.kernels.grouped_lora import DEFAULT_CONFIG
-
-    return replace(DEFAULT_CONFIG, walk_active=False) if variant == "grouped_walk_all" else None
+def variants() -> tuple[str, ...]:
+    """The variants this run times (``grouped_base`` where ``--base-kernels`` is given)."""
+    return (*VARIANTS, "grouped_base") if _BASE_KERNELS else VARIANTS
 
 
 def groups_of(variant: str, adapters: int, slots: int) -> int:
-    if variant in ("vllm", "grouped", "grouped_walk_all"):
+    if variant in ("vllm", "grouped", "grouped_base"):
         return slots + 1
     if variant == "vllm_specialized":
         return captured_count(adapters, slots)
@@ -239,11 +267,11 @@ def check(
     """Each variant's outputs over the first decoder layer against ``vllm``'s."""
     first = layers[:4]
     results = {}
-    for variant in VARIANTS:
+    for variant in variants():
         for y in ("y0", "y1", "y2", "y3"):
             outs[y].zero_()
         groups = groups_of(variant, adapters, slots)
-        step_fn(variant, first, x, meta, groups, outs, config_of(variant))()
+        step_fn(variant, first, x, meta, groups, outs)()
         results[variant] = [outs[y].float().clone() for y in ("y0", "y1", "y2", "y3")]
     ref = results["vllm"]
     return {
@@ -347,16 +375,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["checks"].append(
                     {"rank": rank, "tokens": tokens, "adapters": adapters, "max_rel_err": errors}
                 )
+                timed = variants()
                 steps = {
-                    v: step_fn(
-                        v, layers, x, meta, groups_of(v, adapters, args.slots), outs, config_of(v)
-                    )
-                    for v in VARIANTS
+                    v: step_fn(v, layers, x, meta, groups_of(v, adapters, args.slots), outs)
+                    for v in timed
                 }
                 graphs = {v: graph_of(fn) for v, fn in steps.items()}
-                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                times: dict[str, list[float]] = {v: [] for v in timed}
                 for r in range(args.rounds):
-                    order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+                    order = timed if r % 2 == 0 else tuple(reversed(timed))
                     for v in order:
                         times[v].append(time_graph(graphs[v], args.reps))
                 roof_ms = adapters * adapter_bytes / HBM_BYTES_PER_S * 1e3
@@ -373,7 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["points"].append(point)
                 print(
                     f"r{rank} M={tokens} A={adapters}: "
-                    + ", ".join(f"{v} {point[v]['ms']:.3f}" for v in VARIANTS)
+                    + ", ".join(f"{v} {point[v]['ms']:.3f}" for v in timed)
                     + f" ms; roof {roof_ms:.3f} ms; err "
                     + ", ".join(f"{v} {e:.1e}" for v, e in errors.items()),
                     flush=True,
@@ -411,7 +438,12 @@ def main() -> int:
     parser.add_argument("--machine", default="")
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--base-kernels", type=Path, help="an earlier grouped_lora.py, timed as grouped_base"
+    )
     args = parser.parse_args()
+    if args.base_kernels:
+        load_base_kernels(args.base_kernels)
     result = run(args)
     if args.sweep:
         result["sweep"] = sweep(args)

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Run ON a lent machine of 2 or 4 GPUs (after the stash calls), through
+# Run ON a lent machine of 1, 2 or 4 GPUs (after the stash calls), through
 #
 #   bash scripts/gpu_device_run.sh bg rate bash scripts/gpu_engine_rate.sh
 #
-# The engine's rate with many tenants, one server per GPU, all at once
-# (benchmarks.engine_rate: the whole curve for each):
+# The engine's rate with many tenants (benchmarks.engine_rate: the whole
+# curve for each server), one server per GPU, all at once:
 #   GPU 0: `serve` (its defaults: grouped LoRA kernels, overlapped shrink)
-#   GPU 1: `serve --lora-overlap off`
+#   GPU 1: `serve --lora-overlap off`                         (2 GPUs or more)
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
-#   GPU 3: the GPU tests of the kernels and the overlap, benchmarks.lora_kernels
-#          with its profile, then benchmarks.pause_latency --gpu (4 GPUs only)
+# and "the kernel part": the GPU tests of the kernels and the overlap (and of
+# the real-engine scenarios), benchmarks.lora_kernels with its profile (an
+# earlier grouped_lora.py timed beside this one where BASE_KERNELS names it),
+# then benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves it out). It runs on
+# GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
+# and the pause row run one after another.
 # Every server's base-model point (0 adapters) runs the same kernels, so it
 # calibrates the GPUs against each other. Results land in $OUT (at most 8
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
@@ -29,33 +33,53 @@ from pathlib import Path
 from skyrl_lora.server.embedded.random_model import build_random_model
 build_random_model(Path('$work'), rank=16, size='8b')" > "$work/model.log" 2>&1
 echo "model built $(date +%T)"
+kernel_part() {
+    timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q \
+        gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py \
+        gpu_tests/test_gpu_scenarios.py
+    python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
+        ${BASE_KERNELS:+--base-kernels "$BASE_KERNELS"} \
+        --machine "$machine" --json "$OUT/lora_kernels.json"
+}
+pause_row() {
+    [[ "${PAUSE_ROW:-1}" == 0 ]] && return
+    # Issue 67's GPU row: another tenant's token gaps across one tenant's
+    # pauses, 64 and 256 of the paused tenant's requests in flight.
+    python3 -m benchmarks.pause_latency --gpu --size 0.8b --in-flight 64,256 \
+        --rounds 3 --pauses 20 --gpu-mem 0.3 --machine "$machine" \
+        --work "$HOME/pause-latency" --log "$work/pause_latency_server.log" \
+        --json "$OUT/pause_latency_gpu.json"
+}
 extra=(${ENGINE_RATE_ARGS:-})
-servers=(ours ours_no_overlap vllm)
-(( gpus < 4 )) && servers=(ours ours_no_overlap)
+rate_of() {  # server name, GPU
+    CUDA_VISIBLE_DEVICES=$2 python3 -m benchmarks.engine_rate --servers "$1" \
+        --nvml-device "$2" --work "$work" --out "$work/$1" --machine "$machine" \
+        --gpu-mem 0.85 --json "$OUT/engine_rate_$1.json" "${extra[@]}" > "$work/$1.log" 2>&1
+}
 pids=()
-for i in "${!servers[@]}"; do
-    name="${servers[$i]}"
-    CUDA_VISIBLE_DEVICES=$i python3 -m benchmarks.engine_rate --servers "$name" \
-        --nvml-device "$i" --work "$work" --out "$work/$name" --machine "$machine" \
-        --gpu-mem 0.85 --json "$OUT/engine_rate_$name.json" "${extra[@]}" \
-        > "$work/$name.log" 2>&1 &
-    pids+=($!)
-done
-if (( gpus >= 4 )); then
+if (( gpus == 1 )); then
+    # One GPU: one after another, the principal figures first.
     (
-        export CUDA_VISIBLE_DEVICES=3
-        python3 -m pytest -p no:cacheprovider -o addopts="" -q \
-            gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py
-        python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
-            --machine "$machine" --json "$OUT/lora_kernels.json"
-        # Issue 67's GPU row: another tenant's token gaps across one tenant's
-        # pauses, 64 and 256 of the paused tenant's requests in flight.
-        python3 -m benchmarks.pause_latency --gpu --size 0.8b --in-flight 64,256 \
-            --rounds 3 --pauses 20 --gpu-mem 0.3 --machine "$machine" \
-            --work "$HOME/pause-latency" --log "$work/pause_latency_server.log" \
-            --json "$OUT/pause_latency_gpu.json"
-    ) > "$work/kernels.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=0 kernel_part > "$work/kernels.log" 2>&1
+        rate_of ours 0
+        CUDA_VISIBLE_DEVICES=0 pause_row > "$work/pause.log" 2>&1
+    ) &
     pids+=($!)
+else
+    servers=(ours ours_no_overlap vllm)
+    (( gpus < 4 )) && servers=(ours ours_no_overlap)
+    for i in "${!servers[@]}"; do
+        rate_of "${servers[$i]}" "$i" &
+        pids+=($!)
+    done
+    if (( gpus >= 4 )); then
+        (
+            export CUDA_VISIBLE_DEVICES=3
+            kernel_part
+            pause_row
+        ) > "$work/kernels.log" 2>&1 &
+        pids+=($!)
+    fi
 fi
 pack() { tar czf "$OUT/logs.tgz" -C "$work" --exclude='vllm-cache-*' --exclude='r64' \
     --exclude='*.safetensors' $(cd "$work" && ls -d *.log ours* vllm* 2>/dev/null) 2>/dev/null; }
@@ -63,7 +87,7 @@ while true; do
     running=0
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
     pack
-    grep -h -E "tok/s|up in|did not start|passed|failed|^sweep|Error" "$work"/*.log | tail -n 12
+    grep -h -E "tok/s|up in|did not start|passed|failed|^sweep|^r[0-9]+ M=|Error" "$work"/*.log | tail -n 12
     (( running )) || break
     sleep 30
 done

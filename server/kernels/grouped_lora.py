@@ -12,13 +12,18 @@ instead of with the adapter bytes it must read.
 
 These kernels run a fixed, persistent grid (a few blocks per SM, the same
 for every step, so CUDA graphs capture them as they do vLLM's) that walks a
-list of work items: one per (adapter present in the step, slice, K block)
-for the shrink and (adapter, slice, N block) for the expand. An item loads
-its tile of the adapter's weights once and applies it to every token of
-that adapter, in chunks of ``block_m`` rows. The walk stops after the
-last group that holds tokens (vLLM lists a step's adapters first), so the
-empty slots of a graph captured for more adapters than the step holds cost
-nothing but one vector load. They take the same arguments as vLLM's ops, so they replace
+list of work items: one per (chunk of ``block_m`` rows of one adapter,
+slice, K block) for the shrink and (row chunk, slice, N block) for the
+expand. Each program first reads the step's groups (slot, rows, first
+sorted row: three vector loads) and numbers their row chunks, so an item
+finds its rows with a few reductions in registers and runs one dependent
+chain: its row indices, their inputs, one ``tl.dot``, one store. Groups
+without an adapter (the base model's rows, the empty padding of a graph
+captured for more adapters than the step holds) get no items at all.
+The first version walked (adapter, slice, block) items and looped over an
+adapter's row chunks inside each: at one adapter and 64 rows that chained
+four rounds of dependent loads per item where now one runs.
+They take the same arguments as vLLM's ops, so they replace
 them in ``PunicaWrapperGPU`` without touching the LoRA layers
 (:mod:`.punica_ops`).
 
@@ -54,11 +59,6 @@ class GroupedConfig:
     so small; prefill holds many). ``block_k``: the shrink's K tile, the
     unit of its split-K work. ``block_n``: the expand's output columns per
     item. ``blocks_per_sm``: the persistent grid's size per multiprocessor.
-    ``walk_active``: walk the groups only up to the last one that holds
-    tokens (vLLM lists a step's adapters first, then empty padding up to
-    the captured count), not every captured group: with one adapter in a
-    graph captured for 33 groups, the walk over every group spent most of
-    its time on the empty groups' scalar loads.
     """
 
     block_m: int = 16
@@ -66,7 +66,6 @@ class GroupedConfig:
     block_n: int = 128
     num_warps: int = 4
     blocks_per_sm: int = 4
-    walk_active: bool = True
 
     def for_tokens(self, tokens: int) -> GroupedConfig:
         """Prefill-sized steps use wider row chunks (fewer passes per item)."""
@@ -91,16 +90,38 @@ def _pick(s, v0, v1, v2):
 
 
 @triton.jit
-def _groups_to_walk(count_ptr, num_groups, GROUPS_P2: tl.constexpr, WALK_ACTIVE: tl.constexpr):
-    """How many of the ``num_groups`` groups to walk: all, or up to the last
-    that holds tokens (one vector load, the same in every program)."""
-    if WALK_ACTIVE:
-        offs = tl.arange(0, GROUPS_P2)
-        counts = tl.load(count_ptr + offs, mask=offs < num_groups, other=0)
-        walked = tl.max(tl.where(counts > 0, offs + 1, 0), axis=0)
-    else:
-        walked = num_groups
-    return walked
+def _chunk_table(
+    count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M: tl.constexpr, GROUPS_P2: tl.constexpr
+):
+    """Each group's slot, rows, first sorted row and row chunks, as vectors.
+
+    Loaded once per program, three vector loads that do not wait on each
+    other; a group without an adapter (the base model's tokens, the empty
+    padding up to the captured count) gets no chunks.
+    """
+    offs = tl.arange(0, GROUPS_P2)
+    valid = offs < num_groups
+    slots = tl.load(slot_ptr + offs, mask=valid, other=-1)
+    counts = tl.load(count_ptr + offs, mask=valid, other=0)
+    starts = tl.load(start_ptr + offs, mask=valid, other=0)
+    counts = tl.where(slots >= 0, counts, 0)
+    chunks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(chunks, axis=0)
+    return offs, slots, counts, starts, chunks, ends
+
+
+@triton.jit
+def _chunk_rows(chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M: tl.constexpr):
+    """Chunk ``chunk``'s slot, and its rows' positions in the sorted token list
+    with their mask: reductions over the table in registers, no memory access."""
+    group = tl.sum((ends <= chunk).to(tl.int32), axis=0)
+    here = offs == group
+    slot = tl.sum(tl.where(here, slots, 0), axis=0)
+    rows_n = tl.sum(tl.where(here, counts, 0), axis=0)
+    first = tl.sum(tl.where(here, starts, 0), axis=0)
+    m0 = (chunk - tl.sum(tl.where(here, ends - chunks, 0), axis=0)) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    return slot, first + offs_m, offs_m < rows_n
 
 
 @triton.jit
@@ -133,51 +154,48 @@ def _grouped_shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUPS_P2: tl.constexpr,
-    WALK_ACTIVE: tl.constexpr,
 ):
-    """out[s, t, :] += scaling * x[t, :] @ W_s[slot(t)].T, one item per (group, slice, K block)."""
+    """out[s, t, :] += scaling * x[t, :] @ W_s[slot(t)].T.
+
+    One item per (row chunk, slice, K block)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     k_blocks = tl.cdiv(K, BLOCK_K)
-    per_group = SLICES * k_blocks
-    total = _groups_to_walk(count_ptr, num_groups, GROUPS_P2, WALK_ACTIVE) * per_group
+    per_chunk = SLICES * k_blocks
+    offs, slots, counts, starts, chunks, ends = _chunk_table(
+        count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M, GROUPS_P2
+    )
+    total = tl.sum(chunks, axis=0) * per_chunk
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     for item in range(pid, total, programs):
-        group = item // per_group
-        rest = item % per_group
+        chunk = item // per_chunk
+        rest = item % per_chunk
         s = rest // k_blocks
         kb = rest % k_blocks
-        # The three loads in flight at once: none waits for another's answer.
-        slot = tl.load(slot_ptr + group)
-        rows_n = tl.load(count_ptr + group)
-        first = tl.load(start_ptr + group)
-        if (slot >= 0) & (rows_n > 0):
-            w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
-            w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            b = tl.load(
-                w_ptr + slot * w_s0 + offs_n[None, :] * w_s1 + offs_k[:, None] * w_s2,
-                mask=k_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            )
-            for m0 in range(0, rows_n, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                m_mask = offs_m < rows_n
-                rows = tl.load(sorted_ptr + first + offs_m, mask=m_mask, other=0)
-                a = tl.load(
-                    x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
-                    mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(a, b) * scaling
-                tl.atomic_add(
-                    out_ptr + s * o_s0 + rows[:, None] * o_s1 + offs_n[None, :] * o_s2,
-                    acc,
-                    mask=m_mask[:, None] & n_mask[None, :],
-                    sem="relaxed",
-                )
+        slot, at, m_mask = _chunk_rows(chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M)
+        w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
+        w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        b = tl.load(
+            w_ptr + slot * w_s0 + offs_n[None, :] * w_s1 + offs_k[:, None] * w_s2,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        rows = tl.load(sorted_ptr + at, mask=m_mask, other=0)
+        a = tl.load(
+            x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b) * scaling
+        tl.atomic_add(
+            out_ptr + s * o_s0 + rows[:, None] * o_s1 + offs_n[None, :] * o_s2,
+            acc,
+            mask=m_mask[:, None] & n_mask[None, :],
+            sem="relaxed",
+        )
 
 
 @triton.jit
@@ -216,27 +234,29 @@ def _grouped_expand_kernel(
     BLOCK_R: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
     GROUPS_P2: tl.constexpr,
-    WALK_ACTIVE: tl.constexpr,
 ):
     """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :].
 
-    One item per (group, slice, N block)."""
+    One item per (row chunk, slice, N block)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    per_group = SLICES * n_blocks
-    total = _groups_to_walk(count_ptr, num_groups, GROUPS_P2, WALK_ACTIVE) * per_group
+    per_chunk = SLICES * n_blocks
+    offs, slots, counts, starts, chunks, ends = _chunk_table(
+        count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M, GROUPS_P2
+    )
+    total = tl.sum(chunks, axis=0) * per_chunk
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     for item in range(pid, total, programs):
-        group = item // per_group
-        rest = item % per_group
+        chunk = item // per_chunk
+        rest = item % per_chunk
         s = rest // n_blocks
         nb = rest % n_blocks
-        slot = tl.load(slot_ptr + group)
-        rows_n = tl.load(count_ptr + group)
-        first = tl.load(start_ptr + group)
         n_s = _pick(s, n0, n1, n2)
-        if (slot >= 0) & (rows_n > 0) & (nb * BLOCK_N < n_s):
+        if nb * BLOCK_N < n_s:
+            slot, at, m_mask = _chunk_rows(
+                chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M
+            )
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
             col = _pick(s, col0, col1, col2)
@@ -247,21 +267,18 @@ def _grouped_expand_kernel(
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            for m0 in range(0, rows_n, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                m_mask = offs_m < rows_n
-                rows = tl.load(sorted_ptr + first + offs_m, mask=m_mask, other=0)
-                a = tl.load(
-                    in_ptr + s * i_s0 + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
-                    mask=m_mask[:, None] & r_mask[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(a.to(b.dtype), b)
-                o_ptrs = out_ptr + rows[:, None] * o_s0 + (col + offs_n)[None, :] * o_s1
-                mask = m_mask[:, None] & n_mask[None, :]
-                if ADD_INPUTS:
-                    acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            rows = tl.load(sorted_ptr + at, mask=m_mask, other=0)
+            a = tl.load(
+                in_ptr + s * i_s0 + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(a.to(b.dtype), b)
+            o_ptrs = out_ptr + rows[:, None] * o_s0 + (col + offs_n)[None, :] * o_s1
+            mask = m_mask[:, None] & n_mask[None, :]
+            if ADD_INPUTS:
+                acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_slot_rows_cols(weight: torch.Tensor) -> torch.Tensor:
@@ -318,6 +335,12 @@ def _grid(items: int, device: torch.device, config: GroupedConfig) -> tuple[int]
     return (max(1, min(items, _multiprocessors(device) * config.blocks_per_sm)),)
 
 
+def _chunks_at_most(tokens: int, groups: int, block_m: int) -> int:
+    """The most row chunks ``tokens`` rows in ``groups`` groups can make (each
+    group's last chunk may be partial): the grid's bound, whatever the step holds."""
+    return triton.cdiv(tokens, block_m) + min(groups, tokens)
+
+
 def _padded(n: int, least: int = 16) -> int:
     """A power of two for a block edge (``tl.dot`` wants at least 16)."""
     return max(least, triton.next_power_of_2(n))
@@ -346,7 +369,8 @@ def grouped_shrink(
     config = config.for_tokens(inputs.size(0))
     output_tensor.zero_()
     ptrs = _three(views, views[0])
-    items = num_groups * slices * triton.cdiv(k, config.block_k)
+    chunks = _chunks_at_most(inputs.size(0), num_groups, config.block_m)
+    items = chunks * slices * triton.cdiv(k, config.block_k)
     _grouped_shrink_kernel[_grid(items, inputs.device, config)](
         inputs,
         *ptrs,
@@ -372,7 +396,6 @@ def grouped_shrink(
         BLOCK_N=_padded(n),
         BLOCK_K=config.block_k,
         GROUPS_P2=_padded(num_groups, 1),
-        WALK_ACTIVE=config.walk_active,
         num_warps=config.num_warps,
     )
 
@@ -403,7 +426,7 @@ def grouped_expand(
     config = config.for_tokens(inputs.size(1))
     n_blocks = triton.cdiv(max(widths), config.block_n)
     output = output_tensor.view(-1, output_tensor.size(-1))
-    items = num_groups * slices * n_blocks
+    items = _chunks_at_most(inputs.size(1), num_groups, config.block_m) * slices * n_blocks
     _grouped_expand_kernel[_grid(items, inputs.device, config)](
         inputs,
         *_three(views, views[0]),
@@ -431,6 +454,5 @@ def grouped_expand(
         BLOCK_R=_padded(rank),
         ADD_INPUTS=add_inputs,
         GROUPS_P2=_padded(num_groups, 1),
-        WALK_ACTIVE=config.walk_active,
         num_warps=config.num_warps,
     )
