@@ -17,7 +17,8 @@
 # Every server's base-model point (0 adapters) runs the same kernels, so it
 # calibrates the GPUs against each other. Results land in $OUT (at most 8
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
-# (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every run.
+# (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every engine_rate run,
+# LORA_KERNELS_ARGS to lora_kernels (--sweep, say).
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
@@ -38,7 +39,7 @@ kernel_part() {
         gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py \
         gpu_tests/test_gpu_scenarios.py
     python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
-        ${BASE_KERNELS:+--base-kernels "$BASE_KERNELS"} \
+        ${BASE_KERNELS:+--base-kernels "$BASE_KERNELS"} ${LORA_KERNELS_ARGS:-} \
         --machine "$machine" --json "$OUT/lora_kernels.json"
 }
 pause_row() {
