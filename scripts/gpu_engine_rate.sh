@@ -8,10 +8,10 @@
 #   GPU 0: `serve` (its defaults: grouped LoRA kernels, overlapped shrink)
 #   GPU 1: `serve --lora-overlap off`                         (2 GPUs or more)
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
-# and "the kernel part": the GPU tests of the kernels and the overlap (and of
-# the real-engine scenarios), benchmarks.lora_kernels with its profile (an
-# earlier grouped_lora.py timed beside this one where BASE_KERNELS names it),
-# then benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves it out). It runs on
+# and "the kernel part": the GPU tests of the kernels and the overlap,
+# benchmarks.lora_kernels with its profile (an earlier grouped_lora.py timed
+# beside this one where BASE_KERNELS names it), then the real-engine scenario
+# tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out). It runs on
 # GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
 # and the pause row run one after another.
 # Every server's base-model point (0 adapters) runs the same kernels, so it
@@ -35,15 +35,16 @@ from skyrl_lora.server.embedded.random_model import build_random_model
 build_random_model(Path('$work'), rank=16, size='8b')" > "$work/model.log" 2>&1
 echo "model built $(date +%T)"
 kernel_part() {
-    timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q \
-        gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py \
-        gpu_tests/test_gpu_scenarios.py
+    python3 -m pytest -p no:cacheprovider -o addopts="" -q \
+        gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py
     python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
         ${BASE_KERNELS:+--base-kernels "$BASE_KERNELS"} ${LORA_KERNELS_ARGS:-} \
         --machine "$machine" --json "$OUT/lora_kernels.json"
 }
 pause_row() {
     [[ "${PAUSE_ROW:-1}" == 0 ]] && return
+    timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q -x \
+        gpu_tests/test_gpu_scenarios.py
     # Issue 67's GPU row: another tenant's token gaps across one tenant's
     # pauses, 64 and 256 of the paused tenant's requests in flight.
     python3 -m benchmarks.pause_latency --gpu --size 0.8b --in-flight 64,256 \
