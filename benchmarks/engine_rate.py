@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     facts = model_facts(model.model_dir, adapter)
     # As many adapters as the largest point uses (vLLM loads each at start, about
     # 15 s apiece at the 8B shape), in a server of --max-loras slots either way.
-    names = [f"a{i}" for i in range(min(args.max_loras, max([*args.adapters, 4])))]
+    names = [f"a{i}" for i in range(min(args.max_loras, max([*args.adapters, 1])))]
     # One adapter's files under every name: a name is a slot of its own, and
     # the kernels read each slot's weights whatever they hold.
     modules = ["--lora-modules", *(f"{n}={adapter}" for n in names)]

@@ -13,9 +13,10 @@ vLLM replays them), the shrink and expand of every layer:
 * ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` as ``serve``
   runs them: given every slot, they make work only for the row chunks of
   the groups that hold an adapter's tokens;
-* ``grouped_base`` (with ``--base-kernels FILE``): an earlier revision's
-  ``grouped_lora.py`` (``git show REV:server/kernels/grouped_lora.py``),
-  given every slot as ``grouped`` is, so old and new are timed in one run;
+* ``grouped_NAME`` (with ``--base-kernels NAME=FILE``, repeatable): another
+  ``grouped_lora.py`` (an earlier revision's, ``git show
+  REV:server/kernels/grouped_lora.py``, or a candidate), given every slot
+  as ``grouped`` is, so old, new and candidates are timed in one run;
 * ``grouped_active``: ``grouped`` given the active adapters only.
 
 Each variant's outputs are checked against ``vllm``'s (bf16 tolerance)
@@ -127,32 +128,30 @@ def captured_count(adapters: int, slots: int) -> int:
 
 
 def kernels_of(variant: str) -> ModuleType:
-    """The grouped kernels' module a variant runs: this tree's, or ``--base-kernels``'."""
-    if variant == "grouped_base":
-        return _base_kernels()
+    """The grouped kernels' module a variant runs: this tree's, or a ``--base-kernels`` file's."""
+    if variant in _OTHER_KERNELS:
+        return _OTHER_KERNELS[variant]
     from skyrl_lora.server.kernels import grouped_lora
 
     return grouped_lora
 
 
-_BASE_KERNELS: list[ModuleType] = []
+#: ``grouped_NAME`` -> the module of ``--base-kernels NAME=FILE``.
+_OTHER_KERNELS: dict[str, ModuleType] = {}
 
 
-def load_base_kernels(path: Path) -> None:
-    """Import an earlier ``grouped_lora.py`` under a name of its own (it imports
-    only torch and Triton; Triton reads its kernels' source from the file)."""
-    spec = importlib.util.spec_from_file_location("grouped_lora_base", path)
+def load_other_kernels(spec_text: str) -> None:
+    """Import another ``grouped_lora.py`` (``NAME=FILE``) under a name of its own (it
+    imports only torch and Triton; Triton reads its kernels' source from the file)."""
+    name, _, path = spec_text.partition("=")
+    if not path:
+        raise SystemExit(f"--base-kernels {spec_text!r}: expected NAME=FILE")
+    spec = importlib.util.spec_from_file_location(f"grouped_lora_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    _BASE_KERNELS[:] = [module]
-
-
-def _base_kernels() -> ModuleType:
-    if not _BASE_KERNELS:
-        raise RuntimeError("variant grouped_base needs --base-kernels FILE")
-    return _BASE_KERNELS[0]
+    _OTHER_KERNELS[f"grouped_{name}"] = module
 
 
 def step_fn(
@@ -248,12 +247,12 @@ VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_active")
 
 
 def variants() -> tuple[str, ...]:
-    """The variants this run times (``grouped_base`` where ``--base-kernels`` is given)."""
-    return (*VARIANTS, "grouped_base") if _BASE_KERNELS else VARIANTS
+    """The variants this run times (one more per ``--base-kernels``)."""
+    return (*VARIANTS, *_OTHER_KERNELS)
 
 
 def groups_of(variant: str, adapters: int, slots: int) -> int:
-    if variant in ("vllm", "grouped", "grouped_base"):
+    if variant in ("vllm", "grouped") or variant in _OTHER_KERNELS:
         return slots + 1
     if variant == "vllm_specialized":
         return captured_count(adapters, slots)
@@ -264,14 +263,22 @@ def check(
     layers: list[Slots], x: dict[int, torch.Tensor], meta: dict[str, torch.Tensor],
     outs: dict[str, torch.Tensor], adapters: int, slots: int,
 ) -> dict[str, float]:  # fmt: skip
-    """Each variant's outputs over the first decoder layer against ``vllm``'s."""
+    """Each variant's outputs over the first decoder layer against ``vllm``'s (a
+    ``--base-kernels`` candidate that fails is dropped from the run, saying why)."""
     first = layers[:4]
     results = {}
     for variant in variants():
         for y in ("y0", "y1", "y2", "y3"):
             outs[y].zero_()
         groups = groups_of(variant, adapters, slots)
-        step_fn(variant, first, x, meta, groups, outs)()
+        try:
+            step_fn(variant, first, x, meta, groups, outs)()
+        except Exception as exc:  # a candidate that does not compile leaves the run
+            if variant not in _OTHER_KERNELS:
+                raise
+            print(f"{variant} dropped: {str(exc)[:300]}", flush=True)
+            del _OTHER_KERNELS[variant]
+            continue
         results[variant] = [outs[y].float().clone() for y in ("y0", "y1", "y2", "y3")]
     ref = results["vllm"]
     return {
@@ -439,11 +446,14 @@ def main() -> int:
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
     parser.add_argument(
-        "--base-kernels", type=Path, help="an earlier grouped_lora.py, timed as grouped_base"
+        "--base-kernels",
+        action="append",
+        default=[],
+        help="NAME=FILE: another grouped_lora.py, timed as grouped_NAME (repeatable)",
     )
     args = parser.parse_args()
-    if args.base_kernels:
-        load_base_kernels(args.base_kernels)
+    for spec_text in args.base_kernels:
+        load_other_kernels(spec_text)
     result = run(args)
     if args.sweep:
         result["sweep"] = sweep(args)

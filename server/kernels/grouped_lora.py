@@ -15,9 +15,10 @@ for every step, so CUDA graphs capture them as they do vLLM's) that walks a
 list of work items: one per (chunk of ``block_m`` rows of one adapter,
 slice, K block) for the shrink and (row chunk, slice, N block) for the
 expand. Each program first reads the step's groups (slot, rows, first
-sorted row: three vector loads) and numbers their row chunks, so an item
-finds its rows with a few reductions in registers and runs one dependent
-chain: its row indices, their inputs, one ``tl.dot``, one store. Groups
+rows: two vector loads) and numbers their row chunks, so an item finds its
+group with one reduction in registers and runs one short dependent chain:
+the group's entries (cached), its row indices, their inputs, one
+``tl.dot``, one store. Groups
 without an adapter (the base model's rows, the empty padding of a graph
 captured for more adapters than the step holds) get no items at all.
 The first version walked (adapter, slice, block) items and looped over an
@@ -90,37 +91,44 @@ def _pick(s, v0, v1, v2):
 
 
 @triton.jit
-def _chunk_table(
-    count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M: tl.constexpr, GROUPS_P2: tl.constexpr
-):
-    """Each group's slot, rows, first sorted row and row chunks, as vectors.
-
-    Loaded once per program, three vector loads that do not wait on each
-    other; a group without an adapter (the base model's tokens, the empty
-    padding up to the captured count) gets no chunks.
-    """
+def _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M: tl.constexpr, GROUPS_P2: tl.constexpr):
+    """Each group's row chunks and their running end, as vectors (loaded once
+    per program; a group without an adapter, the base model's rows or the
+    empty padding up to the captured count, gets none)."""
     offs = tl.arange(0, GROUPS_P2)
     valid = offs < num_groups
     slots = tl.load(slot_ptr + offs, mask=valid, other=-1)
     counts = tl.load(count_ptr + offs, mask=valid, other=0)
-    starts = tl.load(start_ptr + offs, mask=valid, other=0)
-    counts = tl.where(slots >= 0, counts, 0)
-    chunks = (counts + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(chunks, axis=0)
-    return offs, slots, counts, starts, chunks, ends
+    chunks = tl.where(slots >= 0, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    return chunks, tl.cumsum(chunks, axis=0)
 
 
 @triton.jit
-def _chunk_rows(chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M: tl.constexpr):
+def _chunk_rows(
+    chunk,
+    chunks,
+    ends,
+    count_ptr,
+    start_ptr,
+    slot_ptr,
+    BLOCK_M: tl.constexpr,
+    GROUPS_P2: tl.constexpr,
+):
     """Chunk ``chunk``'s slot, and its rows' positions in the sorted token list
-    with their mask: reductions over the table in registers, no memory access."""
-    group = tl.sum((ends <= chunk).to(tl.int32), axis=0)
-    here = offs == group
-    slot = tl.sum(tl.where(here, slots, 0), axis=0)
-    rows_n = tl.sum(tl.where(here, counts, 0), axis=0)
-    first = tl.sum(tl.where(here, starts, 0), axis=0)
-    m0 = (chunk - tl.sum(tl.where(here, ends - chunks, 0), axis=0)) * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    with their mask.
+
+    One reduction finds both the chunk's group (how many groups end at or
+    before it) and the group's first chunk (their chunks), packed in one
+    integer; then three loads that do not wait on each other, of entries
+    this program's table load has just brought into cache.
+    """
+    before = ends <= chunk
+    packed = tl.sum(tl.where(before, chunks * GROUPS_P2 + 1, 0), axis=0)
+    group = packed % GROUPS_P2
+    slot = tl.load(slot_ptr + group)
+    rows_n = tl.load(count_ptr + group)
+    first = tl.load(start_ptr + group)
+    offs_m = (chunk - packed // GROUPS_P2) * BLOCK_M + tl.arange(0, BLOCK_M)
     return slot, first + offs_m, offs_m < rows_n
 
 
@@ -162,9 +170,7 @@ def _grouped_shrink_kernel(
     programs = tl.num_programs(0)
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_chunk = SLICES * k_blocks
-    offs, slots, counts, starts, chunks, ends = _chunk_table(
-        count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M, GROUPS_P2
-    )
+    chunks, ends = _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M, GROUPS_P2)
     total = tl.sum(chunks, axis=0) * per_chunk
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -173,7 +179,9 @@ def _grouped_shrink_kernel(
         rest = item % per_chunk
         s = rest // k_blocks
         kb = rest % k_blocks
-        slot, at, m_mask = _chunk_rows(chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M)
+        slot, at, m_mask = _chunk_rows(
+            chunk, chunks, ends, count_ptr, start_ptr, slot_ptr, BLOCK_M, GROUPS_P2
+        )
         w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
         w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -241,9 +249,7 @@ def _grouped_expand_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     per_chunk = SLICES * n_blocks
-    offs, slots, counts, starts, chunks, ends = _chunk_table(
-        count_ptr, slot_ptr, start_ptr, num_groups, BLOCK_M, GROUPS_P2
-    )
+    chunks, ends = _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M, GROUPS_P2)
     total = tl.sum(chunks, axis=0) * per_chunk
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -255,7 +261,7 @@ def _grouped_expand_kernel(
         n_s = _pick(s, n0, n1, n2)
         if nb * BLOCK_N < n_s:
             slot, at, m_mask = _chunk_rows(
-                chunk, offs, slots, counts, starts, chunks, ends, BLOCK_M
+                chunk, chunks, ends, count_ptr, start_ptr, slot_ptr, BLOCK_M, GROUPS_P2
             )
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
