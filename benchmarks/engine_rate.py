@@ -447,7 +447,11 @@ def plot(path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distinct adapters in the batch")
         ax.set_ylabel("ms of LoRA kernels per decode step (CUDA graph)")
-        ax.set_title(f"the step's LoRA work alone, {min(streams_list)} tokens")
+        ax.set_title(
+            f"the step's LoRA work alone, {min(streams_list)} tokens\n"
+            f"(main {kernels['commit']}, {kernels['date']})",
+            fontsize=9,
+        )
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.suptitle(f"{data['machine']}, main {data['commit']}, {data['date']}", fontsize=9)

@@ -89,7 +89,11 @@ def engine_server(
 
     dtype = os.environ.get("SKYRL_GPU_DTYPE", "bfloat16")  # CUDA LoRA kernels: fp16/bf16 only
     snapshots = tmp_path_factory.mktemp("snapshots")
+    # Adapter paths confined as on the CPU's session server: the embedded
+    # model's folder and one scratch folder the scenarios write to.
+    scratch = tmp_path_factory.mktemp("adapter-root")
     extra = [*GPU_FLAGS, "--dtype", dtype, "--adapter-snapshot-dir", str(snapshots)]
+    extra += ["--adapter-root", str(embedded_model.root), "--adapter-root", str(scratch)]
     extra += ["--adapter-reader"]  # opt-in, as on the CPU's session server: covered here too
     extra += ["--max-adapter-bytes", str(MAX_ADAPTER_BYTES)]
     argv = embedded_server_argv(embedded_model, extra=extra)
@@ -97,6 +101,8 @@ def engine_server(
     proc, url = start_server(argv, "gpu_scenario_server")
     print(f"\nCUDA scenario server ready in {time.monotonic() - started:.0f} s at {url}")
     try:
-        yield EngineServer(url, embedded_model, tokenizer, snapshot_dir=snapshots)
+        yield EngineServer(
+            url, embedded_model, tokenizer, adapter_root=scratch, snapshot_dir=snapshots
+        )
     finally:
         stop_server(proc)

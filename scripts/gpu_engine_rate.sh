@@ -9,8 +9,8 @@
 #   GPU 1: `serve --lora-overlap off`                         (2 GPUs or more)
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
 # and "the kernel part": the GPU tests of the kernels and the overlap,
-# benchmarks.lora_kernels with its profile (an earlier grouped_lora.py timed
-# beside this one where BASE_KERNELS names it), then the real-engine scenario
+# benchmarks.lora_kernels with its profile (BASE_KERNELS=NAME=FILE: another
+# grouped_lora.py timed beside this one), then the real-engine scenario
 # tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out). It runs on
 # GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
 # and the pause row run one after another.
