@@ -25,7 +25,8 @@ per tenant and step, the tables, and writes the JSON and a plot.
   run python3 -m examples.multi_tenant_rl --gpu``): eight tenants on the
   random 0.8B Llama of ``skyrl_lora.server.embedded.random_model``, rank-16 adapters,
   generations of 128-512 tokens, learners colocated on the GPU with vLLM
-  (which gets ``--gpu-mem`` of it); weights always travel by the push route.
+  (which gets ``--gpu-mem`` of it), or on a GPU of their own
+  (``--learner-device cuda:1``); weights always travel by the push route.
 """
 
 from __future__ import annotations
@@ -137,6 +138,32 @@ def gpu_shape(tenants: int = 8) -> Shape:
         rank=16, alpha=32, lr=3e-2, device="cuda", dtype="bfloat16", checkpointing=True
     )
     return Shape(targets, loop, learner, GPU_MODES)
+
+
+def learner_device_error(
+    device: str, gpu: bool, cuda_devices: int, handover: bool = False
+) -> str | None:
+    """Why ``--learner-device`` cannot be used here (None: it can).
+
+    The GPU shape's learners go to any CUDA device of the machine: ``cuda``
+    (the engine's, colocated) or ``cuda:N`` (a GPU of their own: the engine
+    takes the first visible one, so ``cuda:1`` leaves it alone on GPU 0);
+    weights travel over the push route (a CUDA IPC hand-over, ``--transfer
+    handover``, needs the engine's GPU). The CPU shape trains the embedded
+    model on the CPU only.
+    """
+    if not gpu:
+        return None if device == "cpu" else "--learner-device is for the GPU shape (--gpu)"
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        return f"--learner-device {device!r}: expected cuda or cuda:N"
+    if cuda_devices == 0:
+        return f"--learner-device {device}: this machine has no CUDA device"
+    if index and int(index) >= cuda_devices:
+        return f"--learner-device {device}: this machine has {cuda_devices} CUDA device(s)"
+    if handover and index not in ("", "0"):
+        return f"--learner-device {device}: --transfer handover needs the engine's GPU (cuda)"
+    return None
 
 
 def live_line(mode: str, log: TenantLog, steps: int, elapsed: float) -> str:
@@ -544,6 +571,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM's share of the GPU")
     parser.add_argument(
+        "--learner-device",
+        help="GPU: the learners' device, cuda (the engine's, the default) or cuda:N "
+        "(a GPU of their own; the engine takes the first)",
+    )
+    parser.add_argument(
         "--serve-flags",
         default="",
         help="GPU: more flags for the server, one string "
@@ -562,6 +594,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     learner = dataclasses.replace(shape.learner, off_policy=off_policy)
     if args.lr is not None:
         learner = dataclasses.replace(learner, lr=args.lr)
+    if args.learner_device is not None:
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        why = learner_device_error(
+            args.learner_device, args.gpu, cuda_devices, args.transfer == "handover"
+        )
+        if why:
+            parser.error(why)
+        learner = dataclasses.replace(learner, device=args.learner_device)
     if args.serve_flags and not args.gpu:
         parser.error("--serve-flags is for the GPU server")
     if args.gpu and args.transfer == "load":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from examples.multi_tenant_rl import mode_ratios, on_policy_every_tenant, per_adapter_mode
 
 
@@ -72,3 +74,31 @@ def test_ratios_are_of_each_modes_mean_over_its_positions() -> None:
         "time_to_target_over_global": None,
         "on_policy_every_tenant": None,
     }
+
+
+def test_the_learners_device_is_checked_before_anything_starts() -> None:
+    """``--learner-device``: any CUDA device of the machine for the GPU shape
+    (``cuda:1``: the engine alone on GPU 0), the CPU for the CPU shape, and a
+    message that names what is wrong otherwise."""
+    from examples.multi_tenant_rl import learner_device_error
+
+    assert learner_device_error("cuda", gpu=True, cuda_devices=1) is None
+    assert learner_device_error("cuda:1", gpu=True, cuda_devices=2) is None
+    assert learner_device_error("cpu", gpu=False, cuda_devices=0) is None
+    assert "2 CUDA device" in str(learner_device_error("cuda:2", gpu=True, cuda_devices=2))
+    assert "no CUDA device" in str(learner_device_error("cuda:1", gpu=True, cuda_devices=0))
+    assert "cuda or cuda:N" in str(learner_device_error("gpu1", gpu=True, cuda_devices=2))
+    assert "cuda or cuda:N" in str(learner_device_error("cuda:x", gpu=True, cuda_devices=2))
+    assert "GPU shape" in str(learner_device_error("cuda", gpu=False, cuda_devices=1))
+    assert "handover" in str(learner_device_error("cuda:1", True, 2, handover=True))
+    assert learner_device_error("cuda:0", True, 2, handover=True) is None
+
+
+def test_a_learner_device_this_machine_lacks_is_a_usage_error(capsys: Any) -> None:
+    """Refused by the argument parser, before a model is built or a server starts."""
+    from examples.multi_tenant_rl import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--gpu", "--learner-device", "cuda:7"])
+    assert exit_info.value.code == 2
+    assert "--learner-device cuda:7" in capsys.readouterr().err
