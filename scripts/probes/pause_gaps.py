@@ -298,9 +298,11 @@ def _report(client: dict, rows: dict[str, list]) -> None:  # type: ignore[type-a
         describe(g[0], g[1], g[0])
     inside = [(b - a) * 1000 for a, b in gaps if across((a, b))]
     outside_ms = [(b - a) * 1000 for a, b in gaps if not across((a, b))]
+    # A probe stream may see no gap across a pause at all (it was between
+    # samples then): say so rather than fail on an empty list.
     print(
-        f"across pauses: max {max(inside):.1f} ms; outside: max {max(outside_ms):.1f} ms;"
-        f" steps {len(steps)}"
+        f"across pauses: max {max(inside, default=0.0):.1f} ms ({len(inside)} gaps);"
+        f" outside: max {max(outside_ms, default=0.0):.1f} ms; steps {len(steps)}"
     )
 
 
