@@ -339,34 +339,6 @@ async def test_a_pause_during_pacing_holds_the_waiting_requests() -> None:
     assert [a.version for a in rest] == [2, 2]
 
 
-async def test_a_request_a_step_let_in_is_held_if_a_pause_comes_before_it_runs() -> None:
-    """A step hands its room out down the queue at once; a pause between that
-    step and the request running on holds it (no request enters a paused
-    adapter), and a waiter cancelled meanwhile leaves its place to the next."""
-    pacing = ResumePacing(tokens_per_step=10, step_wait_s=10.0, window_s=10.0)
-    gate, engine = make(pacing)
-    waiting = await _held_backlog(gate, engine, "a", [10, 10, 10, 10])
-    gate.resume("a")
-    await _settle()
-    gate.release(waiting[0].result())
-    waiting[1].cancel()
-    await _settle()
-    assert gate._budget.waiting == 2 and gate.held("a") == 2
-    gate.engine_stepped()  # lets a2 in: it has not run on yet
-    await gate.pause("a", engine.abort)  # nothing in flight: it never yields
-    await _settle()
-    assert gate.in_flight("a") == 0 and not waiting[2].done() and gate.held("a") == 2
-    gate.resume("a")  # paced again: a step at a time
-    for _ in range(2):
-        await _settle()
-        gate.engine_stepped()
-    rest = await asyncio.gather(*waiting[2:])
-    assert [a.request_id for a in rest] == ["a2", "a3"]
-    for task in waiting[2:]:
-        gate.release(task.result())
-    assert gate._budget.waiting == 0 and gate._budget._step_wait is None
-
-
 async def test_the_requests_a_pause_ends_are_answered_at_a_pace() -> None:
     """Each ended request learns how long after its end to answer: its place
     in the abort times the spacing, capped; the other adapter's are untouched."""

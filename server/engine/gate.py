@@ -28,10 +28,8 @@ call, so it is tested on its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -206,47 +204,21 @@ class GateCounters:
     paced_requests: int = 0
 
 
-@dataclass(eq=False)
-class _StepWaiter:
-    """A paced request queued for room in a later step."""
-
-    tokens: int
-    #: The tokens were counted, not assumed: it may go in eagerly beside the
-    #: batch (:meth:`StepBudget.fits_no_step`).
-    counted: bool
-    #: Whether it no longer wants room (its adapter was paused meanwhile).
-    gave_up: Callable[[], bool]
-    answer: asyncio.Future[bool]
-
-
 class StepBudget:
     """The prefill tokens paced requests may still bring into the engine's current step.
 
     Shared by every adapter, so two tenants resuming together share one
     step's room. The first request of a step always fits. With
     ``graph_tokens``, the room follows the running batch (:class:`ResumePacing`).
-
-    The requests waiting for a later step queue here, in the order they
-    came, and each step hands its room out down the queue at once: only the
-    requests it lets in (or that gave up) wake. One timer per step, not one
-    per waiter, counts a step when none comes. After a resume hundreds of
-    requests wait, and the engine steps every few ms on a GPU: waking each
-    of them on every step, with a timer of its own, was 9% of the API
-    process's busy event loop in a profile at a GPU's token rate.
     """
 
     def __init__(
-        self,
-        tokens_per_step: int,
-        graph_tokens: int | None = None,
-        max_wait_s: float = 0.0,
-        least_wait_s: float = 0.0,
+        self, tokens_per_step: int, graph_tokens: int | None = None, max_wait_s: float = 0.0
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.graph_tokens = graph_tokens
-        #: The longest and the least a waiter waits for a step before counting one.
+        #: The longest a waiter waits for a step before counting one.
         self.max_wait_s = max_wait_s
-        self.least_wait_s = least_wait_s
         #: The time between the engine's last two steps (None until two came;
         #: a longer one is an idle engine, not a step, and is not kept).
         self.step_s: float | None = None
@@ -256,14 +228,9 @@ class StepBudget:
         self.left = tokens_per_step
         self.taken = 0
         self.steps = 0
-        self._queue: deque[_StepWaiter] = deque()
-        #: Counts a step when the engine shows none for a step's wait.
-        self._step_wait: asyncio.TimerHandle | None = None
-
-    @property
-    def waiting(self) -> int:
-        """Requests queued for a later step; newcomers queue behind them."""
-        return len(self._queue)
+        #: Requests queued for a later step; newcomers queue behind them.
+        self.waiting = 0
+        self._stepped = asyncio.Event()
 
     def _beside_batch(self) -> int | None:
         """The graph's room beside the running batch; None unless both are known."""
@@ -289,12 +256,6 @@ class StepBudget:
         self.taken += 1
         return True
 
-    def enters(self, tokens: int, counted: bool) -> bool:
-        """Whether a request goes into this step: it fits no step anyway (it
-        is better in one eager step with the others that do not than one a
-        step), or it takes room in this one."""
-        return (counted and self.fits_no_step(tokens)) or self.take(tokens)
-
     def engine_stepped(self, running: int | None = None) -> None:
         """The engine's own step: as :meth:`stepped`, and its length is kept."""
         now = time.monotonic()
@@ -311,64 +272,24 @@ class StepBudget:
         return min(max(least_s, 2 * self.step_s), max(least_s, self.max_wait_s))
 
     def stepped(self, running: int | None = None) -> None:
-        """A new step: its room is whole again, handed out down the queue."""
+        """A new step: its room is whole again, and every waiter looks."""
         self.steps += 1
         if running is not None:
             self.running = running
         self.left = self.room()
         self.taken = 0
-        if self._step_wait is not None:
-            self._step_wait.cancel()
-            self._step_wait = None
-        if self._queue:
-            self._hand_out()
+        if self.waiting:
+            self._stepped.set()
+            self._stepped = asyncio.Event()
 
-    def _hand_out(self) -> None:
-        kept: deque[_StepWaiter] = deque()
-        for waiter in self._queue:
-            if waiter.answer.done():  # cancelled
-                continue
-            if waiter.gave_up():
-                waiter.answer.set_result(False)
-            elif self.enters(waiter.tokens, waiter.counted):
-                waiter.answer.set_result(True)
-            else:
-                kept.append(waiter)
-        self._queue = kept
-        if kept:
-            self._arm()
-
-    def _arm(self) -> None:
-        if self._step_wait is None:
-            self._step_wait = asyncio.get_running_loop().call_later(
-                self.step_wait_s(self.least_wait_s), self._no_step_came
-            )
-
-    def _no_step_came(self) -> None:
-        self._step_wait = None
-        self.stepped()
-
-    async def later_step(self, tokens: int, counted: bool, gave_up: Callable[[], bool]) -> bool:
-        """Queue for room in a later step: True once a step let the request in,
-        False at the first step that finds it ``gave_up``.
-
-        A step counts as come when none did for :meth:`step_wait_s` since
-        the queue began waiting for it. Room a step handed out is taken even
-        if its waiter is cancelled before it runs on: that step just lets in
-        less.
-        """
-        waiter = _StepWaiter(tokens, counted, gave_up, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
-        self._arm()
+    async def next_step(self, timeout_s: float) -> None:
+        """Wait for the next step; after ``timeout_s`` without one, count one."""
+        seen, stepped = self.steps, self._stepped
         try:
-            return await waiter.answer
-        finally:
-            if waiter.answer.cancelled():
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(waiter)
-                if not self._queue and self._step_wait is not None:
-                    self._step_wait.cancel()
-                    self._step_wait = None
+            await asyncio.wait_for(stepped.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            if self.steps == seen:
+                self.stepped()
 
 
 class AdapterGate:
@@ -389,12 +310,7 @@ class AdapterGate:
         self._pacing = pacing
         self._answer_pacing = answer_pacing
         self._budget = (
-            StepBudget(
-                pacing.tokens_per_step,
-                pacing.graph_tokens,
-                pacing.max_step_wait_s,
-                pacing.step_wait_s,
-            )
+            StepBudget(pacing.tokens_per_step, pacing.graph_tokens, pacing.max_step_wait_s)
             if pacing is not None
             else StepBudget(1)
         )
@@ -485,24 +401,31 @@ class AdapterGate:
 
     async def _room_in_step(self, state: _AdapterState, prefill_tokens: int | None) -> bool:
         """Take room in the engine's step, waiting for later steps while there
-        is none; False when a pause came meanwhile (no request may enter then)."""
+        is none; False when a pause came meanwhile (no room is taken then)."""
         assert self._pacing is not None
         budget = self._budget
-        counted = prefill_tokens is not None
         tokens = self._pacing.tokens_per_step if prefill_tokens is None else prefill_tokens
-        # One that passes the graphs in whatever step it enters goes in now,
-        # with the others that do, in one step, rather than one a step.
-        eager_anyway = counted and budget.fits_no_step(tokens)
-        if eager_anyway or (not budget.waiting and budget.take(tokens)):
+
+        def eager_anyway() -> bool:
+            # It passes the graphs in whatever step it enters: better with
+            # the others that do, in one step, than one a step.
+            return prefill_tokens is not None and budget.fits_no_step(tokens)
+
+        if eager_anyway() or (not budget.waiting and budget.take(tokens)):
             return True
         self.counters.paced_requests += 1
         state.held += 1  # waiting at the gate too: ``forget`` must keep the state
+        budget.waiting += 1
         try:
-            let_in = await budget.later_step(tokens, counted, lambda: state.paused)
+            while True:
+                await budget.next_step(budget.step_wait_s(self._pacing.step_wait_s))
+                if state.paused:
+                    return False
+                if eager_anyway() or budget.take(tokens):
+                    return True
         finally:
+            budget.waiting -= 1
             state.held -= 1
-        # A pause may have come between the step that let it in and now.
-        return let_in and not state.paused
 
     def engine_stepped(self, running: int | None = None) -> None:
         """The engine finished a step (its outputs arrived): paced requests
