@@ -267,3 +267,21 @@ def test_the_overlap_installs_only_where_asked(monkeypatch):
     assert overlap.install() is True
     assert overlap.installed()
     assert layer_class._apply_async_impl is compat._overlapped_lora_apply
+
+
+def test_the_grid_bound_covers_every_row_chunk_a_step_can_make():
+    """The grid is sized on the host, before the step's groups are known (a
+    CUDA graph replays it for every step of its size): the bound must hold
+    for any split of the tokens over the groups."""
+    import random
+
+    from skyrl_lora.server.kernels.grouped_lora import _chunks_at_most
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        groups = rng.randint(1, 40)
+        block_m = rng.choice([16, 32, 64])
+        counts = [rng.choice([0, 1, 2, 15, 16, 17, rng.randint(0, 300)]) for _ in range(groups)]
+        tokens = sum(counts)
+        made = sum(-(-c // block_m) for c in counts)
+        assert made <= _chunks_at_most(max(tokens, 1), groups, block_m), (counts, block_m)
