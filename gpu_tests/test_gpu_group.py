@@ -52,7 +52,8 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+_WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@
 #   GPU 1: `serve --lora-overlap off`                         (2 GPUs or more)
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
 # and "the kernel part": the GPU tests of the kernels and the overlap,
-# benchmarks.lora_kernels with its profile (BASE_KERNELS=NAME=FILE: another
-# grouped_lora.py timed beside this one), then the real-engine scenario
+# benchmarks.lora_kernels with its profile, then the real-engine scenario
 # tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out). It runs on
 # GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
 # and the pause row run one after another.
@@ -18,7 +17,8 @@
 # calibrates the GPUs against each other. Results land in $OUT (at most 8
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
 # (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every engine_rate run,
-# LORA_KERNELS_ARGS to lora_kernels (--sweep, say).
+# LORA_KERNELS_ARGS to lora_kernels (--sweep, or --base-kernels NAME=FILE to
+# time another grouped_lora.py beside this one).
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
@@ -38,7 +38,7 @@ kernel_part() {
     python3 -m pytest -p no:cacheprovider -o addopts="" -q \
         gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py
     python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
-        ${BASE_KERNELS:+--base-kernels "$BASE_KERNELS"} ${LORA_KERNELS_ARGS:-} \
+        ${LORA_KERNELS_ARGS:-} \
         --machine "$machine" --json "$OUT/lora_kernels.json"
 }
 pause_row() {
