@@ -30,8 +30,8 @@ from gpu_tests.conftest import GPU_FLAGS
 from skyrl_lora.client import RemoteInferenceClient
 from tests.test_group_engine import (
     converged,
-    engine_counts,
     greedy,
+    pause_leaves_the_others_running,
     pushed_bytes,
     text,
     wait_everywhere,
@@ -124,31 +124,9 @@ async def test_a_push_to_the_host_moves_its_bytes_once_and_every_gpu_serves_it(
 async def test_a_pause_on_every_gpu_leaves_the_other_adapters_running(
     gpu_group: Any, embedded_model: Any, tokenizer: Any
 ) -> None:
-    async with RemoteInferenceClient(gpu_group.urls) as client:
-        await client.load_lora_adapter("gg-meow", str(embedded_model.adapters["meow"]))
-        await client.load_lora_adapter("gg-woof", str(embedded_model.adapters["woof"]))
-        prompt = tokenizer.encode("hello there", add_special_tokens=False)
-
-        def run(name: str) -> asyncio.Task[Any]:
-            return asyncio.create_task(
-                client.sample_with_retry(prompt, sampling_params=greedy(LONG), lora_name=name)
-            )
-
-        meow = [run("gg-meow") for _ in range(4)]
-        woof = [run("gg-woof") for _ in range(4)]
-        await wait_everywhere(client, "gg-meow")
-        await wait_everywhere(client, "gg-woof")
-        acks = await client.pause_generation(lora_name="gg-meow")
-        assert len(acks) == REPLICAS
-        for _ in range(5):  # while paused: meow runs nowhere
-            assert set((await engine_counts(client, "gg-meow")).values()) == {0}
-            assert not any(t.done() for t in meow)
-            await asyncio.sleep(0.05)
-        await client.resume_generation(lora_name="gg-meow")
-        for r in await asyncio.gather(*meow):
-            assert text(tokenizer, r) == ["meow"] * LONG
-        for r in await asyncio.gather(*woof):
-            assert text(tokenizer, r) == ["woof"] * LONG and r.sequences[0].segments == 1
+    await pause_leaves_the_others_running(
+        gpu_group.urls, embedded_model, tokenizer, "gg", length=LONG
+    )
 
 
 async def test_an_engine_killed_under_load_heals_and_loses_no_sample(

@@ -266,37 +266,48 @@ async def test_push_from_a_trainer_actor_through_the_object_store(
             assert set(text(tokenizer, out)) == {"moo"} and out.adapter_version == 2
 
 
-async def test_pause_on_both_replicas_leaves_other_adapters_running(
-    group, embedded_model, tokenizer
+async def pause_leaves_the_others_running(
+    urls: list[str], embedded_model: Any, tokenizer: Any, prefix: str, length: int = LONG
 ) -> None:
-    async with RemoteInferenceClient(group.urls) as client:
-        await client.load_lora_adapter("g-meow", str(embedded_model.adapters["meow"]))
-        await client.load_lora_adapter("g-woof", str(embedded_model.adapters["woof"]))
+    """``{prefix}-meow`` paused on every replica while it and ``{prefix}-woof``
+    sample there: meow runs nowhere until resumed, woof keeps running on
+    every replica, and both finish whole, meow in two segments or more.
+    The CPU group's test and the GPU group's (``gpu_tests/test_gpu_group.py``)."""
+    meow_name, woof_name = f"{prefix}-meow", f"{prefix}-woof"
+    async with RemoteInferenceClient(urls) as client:
+        await client.load_lora_adapter(meow_name, str(embedded_model.adapters["meow"]))
+        await client.load_lora_adapter(woof_name, str(embedded_model.adapters["woof"]))
         prompt = tokenizer.encode("hello there", add_special_tokens=False)
 
         def run(name: str) -> asyncio.Task[SampleResponse]:
             return asyncio.create_task(
-                client.sample_with_retry(prompt, sampling_params=greedy(), lora_name=name)
+                client.sample_with_retry(prompt, sampling_params=greedy(length), lora_name=name)
             )
 
-        meow = [run("g-meow") for _ in range(4)]
-        woof = [run("g-woof") for _ in range(4)]
-        await wait_everywhere(client, "g-meow")
-        await wait_everywhere(client, "g-woof")
-        acks = await client.pause_generation(lora_name="g-meow")
-        assert len(acks) == 2 and all(a.aborted > 0 for a in acks), acks
-        for _ in range(8):  # while paused: meow runs nowhere, woof runs on both
-            meow_counts = await engine_counts(client, "g-meow")
-            woof_counts = await engine_counts(client, "g-woof")
+        meow = [run(meow_name) for _ in range(4)]
+        woof = [run(woof_name) for _ in range(4)]
+        await wait_everywhere(client, meow_name)
+        await wait_everywhere(client, woof_name)
+        acks = await client.pause_generation(lora_name=meow_name)
+        assert len(acks) == len(urls) and all(a.aborted > 0 for a in acks), acks
+        for _ in range(8):  # while paused: meow runs nowhere, woof runs everywhere
+            meow_counts = await engine_counts(client, meow_name)
+            woof_counts = await engine_counts(client, woof_name)
             assert set(meow_counts.values()) == {0}, meow_counts
             assert min(woof_counts.values()) > 0, woof_counts
             assert not any(t.done() for t in meow)
             await asyncio.sleep(0.1)
-        await client.resume_generation(lora_name="g-meow")
+        await client.resume_generation(lora_name=meow_name)
         for r in await asyncio.gather(*meow):
-            assert text(tokenizer, r) == ["meow"] * LONG and r.sequences[0].segments >= 2
+            assert text(tokenizer, r) == ["meow"] * length and r.sequences[0].segments >= 2
         for r in await asyncio.gather(*woof):
-            assert text(tokenizer, r) == ["woof"] * LONG and r.sequences[0].segments == 1
+            assert text(tokenizer, r) == ["woof"] * length and r.sequences[0].segments == 1
+
+
+async def test_pause_on_both_replicas_leaves_other_adapters_running(
+    group, embedded_model, tokenizer
+) -> None:
+    await pause_leaves_the_others_running(group.urls, embedded_model, tokenizer, "g")
 
 
 async def test_killing_a_replica_mid_flight_loses_no_sample(
