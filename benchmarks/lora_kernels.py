@@ -11,13 +11,14 @@ vLLM replays them), the shrink and expand of every layer:
 * ``vllm_specialized``: the same over the captured count of active
   adapters (what ``--specialize-active-lora`` buys);
 * ``grouped``: :mod:`skyrl_lora.server.kernels.grouped_lora` as ``serve``
-  runs them: given every slot, they make work only for the row chunks of
-  the groups that hold an adapter's tokens;
+  runs them: the step's row-chunk plan filled once (one launch, timed with
+  the step) from metadata over every slot, then every layer's shrink and
+  expand reading it;
 * ``grouped_NAME`` (with ``--base-kernels NAME=FILE``, repeatable): another
   ``grouped_lora.py`` (an earlier revision's, ``git show
   REV:server/kernels/grouped_lora.py``, or a candidate), given every slot
-  as ``grouped`` is, so old, new and candidates are timed in one run;
-* ``grouped_active``: ``grouped`` given the active adapters only.
+  as ``grouped`` is (and a step plan where that file makes one), so old,
+  new and candidates are timed in one run.
 
 Each variant's outputs are checked against ``vllm``'s (bf16 tolerance)
 before it is timed. Beside each figure: the HBM time of the adapter bytes
@@ -167,15 +168,23 @@ def step_fn(
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
     kernels = None if variant.startswith("vllm") else kernels_of(variant)
+    plan: Any = None
     if kernels is not None:
         grouped_shrink, grouped_expand = kernels.grouped_shrink, kernels.grouped_expand
         config = config or kernels.DEFAULT_CONFIG
+        if hasattr(kernels, "fill_plan"):  # revisions before 2026-11-29 plan in every launch
+            tokens = next(iter(x.values())).size(0)
+            height = config.for_tokens(tokens).block_m
+            plan = kernels.new_plan(tokens, groups, meta["ids"].device, (height,))
+    planned = {"plan": plan} if plan is not None else {}
 
     no_lora = torch.tensor([False])
     count = torch.tensor([groups], dtype=torch.int32)
     scale = 1.0
 
     def run() -> None:
+        if plan is not None:
+            kernels.fill_plan(plan, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
         for i, slots in enumerate(layers):
             xin = x[slots.a[0].size(-1)]
             buf = outs[f"buf{len(slots.widths)}"]
@@ -192,11 +201,11 @@ def step_fn(
             else:
                 grouped_shrink(
                     xin, slots.a, buf, meta["sorted"], meta["per"], meta["start"], meta["ids"],
-                    groups, scale, config,
+                    groups, scale, config, **planned,
                 )  # fmt: skip
                 grouped_expand(
                     buf, slots.b, y, meta["sorted"], meta["per"], meta["start"], meta["ids"],
-                    groups, 0, True, config,
+                    groups, 0, True, config, **planned,
                 )  # fmt: skip
 
     return run
@@ -243,7 +252,7 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / per
 
 
-VARIANTS = ("vllm", "vllm_specialized", "grouped", "grouped_active")
+VARIANTS = ("vllm", "vllm_specialized", "grouped")
 
 
 def variants() -> tuple[str, ...]:
@@ -252,11 +261,9 @@ def variants() -> tuple[str, ...]:
 
 
 def groups_of(variant: str, adapters: int, slots: int) -> int:
-    if variant in ("vllm", "grouped") or variant in _OTHER_KERNELS:
-        return slots + 1
     if variant == "vllm_specialized":
         return captured_count(adapters, slots)
-    return adapters
+    return slots + 1
 
 
 def check(
@@ -302,13 +309,13 @@ def profile_table(fn: Callable[[], None], rows: int = 12) -> str:
 #: Tile and grid choices the sweep tries (block_m, block_k, block_n, num_warps, blocks_per_sm).
 SWEEP = [
     (16, 256, 128, 4, 4),
-    (32, 256, 128, 4, 4),
-    (64, 256, 128, 4, 4),
-    (64, 128, 128, 4, 4),
-    (64, 128, 64, 4, 4),
-    (32, 128, 128, 4, 8),
+    (16, 256, 128, 4, 8),
     (16, 128, 128, 4, 8),
-    (64, 64, 128, 4, 8),
+    (16, 512, 128, 4, 4),
+    (16, 256, 64, 4, 4),
+    (16, 256, 256, 8, 4),
+    (32, 256, 128, 4, 4),
+    (64, 128, 128, 4, 4),
 ]
 
 

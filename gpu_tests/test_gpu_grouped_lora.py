@@ -121,3 +121,63 @@ def test_installed_ops_replay_in_a_cuda_graph() -> None:
         scale = float(y.float().abs().max())
         assert scale > 0, adapters
         assert float((replayed.float() - y.float()).abs().max()) <= 4 * 2**-8 * scale, adapters
+
+
+def test_the_step_plan_is_refilled_before_each_replay() -> None:
+    """As ``serve`` runs them: vLLM's real GPU Punica wrapper, its metadata
+    prepared on the host (:mod:`skyrl_lora.server.lora_metadata`) by
+    ``update_metadata``, after which the installed hook fills the step plan;
+    a CUDA graph captured once with the plan's tables, then replayed for
+    steps of other mappings. Each replay equals vLLM's own kernels run
+    eagerly on the same metadata."""
+    import importlib
+    from types import SimpleNamespace
+
+    from vllm.lora.layers import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+    from skyrl_lora.server import lora_metadata
+    from skyrl_lora.server.kernels import punica_ops
+
+    assert punica_ops.install(), "the grouped kernels did not install"
+    punica = importlib.import_module("vllm.lora.punica_wrapper.punica_gpu")
+    vllm_shrink, vllm_expand = punica_ops._vllm_ops  # type: ignore[misc]
+    slots, rank, tokens = 8, 64, 48
+    config = SimpleNamespace(max_loras=slots, specialize_active_lora=False)
+    wrapper = PunicaWrapperGPU(512, 64, "cuda", lora_config=config)
+    hooks = lora_metadata.install(wrapper)
+    meta = wrapper.token_mapping_meta
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    layer = llama_layers("8b")[0][0]
+    weights = make_slots(layer, slots, rank, gen)
+    x = torch.randn(tokens, layer[2], device="cuda", generator=gen).to(torch.bfloat16)
+    y = torch.zeros(tokens, sum(layer[1]), device="cuda").to(torch.bfloat16)
+    buf = torch.empty(len(layer[1]), tokens, rank, device="cuda")
+
+    def prepare(adapters: int) -> None:
+        ids = [0 if t % 4 == 0 else 1 + t % adapters for t in range(tokens)]  # 0: the base model
+        mapping = LoRAMapping(index_mapping=tuple(ids), prompt_mapping=tuple(ids))
+        wrapper.update_metadata(mapping, list(range(1, slots + 1)), slots, 32000)
+
+    def step(shrink=punica.lora_shrink, expand=punica.lora_expand) -> None:
+        y.zero_()
+        args = meta.meta_args(tokens, False)
+        shrink(x, weights.a, buf, *args, 1.0)
+        expand(buf, weights.b, y, *args, 0, True)
+
+    prepare(3)
+    assert meta.num_tokens_per_lora.data_ptr() in punica_ops._step_plans
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for adapters in (5, 1, 8, 2):
+        prepare(adapters)
+        graph.replay()
+        replayed = y.clone()
+        step(vllm_shrink, vllm_expand)
+        torch.cuda.synchronize()
+        scale = float(y.float().abs().max())
+        assert scale > 0, adapters
+        assert float((replayed.float() - y.float()).abs().max()) <= 4 * 2**-8 * scale, adapters
+    assert hooks.host_steps == 5  # every step prepared on the host, as in serve

@@ -10,7 +10,8 @@
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
 # and "the kernel part": the GPU tests of the kernels and the overlap,
 # benchmarks.lora_kernels with its profile, then the real-engine scenario
-# tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out). It runs on
+# tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out,
+# SCENARIOS=0 the scenario tests alone). It runs on
 # GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
 # and the pause row run one after another.
 # Every server's base-model point (0 adapters) runs the same kernels, so it
@@ -43,8 +44,8 @@ kernel_part() {
 }
 pause_row() {
     [[ "${PAUSE_ROW:-1}" == 0 ]] && return
-    timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q -x \
-        gpu_tests/test_gpu_scenarios.py
+    [[ "${SCENARIOS:-1}" == 0 ]] || timeout 420 python3 -m pytest -p no:cacheprovider \
+        -o addopts="" -q -x gpu_tests/test_gpu_scenarios.py
     # Issue 67's GPU row: another tenant's token gaps across one tenant's
     # pauses, 64 and 256 of the paused tenant's requests in flight.
     python3 -m benchmarks.pause_latency --gpu --size 0.8b --in-flight 64,256 \

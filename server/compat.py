@@ -905,6 +905,33 @@ def replace_punica_lora_ops(
 _REGISTERED_LIBRARIES: list[Any] = []
 
 
+def after_punica_metadata(hook: Callable[[Any], None]) -> bool:
+    """Call ``hook(wrapper)`` each time the GPU Punica wrapper has prepared a
+    step's kernel metadata (``PunicaWrapperGPU.update_metadata``, which the
+    model runner calls before every LoRA step's forward pass, the dummy
+    steps that capture CUDA graphs included). False, changing nothing, where
+    this build has no such wrapper. Placed again, the hook replaces the last.
+    """
+    try:
+        module = importlib.import_module(_PUNICA_GPU_MODULE)
+    except ImportError:
+        return False
+    wrapper_class = getattr(module, "PunicaWrapperGPU", None)
+    update = getattr(wrapper_class, "update_metadata", None)
+    if update is None:
+        return False
+    update = getattr(update, "skyrl_vllm_update_metadata", update)
+
+    def update_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done = update(self, *args, **kwargs)
+        hook(self)
+        return done
+
+    update_metadata.skyrl_vllm_update_metadata = update  # type: ignore[attr-defined]
+    wrapper_class.update_metadata = update_metadata  # type: ignore[union-attr]
+    return True
+
+
 #: Where vLLM-CPU's PyTorch LoRA ops are looked up: its ``sgmv_*`` ops call their
 #: module's own ``bgmv_*``, and the package and the CPU Punica wrapper imported
 #: them by name (0.32).

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,8 +60,10 @@ def _run_case(case: Case) -> dict[str, float]:
     from benchmarks.lora_kernels import kernel_metadata
     from skyrl_lora.server.kernels.grouped_lora import (
         GroupedConfig,
+        fill_plan,
         grouped_expand,
         grouped_shrink,
+        new_plan,
     )
 
     gen = torch.Generator().manual_seed(len(case.name))
@@ -98,6 +101,19 @@ def _run_case(case: Case) -> dict[str, float]:
         shrunk_ref, b, y, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups,
         case.offset_start, case.add_inputs, config,
     )  # fmt: skip
+    # As ``serve`` runs them: the step's plan filled once, then handed to both.
+    plan = new_plan(case.tokens + 5, case.slots + 1, x.device, (case.block_m, 64))
+    fill_plan(plan, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
+    planned_shrunk = torch.full_like(shrunk, -1.0)
+    grouped_shrink(
+        x, a, planned_shrunk, meta["sorted"], meta["per"], meta["start"], meta["ids"], groups,
+        scaling, config, plan,
+    )  # fmt: skip
+    planned_y = y0.clone()
+    grouped_expand(
+        shrunk_ref, b, planned_y, meta["sorted"], meta["per"], meta["start"], meta["ids"],
+        groups, case.offset_start, case.add_inputs, config, plan,
+    )  # fmt: skip
     y_ref = y0.float().clone()
     col = case.offset_start
     for s, w in enumerate(case.widths):
@@ -128,6 +144,7 @@ def _run_case(case: Case) -> dict[str, float]:
     scale = max(1.0, float(y_ref.abs().max()))
     return {
         "shrink": _err(shrunk, shrunk_ref),
+        "planned_vs_own": max(_err(planned_shrunk, shrunk), _err(planned_y, y)),
         "expand": _err(y.float(), y_ref) / scale,
         "expand_untouched": _err(y[:, touched.stop :].float(), y0[:, touched.stop :].float()),
         "shrink_vs_vllm": vllm_shrink_err,
@@ -142,12 +159,99 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
+#: Splits of a step's tokens over groups for the plan check: (slot, rows) per
+#: group in vLLM's order (the base model's -1 first), then unused groups.
+PLAN_SPLITS = [
+    [(-1, 5), (0, 16), (2, 17), (3, 1)],
+    [(0, 70), (1, 64), (4, 129)],
+    [(-1, 9)],
+    [(-1, 3), (1, 2), (5, 33), (6, 0)],
+]
+
+
+def _fill_plans() -> list[list[list[int]]]:
+    """Each split's plan (heights 16 and 64), its tables as lists."""
+    from skyrl_lora.server.kernels.grouped_lora import PLAN_HEIGHTS, fill_plan, new_plan
+
+    filled = []
+    for split in PLAN_SPLITS:
+        groups = len(split) + 2  # two unused groups after them, as vLLM leaves them
+        slots = [s for s, _ in split] + [-1, -1]
+        counts = [n for _, n in split] + [0, 0]
+        tokens = sum(counts)
+        sorted_rows = torch.randperm(tokens, generator=torch.Generator().manual_seed(tokens))
+        starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        plan = new_plan(tokens, groups, torch.device("cpu"), PLAN_HEIGHTS)
+        fill_plan(
+            plan, sorted_rows.to(torch.int32), torch.tensor(counts, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32),
+            groups,
+        )  # fmt: skip
+        filled.append([sorted_rows.tolist(), *(t.tolist() for t in plan.tables)])
+    return filled
+
+
+def _steps_through_the_ops() -> list[float]:
+    """Steps as ``serve`` runs them: vLLM's metadata object filled from the host
+    (:mod:`skyrl_lora.server.lora_metadata`), the step plan filled from it
+    (:func:`punica_ops.fill_step_plan`), then the ops vLLM's Punica wrapper
+    calls. Each step's largest error against torch; the mapping changes
+    every step, so a plan left from the step before would show."""
+    from types import SimpleNamespace
+
+    from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+
+    from skyrl_lora.server import lora_metadata
+    from skyrl_lora.server.kernels import punica_ops
+
+    gen = torch.Generator().manual_seed(11)
+    slots_n, hidden, rank, widths = 4, 64, 8, (32, 16)
+    meta = LoRAKernelMeta.make(slots_n, 64, "cpu")
+    wrapper = SimpleNamespace(token_mapping_meta=meta)
+    a = [torch.randn(slots_n, 1, rank, hidden, generator=gen) for _ in widths]
+    b = [torch.randn(slots_n, 1, w, rank, generator=gen) for w in widths]
+    errors = []
+    for tokens, adapters in ((37, 3), (20, 1), (9, 0), (64, 4)):
+        slots = torch.arange(tokens, dtype=torch.int32) % max(adapters, 1)
+        slots[::3] = -1 if adapters else slots[::3]
+        if adapters == 0:
+            slots[:] = -1
+        lora_metadata.write(meta, lora_metadata.plan(slots))
+        punica_ops.fill_step_plan(wrapper)
+        x = torch.randn(tokens, hidden, generator=gen)
+        buf = torch.empty(len(widths), tokens, rank)
+        y0 = torch.randn(tokens, sum(widths), generator=gen)
+        y = y0.clone()
+        args = meta.meta_args(tokens, False)
+        punica_ops.lora_shrink(x, a, buf, *args, 0.5)
+        punica_ops.lora_expand(buf, b, y, *args, 0, True)
+        want = y0.clone()
+        col = 0
+        for s, w in enumerate(widths):
+            for t in range(tokens):
+                slot = int(slots[t])
+                if slot >= 0:
+                    term = (0.5 * x[t] @ a[s][slot, 0].T) @ b[s][slot, 0].T
+                    want[t, col : col + w] += term
+            col += w
+        errors.append(_err(y, want) / max(1.0, float(want.abs().max())))
+    return errors
+
+
 def _run_all() -> None:
-    print(json.dumps({c.name: _run_case(c) for c in CASES}))
+    print(
+        json.dumps(
+            {
+                "cases": {c.name: _run_case(c) for c in CASES},
+                "plans": _fill_plans(),
+                "steps": _steps_through_the_ops(),
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, dict[str, float]]:
+def results() -> dict[str, Any]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", "from tests.test_grouped_lora import _run_all; _run_all()"],
@@ -158,13 +262,13 @@ def results() -> dict[str, dict[str, float]]:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out: dict[str, dict[str, float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_grouped_kernels_match_torch_and_vllm(case: Case, results: dict[str, dict[str, float]]):
-    errors = results[case.name]
+def test_grouped_kernels_match_torch_and_vllm(case: Case, results: dict[str, Any]):
+    errors = results["cases"][case.name]
     tol = 1e-5 if case.dtype == "float32" else 2e-3
     # The shrink accumulates in fp32 in both: close to exact.
     assert errors["shrink"] <= tol * case.hidden**0.5, (case, errors)
@@ -175,6 +279,60 @@ def test_grouped_kernels_match_torch_and_vllm(case: Case, results: dict[str, dic
     # Columns outside the layer's slices and rows without an adapter are left alone.
     assert errors["expand_untouched"] == 0.0, (case, errors)
     assert errors["base_rows_unchanged"] == 0.0, (case, errors)
+    # A plan filled once for the step gives what each launch's own plan gives.
+    assert errors["planned_vs_own"] <= 1e-6 * max(1.0, case.hidden**0.5), (case, errors)
+
+
+@pytest.mark.parametrize("split", range(len(PLAN_SPLITS)))
+def test_the_step_plan_lists_each_adapter_groups_rows_in_chunks(split: int, results):
+    """Every chunk of a group with an adapter, in group order: its slot and its
+    rows (the sorted token indices, -1 past the group's end); nothing for the
+    base model's group or unused ones; the count in entry 0."""
+    from skyrl_lora.server.kernels.grouped_lora import PLAN_HEIGHTS
+
+    sorted_rows, *tables = results["plans"][split]
+    for height, table in zip(PLAN_HEIGHTS, tables):
+        want: list[list[int]] = []
+        at = 0
+        for slot, count in PLAN_SPLITS[split]:
+            if slot >= 0:
+                for first in range(0, count, height):
+                    rows = sorted_rows[at + first : at + min(first + height, count)]
+                    want.append([slot, *rows, *[-1] * (height - len(rows))])
+            at += count
+        entry = 2 * height
+        assert table[0] == len(want), (height, table[0], len(want))
+        got = [
+            [table[e], *table[e + height : e + entry]]
+            for e in range(entry, entry * (1 + len(want)), entry)
+        ]
+        assert got == want, height
+
+
+def test_steps_read_the_plan_filled_for_them(results):
+    """Four steps through the installed ops' bodies, each with another mapping
+    (three adapters, one, none, four): each equals torch, so each read its
+    own step's plan, not the one before."""
+    assert len(results["steps"]) == 4
+    assert max(results["steps"]) <= 1e-5, results["steps"]
+
+
+def test_the_plan_is_filled_after_vllm_prepares_the_metadata(monkeypatch):
+    """The hook runs after vLLM's ``update_metadata`` (which the model runner
+    calls before every LoRA step, the graph-capturing dummy steps included),
+    and placing it again replaces it rather than running two."""
+    from skyrl_lora.server import compat
+
+    punica_gpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_gpu")
+    calls: list[str] = []
+    wrapper_class = punica_gpu.PunicaWrapperGPU
+    monkeypatch.setattr(
+        wrapper_class, "update_metadata", lambda self, *a, **k: calls.append(f"vllm {a}")
+    )
+    assert compat.after_punica_metadata(lambda w: calls.append(f"first {w}"))
+    assert compat.after_punica_metadata(lambda w: calls.append(f"hook {w}"))
+    wrapper_class.update_metadata("w", "mapping", [1])
+    assert calls == ["vllm ('mapping', [1])", "hook w"]
 
 
 def test_case_fields_are_plain():

@@ -14,16 +14,20 @@ These kernels run a fixed, persistent grid (a few blocks per SM, the same
 for every step, so CUDA graphs capture them as they do vLLM's) that walks a
 list of work items: one per (chunk of ``block_m`` rows of one adapter,
 slice, K block) for the shrink and (row chunk, slice, N block) for the
-expand. Each program first reads the step's groups (slot, rows, first
-rows: two vector loads) and numbers their row chunks, so an item finds its
-group with one reduction in registers and runs one short dependent chain:
-the group's entries (cached), its row indices, their inputs, one
-``tl.dot``, one store. Groups
-without an adapter (the base model's rows, the empty padding of a graph
-captured for more adapters than the step holds) get no items at all.
-The first version walked (adapter, slice, block) items and looped over an
-adapter's row chunks inside each: at one adapter and 64 rows that chained
-four rounds of dependent loads per item where now one runs.
+expand. Which rows make a chunk is worked out once per step, not in every
+launch: :func:`fill_plan` (one small kernel) writes the step's
+:class:`RowChunkPlan`, each chunk's slot and its row indices in one cache
+line, and every shrink and expand of the step reads it. An item then runs
+one short dependent chain: its chunk's entry, the rows' inputs and the
+adapter's tile, one ``tl.dot``, one store. Groups without an adapter (the
+base model's rows, the empty padding of a graph captured for more adapters
+than the step holds) get no chunks at all. ``serve`` fills the plan as
+vLLM prepares the step's metadata (:mod:`.punica_ops`); a call given no
+plan fills one of its own first.
+Earlier versions found the chunk's group inside every item (a reduction
+over the group table, then the group's entries, then its row indices:
+three more dependent rounds per item, in each of a step's 256 launches),
+and before that walked an adapter's rows 16 at a time inside one item.
 They take the same arguments as vLLM's ops, so they replace
 them in ``PunicaWrapperGPU`` without touching the LoRA layers
 (:mod:`.punica_ops`).
@@ -104,32 +108,85 @@ def _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M: tl.constexpr, GROUPS_
 
 
 @triton.jit
-def _chunk_rows(
-    chunk,
-    chunks,
-    ends,
+def _fill_table(
+    table_ptr,
+    capacity,
+    sorted_ptr,
     count_ptr,
     start_ptr,
     slot_ptr,
+    num_groups,
     BLOCK_M: tl.constexpr,
     GROUPS_P2: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """Chunk ``chunk``'s slot, and its rows' positions in the sorted token list
-    with their mask.
+    """This program's ``CHUNKS`` entries of one plan table (see :class:`RowChunkPlan`).
 
-    One reduction finds both the chunk's group (how many groups end at or
-    before it) and the group's first chunk (their chunks), packed in one
-    integer; then three loads that do not wait on each other, of entries
-    this program's table load has just brought into cache.
-    """
-    before = ends <= chunk
-    packed = tl.sum(tl.where(before, chunks * GROUPS_P2 + 1, 0), axis=0)
+    A chunk's group is how many groups end at or before it, and the group's
+    first chunk is their chunks: one reduction finds both, packed in one
+    integer. Chunks past the step's count are left as they were (no kernel
+    reads them)."""
+    chunks, ends = _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M, GROUPS_P2)
+    total = tl.sum(chunks, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(table_ptr, total)
+    chunk = tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)
+    live = (chunk < total) & (chunk < capacity)
+    before = ends[None, :] <= chunk[:, None]
+    packed = tl.sum(tl.where(before, chunks[None, :] * GROUPS_P2 + 1, 0), axis=1)
     group = packed % GROUPS_P2
-    slot = tl.load(slot_ptr + group)
-    rows_n = tl.load(count_ptr + group)
-    first = tl.load(start_ptr + group)
-    offs_m = (chunk - packed // GROUPS_P2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return slot, first + offs_m, offs_m < rows_n
+    slot = tl.load(slot_ptr + group, mask=live, other=-1)
+    rows_n = tl.load(count_ptr + group, mask=live, other=0)
+    first = tl.load(start_ptr + group, mask=live, other=0)
+    offs_m = (chunk - packed // GROUPS_P2)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    in_group = live[:, None] & (offs_m < rows_n[:, None])
+    rows = tl.load(sorted_ptr + first[:, None] + offs_m, mask=in_group, other=-1)
+    entry = table_ptr + (chunk + 1) * (2 * BLOCK_M)
+    tl.store(entry, slot, mask=live)
+    tl.store(
+        entry[:, None] + BLOCK_M + tl.arange(0, BLOCK_M)[None, :],
+        tl.where(in_group, rows, -1),
+        mask=live[:, None],
+    )
+
+
+@triton.jit
+def _plan_kernel(
+    small_ptr,
+    large_ptr,
+    small_capacity,
+    large_capacity,
+    sorted_ptr,
+    count_ptr,
+    start_ptr,
+    slot_ptr,
+    num_groups,
+    SMALL: tl.constexpr,
+    LARGE: tl.constexpr,
+    GROUPS_P2: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """Both tables of a plan in one launch (grid axis 1: which chunk height)."""
+    if tl.program_id(1) == 0:
+        _fill_table(
+            small_ptr, small_capacity, sorted_ptr, count_ptr, start_ptr, slot_ptr, num_groups,
+            SMALL, GROUPS_P2, CHUNKS,
+        )  # fmt: skip
+    else:
+        _fill_table(
+            large_ptr, large_capacity, sorted_ptr, count_ptr, start_ptr, slot_ptr, num_groups,
+            LARGE, GROUPS_P2, CHUNKS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _plan_entry(table_ptr, chunk, BLOCK_M: tl.constexpr):
+    """Chunk ``chunk``'s slot and its rows (token indices; -1 past the group's
+    end) with their mask: two loads from one cache line, neither waiting."""
+    entry = table_ptr + (chunk + 1) * (2 * BLOCK_M)
+    slot = tl.load(entry)
+    rows = tl.load(entry + BLOCK_M + tl.arange(0, BLOCK_M))
+    return slot, rows, rows >= 0
 
 
 @triton.jit
@@ -139,11 +196,7 @@ def _grouped_shrink_kernel(
     w1_ptr,
     w2_ptr,
     out_ptr,
-    sorted_ptr,
-    count_ptr,
-    start_ptr,
-    slot_ptr,
-    num_groups,
+    plan_ptr,
     K,
     N,
     scaling,
@@ -161,7 +214,6 @@ def _grouped_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUPS_P2: tl.constexpr,
 ):
     """out[s, t, :] += scaling * x[t, :] @ W_s[slot(t)].T.
 
@@ -170,8 +222,7 @@ def _grouped_shrink_kernel(
     programs = tl.num_programs(0)
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_chunk = SLICES * k_blocks
-    chunks, ends = _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M, GROUPS_P2)
-    total = tl.sum(chunks, axis=0) * per_chunk
+    total = tl.load(plan_ptr) * per_chunk
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     for item in range(pid, total, programs):
@@ -179,9 +230,7 @@ def _grouped_shrink_kernel(
         rest = item % per_chunk
         s = rest // k_blocks
         kb = rest % k_blocks
-        slot, at, m_mask = _chunk_rows(
-            chunk, chunks, ends, count_ptr, start_ptr, slot_ptr, BLOCK_M, GROUPS_P2
-        )
+        slot, rows, m_mask = _plan_entry(plan_ptr, chunk, BLOCK_M)
         w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
         w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -191,7 +240,6 @@ def _grouped_shrink_kernel(
             mask=k_mask[:, None] & n_mask[None, :],
             other=0.0,
         )
-        rows = tl.load(sorted_ptr + at, mask=m_mask, other=0)
         a = tl.load(
             x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
             mask=m_mask[:, None] & k_mask[None, :],
@@ -213,11 +261,7 @@ def _grouped_expand_kernel(
     w1_ptr,
     w2_ptr,
     out_ptr,
-    sorted_ptr,
-    count_ptr,
-    start_ptr,
-    slot_ptr,
-    num_groups,
+    plan_ptr,
     n_blocks,
     R,
     n0,
@@ -241,7 +285,6 @@ def _grouped_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
-    GROUPS_P2: tl.constexpr,
 ):
     """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :].
 
@@ -249,8 +292,7 @@ def _grouped_expand_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     per_chunk = SLICES * n_blocks
-    chunks, ends = _chunk_table(count_ptr, slot_ptr, num_groups, BLOCK_M, GROUPS_P2)
-    total = tl.sum(chunks, axis=0) * per_chunk
+    total = tl.load(plan_ptr) * per_chunk
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     for item in range(pid, total, programs):
@@ -260,9 +302,7 @@ def _grouped_expand_kernel(
         nb = rest % n_blocks
         n_s = _pick(s, n0, n1, n2)
         if nb * BLOCK_N < n_s:
-            slot, at, m_mask = _chunk_rows(
-                chunk, chunks, ends, count_ptr, start_ptr, slot_ptr, BLOCK_M, GROUPS_P2
-            )
+            slot, rows, m_mask = _plan_entry(plan_ptr, chunk, BLOCK_M)
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
             col = _pick(s, col0, col1, col2)
@@ -273,7 +313,6 @@ def _grouped_expand_kernel(
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            rows = tl.load(sorted_ptr + at, mask=m_mask, other=0)
             a = tl.load(
                 in_ptr + s * i_s0 + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
                 mask=m_mask[:, None] & r_mask[None, :],
@@ -352,6 +391,101 @@ def _padded(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+#: The chunk heights of the plan ``serve`` fills once per step: a decode-sized
+#: step's and a prefill-sized one's (:meth:`GroupedConfig.for_tokens`).
+PLAN_HEIGHTS = (DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.for_tokens(1 << 30).block_m)
+#: Chunks per program of :func:`fill_plan`'s kernel.
+_PLAN_CHUNKS = 32
+
+
+@dataclass(frozen=True)
+class RowChunkPlan:
+    """A step's row chunks, worked out once for all of its LoRA launches.
+
+    One int32 table per chunk height (``heights``): entry 0 holds the
+    step's chunk count, entry ``c + 1`` chunk ``c``: its slot, then (from
+    offset ``block_m``) the token indices of its rows, -1 past its group's
+    end. An entry is ``2 * block_m`` values, at 16 rows one 128-byte line, so
+    an item's two loads of it come from one line. Sized for ``tokens`` rows
+    in ``groups`` groups, however they split.
+    """
+
+    heights: tuple[int, ...]
+    tables: tuple[torch.Tensor, ...]
+
+    def table(self, block_m: int) -> torch.Tensor | None:
+        """The table of chunks ``block_m`` rows high, if this plan has one."""
+        for height, table in zip(self.heights, self.tables):
+            if height == block_m:
+                return table
+        return None
+
+
+def new_plan(
+    tokens: int, groups: int, device: torch.device, heights: Sequence[int] = PLAN_HEIGHTS
+) -> RowChunkPlan:
+    """An empty plan (no chunks) for steps of up to ``tokens`` rows in ``groups`` groups."""
+    if not 1 <= len(heights) <= 2:
+        raise ValueError(f"a plan holds one or two chunk heights, not {tuple(heights)}")
+    tables = tuple(
+        torch.zeros(
+            (1 + _chunks_at_most(max(tokens, 1), groups, h)) * 2 * h,
+            dtype=torch.int32,
+            device=device,
+        )
+        for h in heights
+    )
+    return RowChunkPlan(tuple(heights), tables)
+
+
+def fill_plan(
+    plan: RowChunkPlan,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    num_groups: int,
+) -> None:
+    """Write the step's chunks (vLLM's kernel metadata: its first ``num_groups``
+    groups) into every table of ``plan``: one launch, queued like the step's
+    other work, so a CUDA graph replayed after it reads this step's plan."""
+    heights, tables = plan.heights, plan.tables
+    capacities = [t.numel() // (2 * h) - 1 for h, t in zip(heights, tables)]
+    grid = (triton.cdiv(max(capacities), _PLAN_CHUNKS), len(heights))
+    _plan_kernel[grid](
+        tables[0],
+        tables[-1],
+        capacities[0],
+        capacities[-1],
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+        num_groups,
+        SMALL=heights[0],
+        LARGE=heights[-1],
+        GROUPS_P2=_padded(num_groups, 1),
+        CHUNKS=_PLAN_CHUNKS,
+    )
+
+
+def _table_for(
+    plan: RowChunkPlan | None,
+    block_m: int,
+    tokens: int,
+    metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    num_groups: int,
+) -> torch.Tensor:
+    """``plan``'s table of ``block_m``-row chunks, or one filled now for this
+    launch alone (no plan given, or none of that height)."""
+    table = plan.table(block_m) if plan is not None else None
+    if table is not None:
+        return table
+    own = new_plan(tokens, num_groups, metadata[0].device, (block_m,))
+    fill_plan(own, *metadata, num_groups)
+    return own.tables[0]
+
+
 def grouped_shrink(
     inputs: torch.Tensor,
     lora_a_weights: list[torch.Tensor],
@@ -363,29 +497,32 @@ def grouped_shrink(
     num_groups: int,
     scaling: float,
     config: GroupedConfig = DEFAULT_CONFIG,
+    plan: RowChunkPlan | None = None,
 ) -> None:
     """``output[s] = scaling * inputs @ A_s[slot].T`` per token (output zeroed first).
 
     ``num_groups``: how many entries of ``lora_ids`` to walk (vLLM's
     ``num_active_loras``: the captured count, or every slot plus the base).
+    ``plan``: the step's row chunks (:func:`fill_plan`) of this metadata.
     """
     views = [_as_slot_rows_cols(w) for w in lora_a_weights]
     n, k = views[0].shape[-2:]
     slices = len(views)
-    config = config.for_tokens(inputs.size(0))
+    tokens = inputs.size(0)
+    config = config.for_tokens(tokens)
+    metadata = (
+        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    )  # fmt: skip
+    table = _table_for(plan, config.block_m, tokens, metadata, num_groups)
     output_tensor.zero_()
     ptrs = _three(views, views[0])
-    chunks = _chunks_at_most(inputs.size(0), num_groups, config.block_m)
+    chunks = _chunks_at_most(tokens, num_groups, config.block_m)
     items = chunks * slices * triton.cdiv(k, config.block_k)
     _grouped_shrink_kernel[_grid(items, inputs.device, config)](
         inputs,
         *ptrs,
         output_tensor,
-        token_indices_sorted_by_lora_ids,
-        num_tokens_per_lora,
-        lora_token_start_loc,
-        lora_ids,
-        num_groups,
+        table,
         k,
         n,
         scaling,
@@ -401,7 +538,6 @@ def grouped_shrink(
         BLOCK_M=config.block_m,
         BLOCK_N=_padded(n),
         BLOCK_K=config.block_k,
-        GROUPS_P2=_padded(num_groups, 1),
         num_warps=config.num_warps,
     )
 
@@ -418,6 +554,7 @@ def grouped_expand(
     offset_start: int = 0,
     add_inputs: bool = False,
     config: GroupedConfig = DEFAULT_CONFIG,
+    plan: RowChunkPlan | None = None,
 ) -> None:
     """``output[:, col_s:col_s + n_s] (+)= inputs[s] @ B_s[slot].T`` per token.
 
@@ -429,19 +566,20 @@ def grouped_expand(
     widths = [int(v.size(1)) for v in views]
     rank = int(views[0].size(2))
     cols = [offset_start + sum(widths[:i]) for i in range(slices)]
-    config = config.for_tokens(inputs.size(1))
+    tokens = inputs.size(1)
+    config = config.for_tokens(tokens)
+    metadata = (
+        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    )  # fmt: skip
+    table = _table_for(plan, config.block_m, tokens, metadata, num_groups)
     n_blocks = triton.cdiv(max(widths), config.block_n)
     output = output_tensor.view(-1, output_tensor.size(-1))
-    items = _chunks_at_most(inputs.size(1), num_groups, config.block_m) * slices * n_blocks
+    items = _chunks_at_most(tokens, num_groups, config.block_m) * slices * n_blocks
     _grouped_expand_kernel[_grid(items, inputs.device, config)](
         inputs,
         *_three(views, views[0]),
         output,
-        token_indices_sorted_by_lora_ids,
-        num_tokens_per_lora,
-        lora_token_start_loc,
-        lora_ids,
-        num_groups,
+        table,
         n_blocks,
         rank,
         *_three(widths, 0),
@@ -459,6 +597,5 @@ def grouped_expand(
         BLOCK_N=config.block_n,
         BLOCK_R=_padded(rank),
         ADD_INPUTS=add_inputs,
-        GROUPS_P2=_padded(num_groups, 1),
         num_warps=config.num_warps,
     )

@@ -6,7 +6,10 @@ step: ``lora_shrink`` (the tokens times each one's adapter A) and
 here take exactly their arguments (:data:`..compat.LORA_SHRINK_PARAMETERS`),
 run :mod:`.grouped_lora` where it takes the layer's weights and vLLM's own
 kernel where it does not (packed layers of more than three slices), and
-:func:`install` puts them in the wrapper's place.
+:func:`install` puts them in the wrapper's place. It also makes the
+wrapper fill the step's row-chunk plan (:func:`fill_step_plan`) right after
+vLLM prepares the step's metadata, once per step, so that none of the
+step's 256 launches works out its rows again.
 
 Installed in each GPU worker as vLLM imports our worker extension, before
 the model is compiled and its CUDA graphs are captured
@@ -23,15 +26,51 @@ import torch
 
 from .. import compat
 from . import GROUPED, KERNELS_ENV, VLLM
-from .grouped_lora import grouped_expand, grouped_shrink, supports
+from .grouped_lora import (
+    RowChunkPlan,
+    fill_plan,
+    grouped_expand,
+    grouped_shrink,
+    new_plan,
+    supports,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUPED", "KERNELS_ENV", "VLLM", "install", "installed", "lora_expand", "lora_shrink"]
+__all__ = [
+    "GROUPED", "KERNELS_ENV", "VLLM", "fill_step_plan", "install", "installed", "lora_expand",
+    "lora_shrink",
+]  # fmt: skip
 #: The torch library our ops are registered in (``torch.ops.skyrl_lora``).
 LIBRARY = "skyrl_lora"
 
 _vllm_ops: tuple[Callable[..., None], Callable[..., None]] | None = None
+#: Each Punica wrapper's step plan, by the address of its token metadata's
+#: ``num_tokens_per_lora``: the ops are handed that tensor (whole, where
+#: other fields come sliced), and a CUDA graph captured with the plan's
+#: tables replays with them, refilled before every step.
+_step_plans: dict[int, RowChunkPlan] = {}
+
+
+def fill_step_plan(wrapper: object) -> None:
+    """Fill ``wrapper``'s plan from the metadata vLLM has just prepared for a
+    step (its tables made at the first step; nothing to fill in a step
+    without adapters, where the ops return at once). The sampler rows'
+    metadata, used only by LoRA on the logits, gets none: those launches
+    fill a plan of their own."""
+    meta = wrapper.token_mapping_meta  # type: ignore[attr-defined]
+    counts = meta.num_tokens_per_lora
+    plan = _step_plans.get(counts.data_ptr())
+    groups = int(meta.active_lora_ids.size(0))
+    if plan is None:
+        plan = new_plan(int(meta.token_lora_mapping.size(0)), groups, counts.device)
+        _step_plans[counts.data_ptr()] = plan
+    if bool(meta.no_lora_flag_cpu[0]):
+        return
+    fill_plan(
+        plan, meta.token_indices_sorted_by_lora_ids, counts, meta.lora_token_start_loc,
+        meta.active_lora_ids, groups,
+    )  # fmt: skip
 
 
 def lora_shrink(
@@ -67,6 +106,7 @@ def lora_shrink(
         lora_ids,
         int(num_active_loras.item()),
         scaling,
+        plan=_step_plans.get(num_tokens_per_lora.data_ptr()),
     )
 
 
@@ -105,6 +145,7 @@ def lora_expand(
         int(num_active_loras.item()),
         offset_start,
         add_inputs,
+        plan=_step_plans.get(num_tokens_per_lora.data_ptr()),
     )
 
 
@@ -171,7 +212,11 @@ def install() -> bool:
     ):
         _vllm_ops = None
         return False
-    logger.info("LoRA kernels: grouped (%s=%s)", KERNELS_ENV, GROUPED)
+    planned = compat.after_punica_metadata(fill_step_plan)
+    logger.info(
+        "LoRA kernels: grouped (%s=%s), row chunks planned %s",
+        KERNELS_ENV, GROUPED, "once per step" if planned else "in every launch",
+    )  # fmt: skip
     return True
 
 
