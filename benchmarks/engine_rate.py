@@ -305,10 +305,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save()
         servers = [s for s in args.servers if s in urls]
         for at, streams in enumerate(args.streams):
-            for adapters in args.adapters:
-                models = names[:adapters] if adapters else [RANDOM_MODEL_NAME]
-                roof = roofline_ms(facts, adapters, streams, args)
-                for r in range(args.rounds if at == 0 else args.later_rounds):
+            # Rounds outermost, each walking the points forward then back: a
+            # point's rounds spread over the run, so drift in the machine's
+            # speed lands on the base model's point as on the others.
+            for r in range(args.rounds if at == 0 else args.later_rounds):
+                for adapters in args.adapters if r % 2 == 0 else args.adapters[::-1]:
+                    models = names[:adapters] if adapters else [RANDOM_MODEL_NAME]
+                    roof = roofline_ms(facts, adapters, streams, args)
                     order = servers if r % 2 == 0 else servers[::-1]
                     for name in order:
                         tok_s, busy = asyncio.run(
