@@ -851,14 +851,19 @@ def vllm_cache_root() -> str:
         return os.path.join(base, "vllm")
 
 
+def _punica_gpu_module() -> Any:
+    """vLLM's GPU Punica wrapper module, or None where this build has none."""
+    try:
+        return importlib.import_module(_PUNICA_GPU_MODULE)
+    except ImportError:
+        return None
+
+
 def punica_lora_ops() -> tuple[Callable[..., None], Callable[..., None]] | None:
     """vLLM's own GPU LoRA kernels (shrink, expand) as the Punica wrapper calls
     them; None where this build has no GPU wrapper or they take other
     arguments than :data:`LORA_SHRINK_PARAMETERS` / :data:`LORA_EXPAND_PARAMETERS`."""
-    try:
-        module = importlib.import_module(_PUNICA_GPU_MODULE)
-    except ImportError:
-        return None
+    module = _punica_gpu_module()
     shrink = getattr(module, "lora_shrink", None)
     expand = getattr(module, "lora_expand", None)
     if shrink is None or expand is None:
@@ -912,11 +917,7 @@ def after_punica_metadata(hook: Callable[[Any], None]) -> bool:
     steps that capture CUDA graphs included). False, changing nothing, where
     this build has no such wrapper. Placed again, the hook replaces the last.
     """
-    try:
-        module = importlib.import_module(_PUNICA_GPU_MODULE)
-    except ImportError:
-        return False
-    wrapper_class = getattr(module, "PunicaWrapperGPU", None)
+    wrapper_class = getattr(_punica_gpu_module(), "PunicaWrapperGPU", None)
     update = getattr(wrapper_class, "update_metadata", None)
     if update is None:
         return False

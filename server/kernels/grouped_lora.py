@@ -473,16 +473,19 @@ def _table_for(
     plan: RowChunkPlan | None,
     block_m: int,
     tokens: int,
-    metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     num_groups: int,
+    sorted_ids: torch.Tensor,
+    counts: torch.Tensor,
+    starts: torch.Tensor,
+    lora_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """``plan``'s table of ``block_m``-row chunks, or one filled now for this
-    launch alone (no plan given, or none of that height)."""
+    """``plan``'s table of ``block_m``-row chunks, or one filled now from the
+    metadata for this launch alone (no plan given, or none of that height)."""
     table = plan.table(block_m) if plan is not None else None
     if table is not None:
         return table
-    own = new_plan(tokens, num_groups, metadata[0].device, (block_m,))
-    fill_plan(own, *metadata, num_groups)
+    own = new_plan(tokens, num_groups, sorted_ids.device, (block_m,))
+    fill_plan(own, sorted_ids, counts, starts, lora_ids, num_groups)
     return own.tables[0]
 
 
@@ -510,10 +513,10 @@ def grouped_shrink(
     slices = len(views)
     tokens = inputs.size(0)
     config = config.for_tokens(tokens)
-    metadata = (
-        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    table = _table_for(
+        plan, config.block_m, tokens, num_groups, token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora, lora_token_start_loc, lora_ids,
     )  # fmt: skip
-    table = _table_for(plan, config.block_m, tokens, metadata, num_groups)
     output_tensor.zero_()
     ptrs = _three(views, views[0])
     chunks = _chunks_at_most(tokens, num_groups, config.block_m)
@@ -568,10 +571,10 @@ def grouped_expand(
     cols = [offset_start + sum(widths[:i]) for i in range(slices)]
     tokens = inputs.size(1)
     config = config.for_tokens(tokens)
-    metadata = (
-        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    table = _table_for(
+        plan, config.block_m, tokens, num_groups, token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora, lora_token_start_loc, lora_ids,
     )  # fmt: skip
-    table = _table_for(plan, config.block_m, tokens, metadata, num_groups)
     n_blocks = triton.cdiv(max(widths), config.block_n)
     output = output_tensor.view(-1, output_tensor.size(-1))
     items = _chunks_at_most(tokens, num_groups, config.block_m) * slices * n_blocks
