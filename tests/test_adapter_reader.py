@@ -158,20 +158,6 @@ def test_arguments_that_do_not_travel_are_read_in_process(
     assert reader.alive
 
 
-def test_a_dead_reader_leaves_every_load_to_the_engine_process(embedded_model) -> None:
-    dying = AdapterReader(pin_memory=False)
-    path = embedded_model.adapters["meow"]
-    _read_when_ready(dying, path)
-    dying._process.kill()
-    dying._process.wait()
-    routed = ReaderRoutedLoader(lora_model.LoRAModel, dying, route=lambda: True)
-    args, kwargs = _load_args(path)
-    model = routed.from_local_checkpoint(*args, **kwargs)  # read here instead
-    assert routed.last_read is None and not dying.alive and "gone" in str(dying.failure)
-    assert sorted(model.loras) == sorted(_in_process(path).loras)
-    dying.close()
-
-
 def test_only_the_routed_thread_uses_the_reader(reader: AdapterReader, embedded_model) -> None:
     path = embedded_model.adapters["meow"]
     _read_when_ready(reader, path)
@@ -183,3 +169,19 @@ def test_only_the_routed_thread_uses_the_reader(reader: AdapterReader, embedded_
     routed = ReaderRoutedLoader(lora_model.LoRAModel, reader, route=lambda: True)
     routed.from_local_checkpoint(*args, **kwargs)
     assert routed.last_read is not None and routed.last_read.total_ms >= routed.last_read.child_ms
+
+
+def test_a_dead_reader_leaves_every_load_to_the_engine_process(
+    reader: AdapterReader, embedded_model
+) -> None:
+    """The module's reader, killed: so this test runs last (a reader of its
+    own cost the suite another start, 11 s of one core importing vLLM)."""
+    path = embedded_model.adapters["meow"]
+    _read_when_ready(reader, path)
+    reader._process.kill()
+    reader._process.wait()
+    routed = ReaderRoutedLoader(lora_model.LoRAModel, reader, route=lambda: True)
+    args, kwargs = _load_args(path)
+    model = routed.from_local_checkpoint(*args, **kwargs)  # read here instead
+    assert routed.last_read is None and not reader.alive and "gone" in str(reader.failure)
+    assert sorted(model.loras) == sorted(_in_process(path).loras)
