@@ -3,9 +3,12 @@
 Servers run in Ray actors, exactly as ``skyrl-lora serve`` runs them. They
 start lazily, so the pure unit tests never pay for them. A server's start
 costs 40-95 s on the 2-core CPU machine, most of the suite's time, so tests
-share servers wherever their flags allow: the session's ``engine_server``,
-and ``serves`` for the ``skyrl-lora serve`` processes of the step-watch and
-shutdown tests (the shutdown tests stop the servers the others used, last).
+share servers wherever their flags allow: the session's ``engine_server``
+and ``dev_server``, and ``serves`` for the ``skyrl-lora serve`` processes of
+the step-watch and shutdown tests (the shutdown tests stop the servers the
+others used, last). Where the selected tests need several, they start two
+at a time as soon as the first is needed (``tests/server_starts.py`` says
+why that costs about one start's time).
 
 Soak-length tests carry the ``soak`` marker: deselected by default
 (pyproject's addopts), run by ``-m soak`` at full size and by ``.ci/run``
@@ -25,6 +28,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+from tests.server_starts import ActorRecipe, ActorStarts, Serves, serve_plan
 
 ADMIN_KEY = "test-admin-key"
 #: Tenant keys of the session server: each may use only its own adapter.
@@ -59,7 +64,7 @@ SERVE_STEP_WATCH_CONTROL = (
 
 #: Tests moved to the session's end, in this order (by node id prefix), so
 #: that each shared ``serve`` is stopped by a shutdown test right after its
-#: last user, and at most two of them run beside the session's server.
+#: last user (they start ahead of their users, two at a time: ``serves``).
 LAST = (
     "tests/test_push_stream_default_engine.py::",  # the flag-less serve...
     "tests/test_shutdown_engine.py::test_serve_leaves_no_process_behind[SIGTERM-ray]",  # stops it
@@ -73,6 +78,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return next((i + 1 for i, p in enumerate(LAST) if item.nodeid.startswith(p)), 0)
 
     items.sort(key=rank)  # stable: every other test keeps its place
+
+
+#: What the selected tests need, read once they are known (after ``-m`` and ``-k``).
+SERVE_PLAN = pytest.StashKey[list[tuple[str, ...]]]()
+FIXTURES_USED = pytest.StashKey[set[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[SERVE_PLAN] = serve_plan(session.items)
+    session.config.stash[FIXTURES_USED] = {
+        name for item in session.items for name in getattr(item, "fixturenames", ())
+    }
 
 
 @dataclass(frozen=True)
@@ -109,50 +126,128 @@ def tokenizer(embedded_model: Any) -> Any:
 @pytest.fixture(scope="session")
 def local_ray() -> Iterator[Any]:
     """One local Ray instance for every engine test (4 logical CPUs: the
-    single server and a two-replica group fit side by side)."""
+    session's two servers and a two-replica group fit side by side)."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
+#: The route-walk server's tenant key: ``meow`` only, and the base model.
+DEV_TENANT = "tenant-meow-key"
+#: How the vLLM and TRL docs tell RL users to run the server: vLLM adds
+#: ``/collective_rpc``, its global ``/pause``, ``/sleep`` and its own adapter routes.
+DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+
+
+class DevServer:
+    """The route-walk server (``tests/test_route_walk_engine.py``)."""
+
+    def __init__(self, handle: Any, url: str, model: Any, store: Path) -> None:
+        self.handle = handle
+        self.url = url
+        self.model = model
+        self.store = store
+
+    async def call(
+        self, method: str, path: str, key: str | None, body: Any = None
+    ) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.request(method, self.url + path, json=body) as resp:
+                text = await resp.text()
+        try:
+            return resp.status, json.loads(text) if text else None
+        except ValueError:
+            return resp.status, text
+
+
+def _keys_file(folder: Path, keys: list[dict[str, Any]]) -> str:
+    (folder / "keys.json").write_text(json.dumps({"keys": keys}))
+    return str(folder / "keys.json")
+
+
 @pytest.fixture(scope="session")
-def engine_server(
-    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any
-) -> Iterator[EngineServer]:
-    """The session's server, as in production: API keys on, adapter paths confined
-    to the embedded model's folder and one scratch folder the tests write to."""
-    from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
+def actor_starts(
+    embedded_model: Any, local_ray: Any, tokenizer: Any, tmp_path_factory: Any, request: Any
+) -> Iterator[ActorStarts]:
+    """The session's server actors: each starts when a test first needs it,
+    beside the other if the selected tests need both (their starts overlap)."""
     from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
 
-    config = tmp_path_factory.mktemp("server-config")
-    keys = [{"key": ADMIN_KEY, "admin": True}]
-    keys += [{"key": k, "adapters": [name]} for name, k in TENANT_KEYS.items()]
-    (config / "keys.json").write_text(json.dumps({"keys": keys}))
-    scratch = tmp_path_factory.mktemp("adapter-root")
-    snapshots = tmp_path_factory.mktemp("snapshots")
-    argv = embedded_server_argv(
-        embedded_model,
-        extra=[
-            "--api-keys",
-            str(config / "keys.json"),
-            "--adapter-root",
-            str(embedded_model.root),
-            "--adapter-root",
-            str(scratch),
-            "--adapter-snapshot-dir",
-            str(snapshots),
-            "--max-adapter-bytes",
-            str(MAX_ADAPTER_BYTES),
-            "--adapter-reader",  # opt-in; the route-walk server runs without
-            "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
-        ],
-    )
-    handle, url = start_server_actor(argv, ActorOptions(env=CPU_ENV))
+    def session_server() -> ActorRecipe:
+        """As in production: API keys on, adapter paths confined to the
+        embedded model's folder and one scratch folder the tests write to."""
+        keys = [{"key": ADMIN_KEY, "admin": True}]
+        keys += [{"key": k, "adapters": [name]} for name, k in TENANT_KEYS.items()]
+        scratch = tmp_path_factory.mktemp("adapter-root")
+        snapshots = tmp_path_factory.mktemp("snapshots")
+        argv = embedded_server_argv(
+            embedded_model,
+            extra=[
+                *("--api-keys", _keys_file(tmp_path_factory.mktemp("server-config"), keys)),
+                *("--adapter-root", str(embedded_model.root)),
+                *("--adapter-root", str(scratch)),
+                *("--adapter-snapshot-dir", str(snapshots)),
+                *("--max-adapter-bytes", str(MAX_ADAPTER_BYTES)),
+                "--adapter-reader",  # opt-in; the route-walk server runs without
+                "--allow-handover",  # opt-in; the route-walk server refuses hand-overs
+            ],
+        )
+
+        def made(handle: Any, url: str) -> EngineServer:
+            return EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
+
+        return argv, CPU_ENV, made
+
+    def route_walk_server() -> ActorRecipe:
+        """The route walk's set-up (``VLLM_SERVER_DEV_MODE``): a tenant key
+        scoped to ``meow`` that may also use the base model."""
+        keys = [
+            {"key": ADMIN_KEY, "admin": True},
+            {"key": DEV_TENANT, "adapters": ["meow"], "base_model": True},
+        ]
+        store = tmp_path_factory.mktemp("dev-store")
+        argv = embedded_server_argv(
+            embedded_model,
+            # Slot prefill, the reader process and the staging naps off here: the
+            # session's server runs with all three on, so CI covers both ways.
+            extra=[
+                *("--api-keys", _keys_file(tmp_path_factory.mktemp("dev-config"), keys)),
+                *("--adapter-root", str(store)),
+                "--no-slot-prefill",
+                "--no-staging-yield",
+                "--no-gc-freeze",
+                "--no-push-stream",  # the session's server has one: pushes go in the body here
+            ],
+        )
+
+        def made(handle: Any, url: str) -> DevServer:
+            return DevServer(handle, url, embedded_model, store)
+
+        return argv, {**CPU_ENV, **DEV_ENV}, made
+
+    recipes = {"engine_server": session_server, "dev_server": route_walk_server}
+    starts = ActorStarts(local_ray, recipes, request.config.stash.get(FIXTURES_USED, set()))
     try:
-        yield EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
+        yield starts
     finally:
-        local_ray.get(handle.shutdown.remote(), timeout=120)
+        starts.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_server(actor_starts: ActorStarts) -> EngineServer:
+    """The session's server (most engine tests share it)."""
+    server: EngineServer = actor_starts.get("engine_server")
+    return server
+
+
+@pytest.fixture(scope="session")
+def dev_server(actor_starts: ActorStarts) -> DevServer:
+    """The route walk's server: vLLM's dev mode on, and the opt-in features
+    the session's server turns on left off."""
+    server: DevServer = actor_starts.get("dev_server")
+    return server
 
 
 @contextmanager
@@ -175,38 +270,12 @@ def replica_group(
         yield group
 
 
-class Serves:
-    """``skyrl-lora serve`` processes shared by argv: ``use`` gives the running
-    server for those flags (started on first use); ``take`` hands it to a test
-    that stops it, so a later ``use`` or ``take`` starts another."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._running: dict[tuple[str, ...], Any] = {}  # argv -> ServeProcess
-
-    def use(self, argv: tuple[str, ...]) -> Any:
-        from skyrl_lora.server.cluster.process import start_serve
-
-        if argv not in self._running:
-            log = self._folder / f"serve-{len(list(self._folder.iterdir()))}.log"
-            self._running[argv] = start_serve(argv, log)
-        return self._running[argv]
-
-    def take(self, argv: tuple[str, ...]) -> Any:
-        server = self.use(argv)
-        del self._running[argv]
-        return server
-
-    def close(self) -> None:
-        for server in self._running.values():
-            if server.proc.poll() is None:
-                server.stop()
-            server.kill_all()
-
-
 @pytest.fixture(scope="session")
-def serves(embedded_model: Any, tmp_path_factory: Any) -> Iterator[Serves]:
+def serves(embedded_model: Any, tmp_path_factory: Any, request: Any) -> Iterator[Serves]:
+    """Every ``serve`` the selected tests use (their ``serve`` markers), started
+    two at a time from the first test that needs one."""
     shared = Serves(tmp_path_factory.mktemp("serves"))
+    shared.start(request.config.stash.get(SERVE_PLAN, []))
     try:
         yield shared
     finally:

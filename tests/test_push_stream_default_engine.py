@@ -25,6 +25,7 @@ from tests.conftest import SERVE_FLAGLESS, Serves
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.serve(SERVE_FLAGLESS)
 async def test_a_flagless_serve_takes_a_push_over_its_stream(
     embedded_model: Any, tokenizer: Any, serves: Serves
 ) -> None:

@@ -1,89 +1,30 @@
 """Default-deny API keys against the real server's whole route table.
 
-The server runs as the vLLM and TRL docs tell RL users to run it, with
-``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, so
-vLLM adds ``/collective_rpc``, its global ``/pause``, ``/sleep`` and its own
-adapter routes. The walk asks the running app for its routes and expects a
-tenant key to get 403 on every one that is not on the tenant allowlist: a
-route a future vLLM adds is covered without editing this test.
+The server (``conftest.dev_server``) runs as the vLLM and TRL docs tell RL
+users to run it, with ``VLLM_SERVER_DEV_MODE=1`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, so vLLM adds ``/collective_rpc``, its
+global ``/pause``, ``/sleep`` and its own adapter routes. The walk asks the
+running app for its routes and expects a tenant key to get 403 on every one
+that is not on the tenant allowlist: a route a future vLLM adds is covered
+without editing this test.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import pytest
 
 from skyrl_lora.client import RemoteInferenceClient
 from skyrl_lora.errors import PermissionDeniedError
 from skyrl_lora.server.http.auth import OPEN_PATHS, TENANT_PREFIXES, TENANT_ROUTES
 from skyrl_lora.server.tinker.routes import is_tinker_route
-from tests.conftest import ADMIN_KEY
+from tests.conftest import ADMIN_KEY, DevServer
+from tests.conftest import DEV_TENANT as TENANT
 
 pytestmark = pytest.mark.engine
-
-TENANT = "tenant-meow-key"
-DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-
-
-class DevServer:
-    def __init__(self, handle: Any, url: str, model: Any, store: Path) -> None:
-        self.handle = handle
-        self.url = url
-        self.model = model
-        self.store = store
-
-    async def call(
-        self, method: str, path: str, key: str | None, body: Any = None
-    ) -> tuple[int, Any]:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with aiohttp.ClientSession(headers=headers) as session:
-            async with session.request(method, self.url + path, json=body) as resp:
-                text = await resp.text()
-        try:
-            return resp.status, json.loads(text) if text else None
-        except ValueError:
-            return resp.status, text
-
-
-@pytest.fixture(scope="module")
-def dev_server(embedded_model: Any, local_ray: Any, tmp_path_factory: Any) -> Iterator[DevServer]:
-    """The issue's set-up: a tenant key scoped to ``meow`` that may also use the base model."""
-    from skyrl_lora.server.cluster.actor import ActorOptions, start_server_actor
-    from skyrl_lora.server.presets import CPU_ENV, embedded_server_argv
-
-    config = tmp_path_factory.mktemp("dev-config")
-    keys = [
-        {"key": ADMIN_KEY, "admin": True},
-        {"key": TENANT, "adapters": ["meow"], "base_model": True},
-    ]
-    (config / "keys.json").write_text(json.dumps({"keys": keys}))
-    store = tmp_path_factory.mktemp("dev-store")
-    argv = embedded_server_argv(
-        embedded_model,
-        # Slot prefill, the reader process and the staging naps off here: the
-        # session's server runs with all three on, so CI covers both ways.
-        extra=[
-            "--api-keys",
-            str(config / "keys.json"),
-            "--adapter-root",
-            str(store),
-            "--no-slot-prefill",
-            "--no-staging-yield",
-            "--no-gc-freeze",
-            "--no-push-stream",  # the session's server has one: pushes go in the body here
-        ],
-    )
-    handle, url = start_server_actor(argv, ActorOptions(env={**CPU_ENV, **DEV_ENV}))
-    try:
-        yield DevServer(handle, url, embedded_model, store)
-    finally:
-        local_ray.get(handle.shutdown.remote(), timeout=120)
 
 
 def concrete(path: str) -> str:

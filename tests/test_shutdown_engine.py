@@ -120,7 +120,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("sig", "mode", "argv"), CASES, ids=[f"{s.name}-{m}" for s, m, _ in CASES])
+@pytest.mark.parametrize(
+    ("sig", "mode", "argv"),
+    [
+        pytest.param(
+            *case, id=f"{case[0].name}-{case[1]}", marks=pytest.mark.serve(case[2], take=True)
+        )
+        for case in CASES
+    ],
+)
 def test_serve_leaves_no_process_behind(
     mode: str, sig: signal.Signals, argv: tuple[str, ...], serves: Serves
 ) -> None:

@@ -44,7 +44,7 @@ import requests
 from skyrl_lora.server.cluster.process import ServeProcess
 from tests.conftest import SERVE_STEP_WATCH, SERVE_STEP_WATCH_CONTROL, Serves
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.serve(SERVE_STEP_WATCH)]
 
 _EVENT = re.compile(
     r'skyrl_event (\{"event": "(?:engine_long_step|resume|adapter_stag(?:ed|ing)|weights_answered)"'
@@ -175,6 +175,7 @@ def test_a_resumed_backlog_enters_spread_over_steps(server: ServeProcess) -> Non
     assert max(entries) <= 2, f"a step took in more than two resumed requests: {entries}"
 
 
+@pytest.mark.serve(SERVE_STEP_WATCH_CONTROL)
 def test_the_same_backlog_enters_together_with_no_room_beside_the_batch(serves: Serves) -> None:
     """The other side of the test above: where a resumed request fits in no
     step beside the running batch, the same requests enter in at most two

@@ -239,10 +239,13 @@ def error_line(exc: BaseException) -> str:
     return f"{type(error).__name__}: {' | '.join(kept)}"[:400]
 
 
-def start_server_actor(
+def launch_server_actor(
     argv: Sequence[str], options: ActorOptions = ActorOptions()
-) -> tuple[Any, str]:
-    """Create a server actor in the current Ray cluster; returns (handle, url)."""
+) -> tuple[Any, Any]:
+    """Create a server actor in the current Ray cluster and ask it to start,
+    without waiting: returns (handle, the start's ``ObjectRef``, which
+    ``ray.get`` turns into the URL once the server accepts requests). A
+    caller that needs several servers starts them side by side."""
     import ray
 
     remote_cls: Any = ray.remote(ServerActor)
@@ -252,5 +255,14 @@ def start_server_actor(
         max_concurrency=16,
         runtime_env={"env_vars": dict(options.env)} if options.env else None,
     ).remote(list(argv), dict(options.env))
-    url = ray.get(handle.start.remote())
-    return handle, url
+    return handle, handle.start.remote()
+
+
+def start_server_actor(
+    argv: Sequence[str], options: ActorOptions = ActorOptions()
+) -> tuple[Any, str]:
+    """Create a server actor in the current Ray cluster; returns (handle, url)."""
+    import ray
+
+    handle, started = launch_server_actor(argv, options)
+    return handle, ray.get(started)
