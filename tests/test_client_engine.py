@@ -168,13 +168,16 @@ async def test_the_global_pause_is_held_until_every_client_resumed(engine_server
 
 async def test_greedy_resumed_three_times_equals_uninterrupted(engine_server, client) -> None:
     await load(client, engine_server, "greedy", "babble")
+    # the same weights under another name: the uninterrupted reference runs
+    # beside the sample (``test_tinker_sdk_engine.TWIN`` says why it may)
+    await load(client, engine_server, "greedy-twin", "babble")
     prompt = engine_server.encode("hello there how are you")
     # Three pauses must each land mid-sample: on a quiet CPU 300 tokens took
     # about 1 s, less than three settle times, so use most of the context.
     params = greedy(min(3 * LONG, 1000))
-    reference = (await client.sample(prompt, sampling_params=params, lora_name="greedy")).sequences[
-        0
-    ]
+    uninterrupted = asyncio.create_task(
+        client.sample(prompt, sampling_params=params, lora_name="greedy-twin")
+    )
     task = asyncio.create_task(
         client.sample_with_retry(prompt, sampling_params=params, lora_name="greedy")
     )
@@ -184,6 +187,7 @@ async def test_greedy_resumed_three_times_equals_uninterrupted(engine_server, cl
         assert paused.aborted == 1
         await client.resume_generation(lora_name="greedy")
     (seq,) = (await asyncio.wait_for(task, 120)).sequences
+    (reference,) = (await uninterrupted).sequences
     assert seq.segments == 4
     assert seq.tokens == reference.tokens
     assert seq.logprobs == pytest.approx(reference.logprobs, abs=1e-4)

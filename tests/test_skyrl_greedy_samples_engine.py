@@ -21,6 +21,9 @@ from tests.test_tinker_sdk_engine import pauses_mid_sample
 pytestmark = pytest.mark.engine
 
 LONG = 600
+#: ``greedy-babble``'s weights under another name, for a reference that runs
+#: beside the samples under test (``test_tinker_sdk_engine.TWIN`` says why).
+TWIN = "greedy-babble-twin"
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,7 @@ async def admin(engine_server: EngineServer) -> AsyncIterator[RemoteInferenceCli
     async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as c:
         await c.load_lora_adapter("greedy-meow", str(engine_server.model.adapters["meow"]))
         await c.load_lora_adapter("greedy-babble", str(engine_server.model.adapters["babble"]))
+        await c.load_lora_adapter(TWIN, str(engine_server.model.adapters["babble"]))
         yield c
 
 
@@ -54,12 +58,15 @@ async def test_skyrl_sample_greedy_n_gives_n_copies(engine_server, admin, lora) 
 async def test_sample_with_retry_greedy_n_across_pauses(engine_server, admin) -> None:
     prompt = engine_server.encode("hello there how are you")
     params = {"temperature": 0.0, "max_tokens": LONG, "ignore_eos": True}
-    ref = await one(admin, prompt, "greedy-babble", max_tokens=LONG, ignore_eos=True)
+    uninterrupted = asyncio.ensure_future(
+        one(admin, prompt, TWIN, max_tokens=LONG, ignore_eos=True)
+    )
     task = asyncio.ensure_future(
         admin.sample_with_retry(prompt, 3, sampling_params=params, lora_name="greedy-babble")
     )
     aborted = await pauses_mid_sample(admin, "greedy-babble", times=2)
     answer = await asyncio.wait_for(task, 180)
+    ref = await uninterrupted
     assert aborted >= 2, "each pause must have landed mid-sample"
     assert [s.tokens for s in answer.sequences] == [ref.tokens] * 3
     assert all(s.segments > 1 for s in answer.sequences), "each copy was resumed"

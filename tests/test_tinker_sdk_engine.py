@@ -26,6 +26,12 @@ types = tinker.types
 
 # Long enough that three pauses land mid-sample on the CPU engine.
 LONG = 900
+#: ``tk-babble``'s weights under another name: the uninterrupted reference
+#: runs beside the sample under test, which pauses ``tk-babble`` only. The
+#: engine answers a greedy request batched beside another the same, token
+#: and logprob for logprob (1000 tokens of babble in a probe at 2ba83d6, on
+#: the 2-core CPU machine), and the two take the time of one.
+TWIN = "tk-babble-twin"
 BAD_INPUT_S = 10.0
 
 
@@ -38,6 +44,7 @@ async def admin(engine_server: EngineServer) -> AsyncIterator[RemoteInferenceCli
     async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as c:
         await c.load_lora_adapter("tk-meow", str(engine_server.model.adapters["meow"]))
         await c.load_lora_adapter("tk-babble", str(engine_server.model.adapters["babble"]))
+        await c.load_lora_adapter(TWIN, str(engine_server.model.adapters["babble"]))
         await c.load_lora_adapter("sec-a", str(engine_server.model.adapters["meow"]))
         await c.load_lora_adapter("sec-b", str(engine_server.model.adapters["woof"]))
         yield c
@@ -145,12 +152,15 @@ async def test_pauses_mid_sample_give_the_uninterrupted_answer(
     client = await sampler(service, model_path="tinker://tk-babble")
     prompt = engine_server.encode("hello there how are you")
     params = {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
-    ref = (await admin.sample(prompt, sampling_params=params, lora_name="tk-babble")).sequences[0]
+    uninterrupted = asyncio.ensure_future(
+        admin.sample(prompt, sampling_params=params, lora_name=TWIN)
+    )
     task = asyncio.ensure_future(
         client.sample(types.ModelInput.from_ints(prompt), 1, greedy(LONG, stop=[])).result_async()
     )
     aborted = await pauses_mid_sample(admin, "tk-babble", times=3)
     (seq,) = (await asyncio.wait_for(task, 180)).sequences
+    ref = (await uninterrupted).sequences[0]
     assert aborted == 3, "each pause must have landed mid-sample"
     assert seq.tokens == ref.tokens
     assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
@@ -281,7 +291,8 @@ async def test_the_wire_reports_a_pause_as_paused_rate_limit(engine_server, admi
     from tinker.proto.response_conv import deserialize_sample_response
 
     prompt = engine_server.encode("hello there how are you")
-    ref = await reference(admin, prompt, "tk-babble", LONG)  # EOS stays on: same as stop=None
+    # EOS stays on: same as stop=None; beside the sample under test (TWIN)
+    uninterrupted = asyncio.ensure_future(reference(admin, prompt, TWIN, LONG))
     headers = {"X-API-Key": f"tml-{engine_server.admin_key}"}
     api = f"{engine_server.url}/api/v1"
     async with aiohttp.ClientSession(headers=headers) as http:
@@ -335,7 +346,7 @@ async def test_the_wire_reports_a_pause_as_paused_rate_limit(engine_server, admi
                 break
             assert json.loads(done[2])["type"] == "try_again"
         (seq,) = deserialize_sample_response(done[2]).sequences
-        assert seq.tokens == ref.tokens
+        assert seq.tokens == (await uninterrupted).tokens
         gone = await post("retrieve_future", {"request_id": "skyrl-future-unknown"})
         assert gone[0] == 410
 
