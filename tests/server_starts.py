@@ -115,9 +115,10 @@ class ActorStarts:
     def __init__(
         self, ray: Any, recipes: dict[str, Callable[[], ActorRecipe]], needed: Iterable[str]
     ) -> None:
+        wanted = set(needed)
         self._ray = ray
         self._recipes = recipes
-        self._needed = [name for name in recipes if name in set(needed)]
+        self._needed = [name for name in recipes if name in wanted]
         self._launched: dict[str, tuple[Any, Any, Callable[[Any, str], Any]]] = {}
         self._ready: dict[str, Any] = {}
 
@@ -135,5 +136,16 @@ class ActorStarts:
         return self._ready[name]
 
     def shutdown(self) -> None:
-        stops = [handle.shutdown.remote() for handle, _, _ in self._launched.values()]
-        self._ray.get(stops, timeout=120)
+        """Stop every launched actor, side by side; a failed stop fails the
+        session only for a server that started (one that did not has failed
+        its tests already)."""
+        stops = {name: handle.shutdown.remote() for name, (handle, _, _) in self._launched.items()}
+        failed = []
+        for name, stop in stops.items():
+            try:
+                self._ray.get(stop, timeout=120)
+            except Exception as exc:
+                if name in self._ready:
+                    failed.append(exc)
+        if failed:
+            raise failed[0]
