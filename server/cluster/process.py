@@ -91,6 +91,8 @@ def start_serve(
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
             continue
+        # vLLM logs to stdout: its start-up, and why a start failed, belong in the log too
+        log.write(line)
         if "server ready at" in line:
             # Keep draining stdout (vLLM logs there) into the log: a full pipe
             # would block the server's next write and hang every request.
