@@ -14,6 +14,8 @@ vLLM replays them), the shrink and expand of every layer:
   runs them: the step's row-chunk plan filled once (one launch, timed with
   the step) from metadata over every slot, then every layer's shrink and
   expand reading it;
+* ``fused``: :mod:`skyrl_lora.server.kernels.fused_lora`, each layer's
+  shrink and expand in one launch, reading the same step plan;
 * ``grouped_NAME`` (with ``--base-kernels NAME=FILE``, repeatable): another
   ``grouped_lora.py`` (an earlier revision's, ``git show
   REV:server/kernels/grouped_lora.py``, or a candidate), given every slot
@@ -177,6 +179,11 @@ def step_fn(
             height = config.for_tokens(tokens).block_m
             plan = kernels.new_plan(tokens, groups, meta["ids"].device, (height,))
     planned = {"plan": plan} if plan is not None else {}
+    if variant == "fused":
+        from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
+
+        rank = layers[0].a[0].size(-2)
+        workspace = new_workspace(next(iter(x.values())).size(0), rank, meta["ids"].device)
 
     no_lora = torch.tensor([False])
     count = torch.tensor([groups], dtype=torch.int32)
@@ -189,7 +196,13 @@ def step_fn(
             xin = x[slots.a[0].size(-1)]
             buf = outs[f"buf{len(slots.widths)}"]
             y = outs[f"y{i % 4}"]
-            if variant.startswith("vllm"):
+            if variant == "fused":
+                fused_lora(
+                    y, xin, slots.a, slots.b, scale, meta["sorted"],
+                    meta["per"], meta["start"], meta["ids"], groups, workspace, 0, True, config,
+                    **planned,
+                )  # fmt: skip
+            elif variant.startswith("vllm"):
                 lora_shrink(
                     xin, slots.a, buf, meta["mapping"], meta["sorted"], meta["per"],
                     meta["start"], meta["ids"], no_lora, count, scale,
@@ -252,7 +265,7 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / per
 
 
-VARIANTS = ("vllm", "vllm_specialized", "grouped")
+VARIANTS = ("vllm", "vllm_specialized", "grouped", "fused")
 
 
 def variants() -> tuple[str, ...]:

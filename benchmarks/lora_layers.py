@@ -1,0 +1,223 @@
+"""A decode step's linear layers with their LoRA, as the engine schedules them.
+
+``python -m benchmarks.lora_layers`` (GPU) times, in one CUDA graph per
+schedule, every linear layer of a decoder shape (``--size``: the 8B shape's
+32 layers of q/k/v, o, gate/up and down) with its base GEMM (``F.linear``
+on bf16 weights, as vLLM's unquantized layers run it) and its LoRA:
+
+* ``base``: the GEMMs alone (what a step without adapters runs);
+* ``overlap``: ``serve --lora-overlap on`` (the default): the shrink on a
+  second stream beside the GEMM, the expand after both
+  (``compat._overlapped_lora_apply``'s order);
+* ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
+* ``fused``: GEMM, then the layer's whole LoRA in one launch
+  (:mod:`skyrl_lora.server.kernels.fused_lora`).
+
+Every LoRA schedule fills the step's row-chunk plan once, as ``serve`` does.
+The figure that matters is each schedule's step over ``base``: the share of
+the base model's rate its linear layers keep (attention and the rest of the
+step not included, so the engine's ratio is closer to 1). Kernel-only
+timings, without the GEMMs, are :mod:`benchmarks.lora_kernels`.
+Schedules are interleaved, rounds are medians with their spread; outputs
+are checked against ``sequential``'s before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import current_commit
+from benchmarks.lora_kernels import (
+    Slots,
+    graph_of,
+    int_list,
+    llama_layers,
+    make_slots,
+    metadata,
+    time_graph,
+)
+
+SCHEDULES = ("base", "overlap", "sequential", "fused")
+
+
+def schedule_fn(
+    schedule: str,
+    layers: list[Slots],
+    weights: list[torch.Tensor],
+    x: dict[int, torch.Tensor],
+    meta: dict[str, torch.Tensor],
+    groups: int,
+    outs: dict[str, torch.Tensor],
+) -> Callable[[], None]:
+    """One step's linear layers under ``schedule`` (each decoder layer its own weights)."""
+    from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
+    from skyrl_lora.server.kernels.grouped_lora import (
+        DEFAULT_CONFIG,
+        fill_plan,
+        grouped_expand,
+        grouped_shrink,
+        new_plan,
+    )
+
+    tokens = next(iter(x.values())).size(0)
+    rank = layers[0].a[0].size(-2)
+    device = meta["ids"].device
+    plan = new_plan(tokens, groups, device)
+    workspace = new_workspace(tokens, rank, device)
+    side = torch.cuda.Stream()
+    before, shrunk = torch.cuda.Event(), torch.cuda.Event()
+    ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
+
+    def lora(slots: Slots, xin: torch.Tensor, y: torch.Tensor, gemm: Callable[[], None]) -> None:
+        buf = outs[f"buf{len(slots.widths)}"]
+        if schedule == "overlap":
+            before.record()
+            with torch.cuda.stream(side):
+                before.wait()
+                grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+                shrunk.record()
+            gemm()
+            shrunk.wait()
+            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
+            return
+        gemm()
+        if schedule == "sequential":
+            grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
+        elif schedule == "fused":
+            fused_lora(
+                y, xin, slots.a, slots.b, 1.0, *ids, workspace, 0, True, DEFAULT_CONFIG, plan
+            )
+
+    def run() -> None:
+        if schedule != "base":
+            fill_plan(plan, *ids)
+        for i, (slots, weight) in enumerate(zip(layers, weights)):
+            xin = x[weight.size(1)]
+            y = outs[f"y{i % 4}"]
+
+            def gemm(xin: torch.Tensor = xin, weight: torch.Tensor = weight, y: torch.Tensor = y):
+                torch.matmul(xin, weight.t(), out=y)
+
+            if schedule == "base":
+                gemm()
+            else:
+                lora(slots, xin, y, gemm)
+
+    return run
+
+
+def _outputs(outs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [outs[f"y{j}"].float().clone() for j in range(4)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shapes, depth = llama_layers(args.size)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [make_slots(s, args.slots, args.rank, gen) for _ in range(depth) for s in shapes]
+    weights = [
+        torch.empty(sum(w), fan_in, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02)
+        for _ in range(depth)
+        for _, w, fan_in in shapes
+    ]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    adapter_bytes = sum(s.bytes_per_adapter for s in layers)
+    result: dict[str, Any] = {
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": args.machine or torch.cuda.get_device_name(0),
+        "size": args.size,
+        "slots": args.slots,
+        "rank": args.rank,
+        "weight_bytes": weight_bytes,
+        "adapter_bytes": adapter_bytes,
+        "points": [],
+    }
+    for tokens in args.tokens:
+        x = {
+            f: torch.randn(tokens, f, device="cuda").to(torch.bfloat16)
+            for f in {s[2] for s in shapes}
+        }
+        outs = {f"buf{n}": torch.empty(n, tokens, args.rank, device="cuda") for n in (1, 2, 3)}
+        for j, (_, widths, _) in enumerate(shapes):
+            outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
+        for adapters in args.adapters:
+            meta = metadata(tokens, adapters, args.slots)
+            steps = {
+                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in SCHEDULES
+            }
+            got = {}
+            for s in SCHEDULES:  # the first decoder layer's outputs, eagerly
+                schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs)()
+                torch.cuda.synchronize()
+                got[s] = _outputs(outs)
+            ref = got["sequential"]
+            errors = {
+                s: max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[s], ref))
+                for s in SCHEDULES
+                if s != "base"
+            }
+            graphs = {s: graph_of(fn) for s, fn in steps.items()}
+            times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+            for r in range(args.rounds):
+                for s in SCHEDULES if r % 2 == 0 else tuple(reversed(SCHEDULES)):
+                    times[s].append(time_graph(graphs[s], args.reps))
+            base_ms = statistics.median(times["base"])
+            point: dict[str, Any] = {
+                "tokens": tokens,
+                "adapters": adapters,
+                "max_rel_err": errors,
+                "base_roofline_ms": weight_bytes / args.hbm_bytes_per_s * 1e3,
+                "adapters_roofline_ms": adapters * adapter_bytes / args.hbm_bytes_per_s * 1e3,
+            }
+            for s, ts in times.items():
+                med = statistics.median(ts)
+                point[s] = {
+                    "ms": med, "min": min(ts), "max": max(ts), "lora_ms": med - base_ms,
+                    "over_base": base_ms / med,
+                }  # fmt: skip
+            result["points"].append(point)
+            print(
+                f"M={tokens} A={adapters}: "
+                + ", ".join(
+                    f"{s} {point[s]['ms']:.3f} ms ({point[s]['over_base']:.3f}x)" for s in SCHEDULES
+                )
+                + " err "
+                + ", ".join(f"{s} {e:.1e}" for s, e in errors.items()),
+                flush=True,
+            )
+            del graphs, steps
+            torch.cuda.synchronize()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="8b")
+    parser.add_argument("--slots", type=int, default=32, help="--max-loras")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--tokens", type=int_list, default=[64, 256])
+    parser.add_argument("--adapters", type=int_list, default=[1, 2, 8, 32])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
+    parser.add_argument("--machine", default="")
+    parser.add_argument("--commit", default=current_commit())
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
