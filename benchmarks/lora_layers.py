@@ -19,7 +19,8 @@ the base model's rate its linear layers keep (attention and the rest of the
 step not included, so the engine's ratio is closer to 1). Kernel-only
 timings, without the GEMMs, are :mod:`benchmarks.lora_kernels`.
 Schedules are interleaved, rounds are medians with their spread; outputs
-are checked against ``sequential``'s before timing.
+are checked against ``sequential``'s before timing. ``--diagnose`` adds
+parts of ``overlap`` (:data:`DIAGNOSTICS`) to see where its time goes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ from benchmarks.lora_kernels import (
 )
 
 SCHEDULES = ("base", "overlap", "sequential", "fused")
+#: ``--diagnose``: parts of ``overlap``, to see where its time goes (their
+#: outputs are not the layer's): the fork and join alone (events, nothing on
+#: the second stream), the shrink beside the GEMM without the expand, and the
+#: expand after the GEMM without any shrink.
+DIAGNOSTICS = ("fork_join", "shrink_beside", "expand_after")
 
 
 def schedule_fn(
@@ -78,17 +84,21 @@ def schedule_fn(
 
     def lora(slots: Slots, xin: torch.Tensor, y: torch.Tensor, gemm: Callable[[], None]) -> None:
         buf = outs[f"buf{len(slots.widths)}"]
-        if schedule == "overlap":
+        if schedule in ("overlap", "fork_join", "shrink_beside"):
             before.record()
             with torch.cuda.stream(side):
                 before.wait()
-                grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+                if schedule != "fork_join":
+                    grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
                 shrunk.record()
             gemm()
             shrunk.wait()
-            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
+            if schedule == "overlap":
+                grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
             return
         gemm()
+        if schedule == "expand_after":
+            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
         if schedule == "sequential":
             grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
             grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
@@ -151,8 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
+            timed = (*SCHEDULES, *DIAGNOSTICS) if args.diagnose else SCHEDULES
             steps = {
-                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in SCHEDULES
+                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
             }
             got = {}
             for s in SCHEDULES:  # the first decoder layer's outputs, eagerly
@@ -166,9 +177,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if s != "base"
             }
             graphs = {s: graph_of(fn) for s, fn in steps.items()}
-            times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+            times: dict[str, list[float]] = {s: [] for s in timed}
             for r in range(args.rounds):
-                for s in SCHEDULES if r % 2 == 0 else tuple(reversed(SCHEDULES)):
+                for s in timed if r % 2 == 0 else timed[::-1]:
                     times[s].append(time_graph(graphs[s], args.reps))
             base_ms = statistics.median(times["base"])
             point: dict[str, Any] = {
@@ -188,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"M={tokens} A={adapters}: "
                 + ", ".join(
-                    f"{s} {point[s]['ms']:.3f} ms ({point[s]['over_base']:.3f}x)" for s in SCHEDULES
+                    f"{s} {point[s]['ms']:.3f} ms ({point[s]['over_base']:.3f}x)" for s in timed
                 )
                 + " err "
                 + ", ".join(f"{s} {e:.1e}" for s, e in errors.items()),
@@ -209,6 +220,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
+    parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
     parser.add_argument("--machine", default="")
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
