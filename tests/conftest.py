@@ -198,7 +198,9 @@ def actor_starts(
         def made(handle: Any, url: str) -> EngineServer:
             return EngineServer(url, embedded_model, tokenizer, ADMIN_KEY, scratch, snapshots)
 
-        return argv, CPU_ENV, made
+        # No peer shares pushes with it: a shared push naming a share nobody
+        # lends (the fuzz's) gets its 422 after 1 s, not 30.
+        return argv, {**CPU_ENV, "SKYRL_PUSH_SHARE_WAIT_S": "1"}, made
 
     def route_walk_server() -> ActorRecipe:
         """The route walk's set-up (``VLLM_SERVER_DEV_MODE``): a tenant key
