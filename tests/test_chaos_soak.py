@@ -5,8 +5,8 @@ a ``soak`` test, which ``.ci/run`` runs at ``SKYRL_TEST_SOAK_SCALE``.
 Every reload swaps the adapter's weights between two words, so each version
 range of every result can be checked against the word its version must say.
 
-The same soak over a two-replica group with an engine kill is the last test
-of ``tests/test_group_engine.py``, on that module's group (one group start
+The same soak over a two-replica group with an engine kill is a drill of
+``tests/test_group_engine.py``, on that module's group (one group start
 for both).
 """
 

@@ -11,13 +11,14 @@ equally valid file) lands on replica 0 and is refused by replica 1. The
 group must then roll replica 0 back: both serve the old version, at the
 same number, and the error is replica 1's.
 
-The failure drills run last, in order: an actor killed mid-flight (the
-client fails over, the group rebuilds it), then the group chaos soak: an
-engine process killed mid-flight while every tenant samples there and
+The failure drills run last, in order: the group chaos soak, in which an
+engine process is killed mid-flight while every tenant samples there and
 random pause/swap/resume cycles run (the group notices, rebuilds the
 replica with every adapter at its version and paused state, and it serves
-again). Each drill costs a replica's start, so the engine kill is the
-soak's rather than a drill of its own.
+again); then an actor killed mid-flight whose rebuilds its engine refuses
+(the client fails over, the group gives up on it and names it). A rebuild
+costs a replica's start, so the soak's is the only one: the engine kill is
+the soak's rather than a drill of its own, and the actor kill needs none.
 """
 
 from __future__ import annotations
@@ -310,35 +311,6 @@ async def test_pause_on_both_replicas_leaves_other_adapters_running(
     await pause_leaves_the_others_running(group.urls, embedded_model, tokenizer, "g")
 
 
-async def test_killing_a_replica_mid_flight_loses_no_sample(
-    group, embedded_model, tokenizer
-) -> None:
-    async with RemoteInferenceClient(group.urls) as client:
-        await client.load_lora_adapter("g-moo", str(embedded_model.adapters["moo"]))
-        prompt = tokenizer.encode("hello there", add_special_tokens=False)
-        tasks = [
-            asyncio.create_task(
-                client.sample_with_retry(prompt, sampling_params=greedy(), lora_name="g-moo")
-            )
-            for _ in range(6)
-        ]
-        await wait_everywhere(client, "g-moo")
-        doomed = group.urls[0]
-        group.kill(0)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
-        for r in results:
-            (seq,) = r.sequences
-            assert seq.stop_reason == "length" and len(seq.tokens) == LONG
-            assert text(tokenizer, r) == ["moo"] * LONG
-            assert len(seq.logprobs) == LONG
-        assert client.replicas.replicas[group.urls[1]].healthy
-        (restart,) = await asyncio.to_thread(group.wait_restarts, 1, 300)
-        assert restart.index == 0 and restart.url == doomed, "rebuilt on the same URL"
-        await converged(client)
-        out = await client.sample(prompt, sampling_params=greedy(4), lora_name="g-moo")
-        assert text(tokenizer, out) == ["moo"] * 4
-
-
 async def adapter_lists(client: RemoteInferenceClient) -> list[list[tuple[str, int, bool]]]:
     lists = []
     for url in client.urls:
@@ -417,7 +389,6 @@ SOAK_WEIGHTS = {
 }
 
 
-@pytest.mark.soak
 async def test_chaos_soak_over_a_group_with_an_engine_kill(
     group: Any, embedded_model: Any, tokenizer: Any, capsys
 ) -> None:
@@ -433,11 +404,13 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
 
     The chaos soak of ``tests/test_chaos_soak.py`` over this module's group
     (a group start of its own cost over a minute on the CPU machine), and its
-    engine-kill drill: one rebuild for both, as a rebuild costs a replica's
-    start. The last test, after the actor-kill drill has healed, with
-    adapter names of its own; it counts only the rebuild its own kill causes.
-    A ``soak`` test: ``.ci/run`` runs it in the same session as the others,
-    so the group's start is shared."""
+    engine-kill drill: the module's one rebuild, as a rebuild costs a
+    replica's start. So it is no ``soak`` test: every selection runs it, as
+    every selection must rebuild a replica once, and it lasts about as long
+    as the rebuild (samples keep arriving until then) whatever
+    ``SKYRL_TEST_SOAK_SCALE`` says. Before the actor-kill drill, which
+    leaves replica 1 down, with adapter names of its own; it counts only the
+    rebuild its own kill causes."""
     rng = random.Random(4321)
     word_id = {
         w: tokenizer.encode(w, add_special_tokens=False)[0]
@@ -552,14 +525,21 @@ async def test_chaos_soak_over_a_group_with_an_engine_kill(
         )
 
 
-async def test_a_replica_that_cannot_be_rebuilt_is_named_not_retried(
-    group: Any, tokenizer: Any
+async def test_killing_a_replica_that_cannot_be_rebuilt_loses_no_sample_and_names_it(
+    group: Any, embedded_model: Any, tokenizer: Any
 ) -> None:
-    """The last drill: replica 1 killed, and its rebuilds refused by its engine
-    (a context longer than the model's, as a GPU replica's rebuild can meet a
-    GPU out of memory). The group tries ``rebuild_attempts`` times, then
-    stops, and names replica 1 with the engine's reason
-    (:attr:`ServerGroup.failed`); replica 0 keeps serving all along."""
+    """The last drill: replica 1's actor killed while six samples run on both
+    replicas, and its rebuilds refused by its engine (a context longer than
+    the model's, as a GPU replica's rebuild can meet a GPU out of memory).
+    The client fails over: every sample completes whole, on replica 0. The
+    group tries ``rebuild_attempts`` times, then stops, and names replica 1
+    with the engine's reason (:attr:`ServerGroup.failed`); replica 0 keeps
+    serving all along.
+
+    A killed actor and a killed engine fail the same check and take the same
+    rebuild (``ServerGroup._rebuild``): the rebuild on the same URL, with
+    every adapter at its version, is the chaos soak's to prove (above). A
+    rebuild here of its own would cost a replica's start."""
     from dataclasses import replace
 
     refused = [*group.config.replica_argv.get(1, ()), "--max-model-len", "10000000"]
@@ -567,7 +547,24 @@ async def test_a_replica_that_cannot_be_rebuilt_is_named_not_retried(
         group.config, replica_argv={**group.config.replica_argv, 1: refused}, rebuild_attempts=2
     )
     restarts = len(group.restarts)
-    group.kill(1)
+    async with RemoteInferenceClient(group.urls) as client:
+        await client.load_lora_adapter("g-moo", str(embedded_model.adapters["moo"]))
+        prompt = tokenizer.encode("hello there", add_special_tokens=False)
+        tasks = [
+            asyncio.create_task(
+                client.sample_with_retry(prompt, sampling_params=greedy(), lora_name="g-moo")
+            )
+            for _ in range(6)
+        ]
+        await wait_everywhere(client, "g-moo")
+        group.kill(1)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        for r in results:
+            (seq,) = r.sequences
+            assert seq.stop_reason == "length" and len(seq.tokens) == LONG
+            assert text(tokenizer, r) == ["moo"] * LONG
+            assert len(seq.logprobs) == LONG
+        assert client.replicas.replicas[group.urls[0]].healthy
     deadline = time.monotonic() + 240
     while 1 not in group.failed:
         assert time.monotonic() < deadline, "the group kept rebuilding replica 1"
