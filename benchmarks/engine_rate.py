@@ -8,7 +8,6 @@ memory (``--gpu-mem``):
 * ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA
   kernels, each layer's shrink on a second stream beside its base GEMM);
 * ``ours_no_overlap``: the same with ``--lora-overlap off``;
-* ``ours_fused``: ``--lora-kernels fused`` (each layer's LoRA in one launch);
 * ``ours_vllm_kernels``: the same with vLLM's kernels and no overlap, as
   plain vLLM runs its LoRA layers (what the wrapper itself costs);
 * ``vllm``: plain ``vllm serve`` (vLLM's OpenAI server) with the same vLLM flags.
@@ -57,7 +56,6 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320
 OURS = {
     "ours": [],
     "ours_no_overlap": ["--lora-overlap", "off"],
-    "ours_fused": ["--lora-kernels", "fused"],
     "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
 }
 SERVERS = (*OURS, "vllm")
@@ -65,7 +63,6 @@ SERVERS = (*OURS, "vllm")
 LABELS = {
     "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
     "ours_no_overlap": "skyrl-lora serve --lora-overlap off",
-    "ours_fused": "skyrl-lora serve --lora-kernels fused",
     "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm --lora-overlap off",
     "vllm": "plain vllm serve",
 }

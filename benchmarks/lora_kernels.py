@@ -14,8 +14,6 @@ vLLM replays them), the shrink and expand of every layer:
   runs them: the step's row-chunk plan filled once (one launch, timed with
   the step) from metadata over every slot, then every layer's shrink and
   expand reading it;
-* ``fused``: :mod:`skyrl_lora.server.kernels.fused_lora`, each layer's
-  shrink and expand in one launch, reading the same step plan;
 * ``grouped_NAME`` (with ``--base-kernels NAME=FILE``, repeatable): another
   ``grouped_lora.py`` (an earlier revision's, ``git show
   REV:server/kernels/grouped_lora.py``, or a candidate), given every slot
@@ -47,6 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import current_commit
+from skyrl_lora.server import compat
 
 #: (name, slices' output widths, input width) of each LoRA layer of a Llama decoder layer.
 Layer = tuple[str, tuple[int, ...], int]
@@ -179,11 +178,6 @@ def step_fn(
             height = config.for_tokens(tokens).block_m
             plan = kernels.new_plan(tokens, groups, meta["ids"].device, (height,))
     planned = {"plan": plan} if plan is not None else {}
-    if variant == "fused":
-        from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
-
-        rank = layers[0].a[0].size(-2)
-        workspace = new_workspace(next(iter(x.values())).size(0), rank, meta["ids"].device)
 
     no_lora = torch.tensor([False])
     count = torch.tensor([groups], dtype=torch.int32)
@@ -196,13 +190,7 @@ def step_fn(
             xin = x[slots.a[0].size(-1)]
             buf = outs[f"buf{len(slots.widths)}"]
             y = outs[f"y{i % 4}"]
-            if variant == "fused":
-                fused_lora(
-                    y, xin, slots.a, slots.b, scale, meta["sorted"],
-                    meta["per"], meta["start"], meta["ids"], groups, workspace, 0, True, config,
-                    **planned,
-                )  # fmt: skip
-            elif variant.startswith("vllm"):
+            if variant.startswith("vllm"):
                 lora_shrink(
                     xin, slots.a, buf, meta["mapping"], meta["sorted"], meta["per"],
                     meta["start"], meta["ids"], no_lora, count, scale,
@@ -265,7 +253,7 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / per
 
 
-VARIANTS = ("vllm", "vllm_specialized", "grouped", "fused")
+VARIANTS = ("vllm", "vllm_specialized", "grouped")
 
 
 def variants() -> tuple[str, ...]:
@@ -382,6 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rank in args.ranks:
+        compat.forget_lora_pointer_caches()  # the last rank's weights may have had these addresses
         layers = [
             make_slots(shape, args.slots, rank, gen) for _ in range(depth) for shape in layer_shapes
         ]

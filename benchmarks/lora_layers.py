@@ -10,8 +10,9 @@ on bf16 weights, as vLLM's unquantized layers run it) and its LoRA:
   second stream beside the GEMM, the expand after both
   (``compat._overlapped_lora_apply``'s order);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
-* ``fused``: GEMM, then the layer's whole LoRA in one launch
-  (:mod:`skyrl_lora.server.kernels.fused_lora`).
+* ``beside``: shrink *and* expand on the second stream (the expand writing
+  the LoRA term into a zeroed buffer), added to the GEMM's output once both
+  are done: vLLM's own second-stream order, with the grouped kernels.
 
 Every LoRA schedule fills the step's row-chunk plan once, as ``serve`` does.
 The figure that matters is each schedule's step over ``base``: the share of
@@ -46,7 +47,7 @@ from benchmarks.lora_kernels import (
     time_graph,
 )
 
-SCHEDULES = ("base", "overlap", "sequential", "fused")
+SCHEDULES = ("base", "overlap", "sequential", "beside")
 #: ``--diagnose``: parts of ``overlap``, to see where its time goes (their
 #: outputs are not the layer's): the fork and join alone (events, nothing on
 #: the second stream), the shrink beside the GEMM without the expand, and the
@@ -64,7 +65,6 @@ def schedule_fn(
     outs: dict[str, torch.Tensor],
 ) -> Callable[[], None]:
     """One step's linear layers under ``schedule`` (each decoder layer its own weights)."""
-    from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
     from skyrl_lora.server.kernels.grouped_lora import (
         DEFAULT_CONFIG,
         fill_plan,
@@ -74,10 +74,8 @@ def schedule_fn(
     )
 
     tokens = next(iter(x.values())).size(0)
-    rank = layers[0].a[0].size(-2)
     device = meta["ids"].device
     plan = new_plan(tokens, groups, device)
-    workspace = new_workspace(tokens, rank, device)
     side = torch.cuda.Stream()
     before, shrunk = torch.cuda.Event(), torch.cuda.Event()
     ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
@@ -96,16 +94,25 @@ def schedule_fn(
             if schedule == "overlap":
                 grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
             return
+        if schedule == "beside":
+            term = outs[f"term{len(slots.widths)}{y.size(1)}"]
+            before.record()
+            with torch.cuda.stream(side):
+                before.wait()
+                grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+                term.zero_()
+                grouped_expand(buf, slots.b, term, *ids, 0, False, DEFAULT_CONFIG, plan)
+                shrunk.record()
+            gemm()
+            shrunk.wait()
+            y.add_(term)
+            return
         gemm()
         if schedule == "expand_after":
             grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
         if schedule == "sequential":
             grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
             grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
-        elif schedule == "fused":
-            fused_lora(
-                y, xin, slots.a, slots.b, 1.0, *ids, workspace, 0, True, DEFAULT_CONFIG, plan
-            )
 
     def run() -> None:
         if schedule != "base":
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outs = {f"buf{n}": torch.empty(n, tokens, args.rank, device="cuda") for n in (1, 2, 3)}
         for j, (_, widths, _) in enumerate(shapes):
             outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
+            outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
             timed = (*SCHEDULES, *DIAGNOSTICS) if args.diagnose else SCHEDULES

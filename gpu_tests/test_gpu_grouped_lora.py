@@ -20,6 +20,16 @@ if not torch.cuda.is_available():  # pragma: no cover - the CPU suite never coll
     pytest.skip("no CUDA device", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_vllm_pointer_caches() -> None:
+    """vLLM's kernels, the references here, cache weights' strides by address:
+    a test's weights made where an earlier test's were would be read with the
+    earlier strides (the step-plan test failed so after the tests before it)."""
+    from skyrl_lora.server import compat
+
+    compat.forget_lora_pointer_caches()
+
+
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("tokens,adapters", [(64, 8), (256, 32), (7, 3), (700, 2)])
 def test_grouped_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters: int) -> None:
@@ -69,91 +79,6 @@ def test_grouped_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters:
             assert float(diff.max()) <= tol, (layer[0], groups, float(diff.max()), tol)
             base_rows = mapping.cuda() < 0
             assert torch.equal(got[base_rows], y0[base_rows]), layer[0]
-
-
-@pytest.mark.parametrize("rank", [16, 64])
-def test_fused_equals_vllm_on_every_8b_layer(rank: int) -> None:
-    """The whole layer in one launch (:mod:`.fused_lora`) against vLLM's shrink
-    then expand, every layer shape, decode- and prefill-sized steps, on one
-    workspace (its halves alternate across launches of other sizes)."""
-    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
-
-    from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
-
-    slots = 32
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    workspace = new_workspace(1024, rank, torch.device("cuda"))
-    count = torch.tensor([slots + 1], dtype=torch.int32)
-    no_lora = torch.tensor([False])
-    for tokens, adapters in ((64, 8), (700, 2), (7, 3), (256, 32), (64, 1)):
-        mapping = torch.arange(tokens, dtype=torch.int32) % adapters
-        mapping[::5] = -1
-        meta = kernel_metadata(mapping.cuda(), slots)
-        ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"])
-        for layer in llama_layers("8b")[0]:
-            weights = make_slots(layer, slots, rank, gen)
-            x = torch.randn(tokens, layer[2], device="cuda", generator=gen).to(torch.bfloat16)
-            y0 = torch.randn(tokens, sum(layer[1]), device="cuda", generator=gen)
-            y0 = y0.to(torch.bfloat16)
-            buf = torch.empty(len(layer[1]), tokens, rank, device="cuda")
-            want = y0.clone()
-            lora_shrink(x, weights.a, buf, meta["mapping"], *ids, no_lora, count, 0.5)
-            lora_expand(
-                buf, weights.b, want, meta["mapping"], *ids, no_lora, count,
-                offset_start=0, add_inputs=True,
-            )  # fmt: skip
-            got = y0.clone()
-            fused_lora(got, x, weights.a, weights.b, 0.5, *ids, slots + 1, workspace)
-            tol = 4 * 2**-8 * float(want.float().abs().max())
-            diff = float((got.float() - want.float()).abs().max())
-            assert diff <= tol, (layer[0], tokens, adapters, diff, tol)
-            base_rows = mapping.cuda() < 0
-            assert torch.equal(got[base_rows], y0[base_rows]), layer[0]
-
-
-def test_fused_layers_replay_in_a_cuda_graph() -> None:
-    """A step's 128 fused launches captured in one graph and replayed many
-    times: every replay equals the shrink-then-expand reference (a barrier
-    that let the expand start early, or a workspace half left dirty, shows
-    as a wrong or growing output)."""
-    from skyrl_lora.server.kernels.fused_lora import fused_lora, new_workspace
-    from skyrl_lora.server.kernels.grouped_lora import grouped_expand, grouped_shrink
-
-    slots, rank, tokens = 8, 64, 64
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    shapes = llama_layers("8b")[0]
-    layers = [make_slots(shape, slots, rank, gen) for _ in range(32) for shape in shapes]
-    x = {
-        f: torch.randn(tokens, f, device="cuda", generator=gen).to(torch.bfloat16)
-        for f in {shape[2] for shape in shapes}
-    }
-    meta = kernel_metadata(torch.arange(tokens, dtype=torch.int32, device="cuda") % 8, slots)
-    ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], slots + 1)
-    want = []
-    for weights in layers:
-        y = torch.zeros(tokens, sum(weights.widths), device="cuda", dtype=torch.bfloat16)
-        buf = torch.empty(len(weights.widths), tokens, rank, device="cuda")
-        grouped_shrink(x[weights.a[0].size(-1)], weights.a, buf, *ids, 1.0)
-        grouped_expand(buf, weights.b, y, *ids, 0, True)
-        want.append(y)
-    outs = [torch.zeros_like(w) for w in want]
-    workspace = new_workspace(tokens, rank, torch.device("cuda"))
-
-    def step() -> None:
-        for weights, y in zip(layers, outs):
-            y.zero_()
-            fused_lora(y, x[weights.a[0].size(-1)], weights.a, weights.b, 1.0, *ids, workspace)
-
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for replay in range(20):
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (got, ref) in enumerate(zip(outs, want)):
-            tol = 4 * 2**-8 * float(ref.float().abs().max())
-            assert float((got.float() - ref.float()).abs().max()) <= tol, (replay, i)
 
 
 def test_installed_ops_replay_in_a_cuda_graph() -> None:

@@ -909,63 +909,28 @@ def replace_punica_lora_ops(
 
 _REGISTERED_LIBRARIES: list[Any] = []
 
-#: The parameters of ``PunicaWrapperGPU.add_lora_linear`` a replacement takes
-#: (0.26 and 0.32; the buffer and ``add_inputs`` come as keywords).
-ADD_LORA_LINEAR_PARAMETERS = (
-    "self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices",
-)  # fmt: skip
+#: vLLM's Triton LoRA ops cache each layer's stacked-weight pointers and strides here (0.26).
+_LORA_POINTER_CACHES = ("_LORA_A_PTR_DICT", "_LORA_B_PTR_DICT")
 
 
-def replace_punica_add_lora_linear(
-    library: str, op: Callable[..., None], op_fake: Callable[..., None]
-) -> bool:
-    """Make the GPU Punica wrapper's ``add_lora_linear`` (a linear LoRA layer's
-    shrink then expand) one call of ``op``: ``op(y, x, lora_a, lora_b, scale,
-    *token metadata, add_inputs)``, the metadata as the wrapper hands it to
-    vLLM's own ops. Registered as ``library``'s custom op ``lora_linear``
-    (opaque to torch.compile, its launch captured in CUDA graphs). False,
-    changing nothing, where this build's wrapper looks otherwise. Must run
-    in the worker before the model is compiled and its graphs captured.
+def forget_lora_pointer_caches() -> None:
+    """Empty vLLM's caches of the stacked LoRA weights' pointers and strides.
+
+    vLLM keys them by the weights' addresses alone: weights dropped and
+    others of other strides made at the same address get the old strides,
+    and vLLM's kernels read the wrong rows. A server's weights live as long
+    as it does; tests and benchmarks that make and drop weights call this
+    before vLLM's kernels see new ones. Nothing to do where this build has
+    no such caches.
     """
-    wrapper_class = getattr(_punica_gpu_module(), "PunicaWrapperGPU", None)
-    original = getattr(wrapper_class, "add_lora_linear", None)
-    if original is None or tuple(inspect.signature(original).parameters)[:7] != (
-        ADD_LORA_LINEAR_PARAMETERS
-    ):
-        return False
-    import torch
-
-    register = _first_attr("direct_register_custom_op", "vllm.utils.torch_utils")
-    lib = torch.library.Library(library, "FRAGMENT")
-    register("lora_linear", op, ["output_tensor"], op_fake, target_lib=lib)
-    _REGISTERED_LIBRARIES.append(lib)
-    fused = getattr(torch.ops, library).lora_linear
-
-    def add_lora_linear(
-        self: Any,
-        y: Any,
-        x: Any,
-        lora_a_stacked: tuple[Any, ...],
-        lora_b_stacked: tuple[Any, ...],
-        scale: float,
-        output_slices: tuple[int, ...],
-        *,
-        buffer: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        if buffer is not None:  # vLLM's own wrapper refuses one too
-            raise ValueError("add_lora_linear makes its own buffer")
-        rows = x.reshape(-1, x.shape[-1])
-        meta = self.token_mapping_meta.meta_args(
-            rows.size(0), self.lora_config.specialize_active_lora
-        )
-        fused(
-            y, rows, list(lora_a_stacked), list(lora_b_stacked), scale, *meta,
-            kwargs.pop("add_inputs", True),
-        )  # fmt: skip
-
-    wrapper_class.add_lora_linear = add_lora_linear  # type: ignore[union-attr]
-    return True
+    try:
+        module = importlib.import_module("vllm.lora.ops.triton_ops.utils")
+    except ImportError:
+        return
+    for name in _LORA_POINTER_CACHES:
+        cache = getattr(module, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
 
 
 def after_punica_metadata(hook: Callable[[Any], None]) -> bool:

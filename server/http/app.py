@@ -40,7 +40,7 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..engine.step_budget import graph_step_budget
-from ..kernels import FUSED, GROUPED, KERNELS_ENV, VLLM
+from ..kernels import GROUPED, KERNELS_ENV, VLLM
 from ..loading import staged_engine
 from ..loading.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from ..reaper import start_reaper
@@ -308,12 +308,11 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     group.add_argument(
         "--lora-kernels",
-        choices=(GROUPED, FUSED, VLLM),
+        choices=(GROUPED, VLLM),
         default=GROUPED,
-        help="the GPU LoRA kernels: 'grouped' (ours: work for the adapters a step holds), "
-        "'fused' (the same, each layer's shrink and expand in one launch after its base GEMM; "
-        "--lora-overlap does not apply) or 'vllm' (vLLM's Punica kernels, whose work grows "
-        "with --max-loras and the step's tokens); docs/gpu.md has the curve",
+        help="the GPU LoRA kernels: 'grouped' (ours: work for the adapters a step holds) or "
+        "'vllm' (vLLM's Punica kernels, whose work grows with --max-loras and the step's "
+        "tokens); docs/gpu.md has the curve",
     )
     group.add_argument(
         "--lora-overlap",
@@ -386,9 +385,7 @@ def _choose_lora_kernels(args: argparse.Namespace) -> None:
     other's ops are not registered).
     """
     os.environ[KERNELS_ENV] = args.lora_kernels
-    overlap = (
-        args.lora_overlap == "on" and args.lora_kernels != FUSED and not compat.engine_on_cpu()
-    )
+    overlap = args.lora_overlap == "on" and not compat.engine_on_cpu()
     if overlap:
         os.environ[compat.DUAL_STREAM_ENV] = "1"
     else:
@@ -396,7 +393,7 @@ def _choose_lora_kernels(args: argparse.Namespace) -> None:
     root = compat.vllm_cache_root()
     if os.path.basename(root).startswith(CACHE_DIR_PREFIX):
         root = os.path.dirname(root)  # a second serve in one process
-    parts = {GROUPED: ["grouped-kernels"], FUSED: ["fused-kernels"]}.get(args.lora_kernels, [])
+    parts = ["grouped-kernels"] if args.lora_kernels == GROUPED else []
     parts += ["overlap"] if overlap else []
     os.environ["VLLM_CACHE_ROOT"] = (
         os.path.join(root, CACHE_DIR_PREFIX + "-".join(parts)) if parts else root

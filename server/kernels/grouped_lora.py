@@ -190,19 +190,6 @@ def _plan_entry(table_ptr, chunk, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _entry_of(table_ptr, item, pid, chunk, first, BLOCK_M: tl.constexpr):
-    """Item ``item``'s chunk entry: a program's first item takes ``first``, the
-    entry it loaded beside the step's chunk count (every program's first
-    chunk is inside the table: the grid is bounded by its capacity), so the
-    count and the entry cost one memory round, not two."""
-    if item == pid:
-        slot, rows, m_mask = first
-    else:
-        slot, rows, m_mask = _plan_entry(table_ptr, chunk, BLOCK_M)
-    return slot, rows, m_mask
-
-
-@triton.jit
 def _grouped_shrink_kernel(
     x_ptr,
     w0_ptr,
@@ -235,7 +222,6 @@ def _grouped_shrink_kernel(
     programs = tl.num_programs(0)
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_chunk = SLICES * k_blocks
-    first = _plan_entry(plan_ptr, pid // per_chunk, BLOCK_M)
     total = tl.load(plan_ptr) * per_chunk
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -244,7 +230,7 @@ def _grouped_shrink_kernel(
         rest = item % per_chunk
         s = rest // k_blocks
         kb = rest % k_blocks
-        slot, rows, m_mask = _entry_of(plan_ptr, item, pid, chunk, first, BLOCK_M)
+        slot, rows, m_mask = _plan_entry(plan_ptr, chunk, BLOCK_M)
         w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
         w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -306,7 +292,6 @@ def _grouped_expand_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     per_chunk = SLICES * n_blocks
-    first = _plan_entry(plan_ptr, pid // per_chunk, BLOCK_M)
     total = tl.load(plan_ptr) * per_chunk
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -317,17 +302,12 @@ def _grouped_expand_kernel(
         nb = rest % n_blocks
         n_s = _pick(s, n0, n1, n2)
         if nb * BLOCK_N < n_s:
-            slot, rows, m_mask = _entry_of(plan_ptr, item, pid, chunk, first, BLOCK_M)
+            slot, rows, m_mask = _plan_entry(plan_ptr, chunk, BLOCK_M)
             w_ptr = _pick(s, w0_ptr, w1_ptr, w2_ptr)
             w_s0 = _pick(s, ws0_0, ws0_1, ws0_2)
             col = _pick(s, col0, col1, col2)
             offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < n_s
-            o_ptrs = out_ptr + rows[:, None] * o_s0 + (col + offs_n)[None, :] * o_s1
-            mask = m_mask[:, None] & n_mask[None, :]
-            # The output's rows are read beside the weights, not after the dot.
-            if ADD_INPUTS:
-                old = tl.load(o_ptrs, mask=mask, other=0.0)
             b = tl.load(
                 w_ptr + slot * w_s0 + offs_n[None, :] * w_s1 + offs_r[:, None] * w_s2,
                 mask=r_mask[:, None] & n_mask[None, :],
@@ -339,8 +319,10 @@ def _grouped_expand_kernel(
                 other=0.0,
             )
             acc = tl.dot(a.to(b.dtype), b)
+            o_ptrs = out_ptr + rows[:, None] * o_s0 + (col + offs_n)[None, :] * o_s1
+            mask = m_mask[:, None] & n_mask[None, :]
             if ADD_INPUTS:
-                acc += old.to(tl.float32)
+                acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

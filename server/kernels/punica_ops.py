@@ -9,15 +9,12 @@ kernel where it does not (packed layers of more than three slices), and
 :func:`install` puts them in the wrapper's place. It also makes the
 wrapper fill the step's row-chunk plan (:func:`fill_step_plan`) right after
 vLLM prepares the step's metadata, once per step, so that none of the
-step's 256 launches works out its rows again. With ``fused``, the
-wrapper's ``add_lora_linear`` (the shrink then the expand of one layer)
-becomes one op, :func:`lora_linear`, one launch per layer
-(:mod:`.fused_lora`).
+step's 256 launches works out its rows again.
 
 Installed in each GPU worker as vLLM imports our worker extension, before
 the model is compiled and its CUDA graphs are captured
-(``SKYRL_LORA_KERNELS``: ``grouped``, the default, ``fused``, or ``vllm``
-to keep vLLM's; ``serve --lora-kernels``). No ``from __future__ import
+(``SKYRL_LORA_KERNELS``: ``grouped``, the default, or ``vllm`` to keep
+vLLM's; ``serve --lora-kernels``). No ``from __future__ import
 annotations`` here: the ops' schemas are read from these annotations.
 """
 
@@ -28,8 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .. import compat
-from . import FUSED, GROUPED, KERNELS_ENV, VLLM
-from .fused_lora import FusedWorkspace, fused_lora, new_workspace
+from . import GROUPED, KERNELS_ENV, VLLM
 from .grouped_lora import (
     RowChunkPlan,
     fill_plan,
@@ -42,8 +38,8 @@ from .grouped_lora import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FUSED", "GROUPED", "KERNELS_ENV", "VLLM", "fill_step_plan", "fused_installed", "install",
-    "installed", "lora_expand", "lora_linear", "lora_shrink",
+    "GROUPED", "KERNELS_ENV", "VLLM", "fill_step_plan", "install", "installed", "lora_expand",
+    "lora_shrink",
 ]  # fmt: skip
 #: The torch library our ops are registered in (``torch.ops.skyrl_lora``).
 LIBRARY = "skyrl_lora"
@@ -54,13 +50,6 @@ _vllm_ops: tuple[Callable[..., None], Callable[..., None]] | None = None
 #: other fields come sliced), and a CUDA graph captured with the plan's
 #: tables replays with them, refilled before every step.
 _step_plans: dict[int, RowChunkPlan] = {}
-#: Each device's workspace for :func:`lora_linear` (grown, never shrunk: a
-#: CUDA graph keeps the one it captured, with its own barrier state).
-_workspaces: dict[torch.device, FusedWorkspace] = {}
-#: Rows a first workspace holds at least (vLLM's profile run, eager and
-#: first, asks for its whole token budget anyway).
-_WORKSPACE_MIN_TOKENS = 2048
-_fused = False
 
 
 def fill_step_plan(wrapper: object) -> None:
@@ -160,76 +149,6 @@ def lora_expand(
     )
 
 
-def lora_linear(
-    output_tensor: torch.Tensor,
-    inputs: torch.Tensor,
-    lora_a_weights: list[torch.Tensor],
-    lora_b_weights: list[torch.Tensor],
-    scaling: float,
-    token_lora_mapping: torch.Tensor,
-    token_indices_sorted_by_lora_ids: torch.Tensor,
-    num_tokens_per_lora: torch.Tensor,
-    lora_token_start_loc: torch.Tensor,
-    lora_ids: torch.Tensor,
-    no_lora_flag_cpu: torch.Tensor,
-    num_active_loras: torch.Tensor,
-    add_inputs: bool = True,
-) -> None:
-    """vLLM's ``add_lora_linear`` (shrink, then expand adding into the layer's
-    output) in one launch (:func:`.fused_lora.fused_lora`); layers the fused
-    kernel does not take run :func:`lora_shrink` then :func:`lora_expand`."""
-    if no_lora_flag_cpu.item():
-        return
-    rows = inputs.view(-1, inputs.size(-1))
-    meta = (
-        token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
-        lora_token_start_loc, lora_ids, no_lora_flag_cpu, num_active_loras,
-    )  # fmt: skip
-    slices, tokens = len(lora_a_weights), rows.size(0)
-    rank = int(lora_a_weights[0].size(-2))
-    if not (supports(lora_a_weights) and supports(lora_b_weights)):
-        buffer = torch.empty((slices, tokens, rank), dtype=torch.float32, device=rows.device)
-        lora_shrink(rows, lora_a_weights, buffer, *meta, scaling)
-        lora_expand(buffer, lora_b_weights, output_tensor, *meta, 0, add_inputs)
-        return
-    fused_lora(
-        output_tensor, rows, lora_a_weights, lora_b_weights, scaling,
-        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids,
-        int(num_active_loras.item()), _workspace(rows.device, slices, tokens, rank),
-        add_inputs=add_inputs, plan=_step_plans.get(num_tokens_per_lora.data_ptr()),
-    )  # fmt: skip
-
-
-def _workspace(device: torch.device, slices: int, tokens: int, rank: int) -> FusedWorkspace:
-    """The device's fused-kernel workspace, a larger one where this launch needs it."""
-    workspace = _workspaces.get(device)
-    if workspace is None or not workspace.fits(slices, tokens, rank):
-        rows = max(tokens, _WORKSPACE_MIN_TOKENS)
-        if workspace is not None:
-            rows = max(rows, workspace.half // (3 * max(rank, 1)))
-        workspace = new_workspace(rows, rank, device)
-        _workspaces[device] = workspace
-    return workspace
-
-
-def _linear_fake(
-    output_tensor: torch.Tensor,
-    inputs: torch.Tensor,
-    lora_a_weights: list[torch.Tensor],
-    lora_b_weights: list[torch.Tensor],
-    scaling: float,
-    token_lora_mapping: torch.Tensor,
-    token_indices_sorted_by_lora_ids: torch.Tensor,
-    num_tokens_per_lora: torch.Tensor,
-    lora_token_start_loc: torch.Tensor,
-    lora_ids: torch.Tensor,
-    no_lora_flag_cpu: torch.Tensor,
-    num_active_loras: torch.Tensor,
-    add_inputs: bool = True,
-) -> None:
-    return None
-
-
 def _shrink_fake(
     inputs: torch.Tensor,
     lora_a_weights: list[torch.Tensor],
@@ -266,8 +185,8 @@ def _expand_fake(
 def chosen() -> str:
     """The kernels the environment asks for (:data:`KERNELS_ENV`; grouped by default)."""
     value = os.environ.get(KERNELS_ENV, GROUPED).strip().lower() or GROUPED
-    if value not in (GROUPED, FUSED, VLLM):
-        raise ValueError(f"{KERNELS_ENV}={value!r}: expected {GROUPED!r}, {FUSED!r} or {VLLM!r}")
+    if value not in (GROUPED, VLLM):
+        raise ValueError(f"{KERNELS_ENV}={value!r}: expected {GROUPED!r} or {VLLM!r}")
     return value
 
 
@@ -278,10 +197,10 @@ def install() -> bool:
     no CUDA device is there (the CPU build runs its own LoRA ops), or where
     this vLLM's ops take other arguments than ours.
     """
-    global _vllm_ops, _fused
+    global _vllm_ops
     if _vllm_ops is not None:
         return True
-    if chosen() == VLLM or not torch.cuda.is_available():
+    if chosen() != GROUPED or not torch.cuda.is_available():
         return False
     found = compat.punica_lora_ops()
     if found is None:
@@ -294,12 +213,9 @@ def install() -> bool:
         _vllm_ops = None
         return False
     planned = compat.after_punica_metadata(fill_step_plan)
-    if chosen() == FUSED:
-        _fused = compat.replace_punica_add_lora_linear(LIBRARY, lora_linear, _linear_fake)
     logger.info(
-        "LoRA kernels: grouped (%s=%s), row chunks planned %s, %s",
-        KERNELS_ENV, chosen(), "once per step" if planned else "in every launch",
-        "each layer in one launch" if _fused else "shrink and expand apart",
+        "LoRA kernels: grouped (%s=%s), row chunks planned %s",
+        KERNELS_ENV, GROUPED, "once per step" if planned else "in every launch",
     )  # fmt: skip
     return True
 
@@ -307,8 +223,3 @@ def install() -> bool:
 def installed() -> bool:
     """Whether this process's Punica wrapper runs the grouped kernels."""
     return _vllm_ops is not None
-
-
-def fused_installed() -> bool:
-    """Whether this process's Punica wrapper runs each LoRA layer in one launch."""
-    return _fused
