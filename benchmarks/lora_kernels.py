@@ -353,15 +353,22 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    layer_shapes, depth = llama_layers(args.size)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    result: dict[str, Any] = {
+def run_facts(args: argparse.Namespace) -> dict[str, Any]:
+    """What every GPU benchmark's JSON opens with: the commit, date, machine and shape."""
+    return {
         "commit": args.commit,
         "date": time.strftime("%Y-%m-%d"),
         "machine": args.machine or torch.cuda.get_device_name(0),
         "size": args.size,
         "slots": args.slots,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    layer_shapes, depth = llama_layers(args.size)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result: dict[str, Any] = {
+        **run_facts(args),
         "hbm_bytes_per_s_datasheet": HBM_BYTES_PER_S,
         "copy_bytes_per_s": copy_bandwidth(),
         "points": [],

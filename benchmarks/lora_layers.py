@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from benchmarks.lora_kernels import (
     llama_layers,
     make_slots,
     metadata,
+    run_facts,
     time_graph,
 )
 
@@ -148,11 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     adapter_bytes = sum(s.bytes_per_adapter for s in layers)
     result: dict[str, Any] = {
-        "commit": args.commit,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": args.machine or torch.cuda.get_device_name(0),
-        "size": args.size,
-        "slots": args.slots,
+        **run_facts(args),
         "rank": args.rank,
         "weight_bytes": weight_bytes,
         "adapter_bytes": adapter_bytes,
