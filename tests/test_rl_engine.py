@@ -8,12 +8,18 @@ current weights produced have an importance ratio of 1 (the trainer and the
 server compute the same logprobs), so the off-policy correction is sound.
 The learner process's hand-over, the GPU runs' transfer, is checked on the
 same server by shared memory, with the times the RL report splits it by.
+
+The runs share one learner process, reset to its fresh LoRA and optimizer
+before each (``LearnerProcess.reset``, as the RL example runs its modes one
+after another): a process of its own cost each test 6 s or more of
+importing torch and PEFT and loading the model while the engine stood idle.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -33,40 +39,63 @@ TARGET = 0.5
 TRANSFER = "load"
 
 
-async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -> None:
-    from examples.rl.learner import LearnerConfig, LearnerProcess
+@pytest.fixture(scope="module")
+async def learner(engine_server: Any) -> AsyncIterator[Any]:
+    """The module's learner process: it learns to say animal words (any of 8:
+    the base model says one in about 60 words, so every group of 16 samples
+    carries some signal and the rise does not hang on the luck of a first rare
+    word), at the reward run's rate (the short runs check versions, leases
+    and pauses, not learning: they ran at the default rate). Reset before
+    each use."""
+    from examples.rl.learner import LearnerProcess
+    from skyrl_lora.server.embedded.builder import ANIMALS
+
+    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
+    with LearnerProcess(engine_server.model.model_dir, targets, learner_config()) as started:
+        await started.ready()
+        yield started
+
+
+def learner_config() -> Any:
+    from examples.rl.learner import LearnerConfig
+    from skyrl_lora.rl_accounting import OffPolicyConfig
+
+    return LearnerConfig(lr=2e-2, off_policy=OffPolicyConfig(max_staleness=2))
+
+
+async def reset_learner(learner: Any) -> Any:
+    """``learner`` back at its fresh LoRA and optimizer, as a new process starts."""
+    await learner.reset()
+    return learner
+
+
+async def test_rl_reward_rises_and_versions_are_consistent(
+    engine_server: Any, learner: Any
+) -> None:
     from examples.rl.tenant import LoopConfig, random_prompts, run_tenant
     from skyrl_lora.client import RemoteInferenceClient
-    from skyrl_lora.rl_accounting import OffPolicyConfig
-    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+    from skyrl_lora.server.embedded.builder import _word_ids
 
-    # Reward: the share of animal words (any of 8): the base model says one
-    # in about 60 words, so every group of 16 samples carries some signal
-    # and the rise does not hang on the luck of a first rare word.
-    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
-    config = LearnerConfig(lr=2e-2, off_policy=OffPolicyConfig(max_staleness=2))
+    config = learner_config()  # the module's learner's
     loop = LoopConfig(
         steps=STEPS, groups_per_step=4, group_size=16, transfer=TRANSFER, target_reward=TARGET
     )
     folder = engine_server.adapter_root / "rl-ci"
-    with LearnerProcess(engine_server.model.model_dir, targets, config) as learner:
-        async with RemoteInferenceClient(
-            engine_server.url, api_key=engine_server.admin_key
-        ) as client:
-            await learner.ready()
-            started = time.monotonic()
-            log = await run_tenant(
-                client,
-                "rl-ci",
-                learner,
-                folder,
-                random_prompts(_word_ids(), loop.prompt_words, seed=0),
-                loop,
-                "per_adapter",
-                started,
-            )
-            adapters = (await client.list_adapters()).adapters
-            resubmits = client.metrics().resubmits
+    await reset_learner(learner)
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
+        started = time.monotonic()
+        log = await run_tenant(
+            client,
+            "rl-ci",
+            learner,
+            folder,
+            random_prompts(_word_ids(), loop.prompt_words, seed=0),
+            loop,
+            "per_adapter",
+            started,
+        )
+        adapters = (await client.list_adapters()).adapters
+        resubmits = client.metrics().resubmits
     (served,) = [a for a in adapters if a.lora_name == "rl-ci"]
     elapsed = time.monotonic() - started
     rewards = [round(s.mean_reward, 3) for s in log.steps]
@@ -117,7 +146,7 @@ async def test_rl_reward_rises_and_versions_are_consistent(engine_server: Any) -
     assert elapsed < 30 + 3 * steps, (elapsed, steps)
 
 
-async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
+async def test_pinned_rollouts_never_mix_versions(engine_server: Any, learner: Any) -> None:
     """With ``pin_rollouts`` a group samples on the version it started on,
     leased across the next sync: aborted groups resume on their own version."""
     from examples.rl.tenant import LoopConfig
@@ -135,7 +164,9 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
         transfer=TRANSFER,
         pin_rollouts=True,
     )
-    log, served, _ = await _short_run(engine_server, "rl-pinned", loop, "per_adapter", seed=1)
+    log, served, _ = await _short_run(
+        engine_server, learner, "rl-pinned", loop, "per_adapter", seed=1
+    )
     assert len(log.steps) == 4
     assert sum(s.aborted for s in log.swaps) > 0 and log.resumed > 0
     assert log.spanning == 0, "a pinned sample mixed versions"
@@ -145,7 +176,9 @@ async def test_pinned_rollouts_never_mix_versions(engine_server: Any) -> None:
             assert len(set(tokens.staleness)) == 1  # one version per sample
 
 
-async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_server: Any) -> None:
+async def test_an_on_policy_tenant_is_paused_across_its_learners_step(
+    engine_server: Any, learner: Any
+) -> None:
     """``per_adapter_on_policy`` pauses the tenant's adapter as its learner
     starts a step and resumes it after the sync: every learner call lies
     inside the pause, the pause aborts the samples in flight, and the client
@@ -155,7 +188,7 @@ async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_ser
     # 32-token samples, as for the pinned run: a pause must find some mid-generation.
     loop = LoopConfig(steps=4, groups_per_step=4, group_size=16, max_tokens=32, transfer=TRANSFER)
     log, served, resubmits = await _short_run(
-        engine_server, "rl-on-policy", loop, "per_adapter_on_policy", seed=2
+        engine_server, learner, "rl-on-policy", loop, "per_adapter_on_policy", seed=2
     )
     assert len(log.steps) == 4 and len(log.swaps) == 4
     first = log.versions[0]
@@ -169,29 +202,23 @@ async def test_an_on_policy_tenant_is_paused_across_its_learners_step(engine_ser
 
 
 async def _short_run(
-    engine_server: Any, name: str, loop: Any, mode: str, seed: int
+    engine_server: Any, learner: Any, name: str, loop: Any, mode: str, seed: int
 ) -> tuple[Any, Any, int]:
-    """One tenant's short run against ``name`` (learning to say animal words):
-    its log, the adapter as the server then lists it, the client's resubmits."""
-    from examples.rl.learner import LearnerConfig, LearnerProcess
+    """One tenant's short run against ``name`` with the module's learner,
+    reset first: its log, the adapter as the server then lists it, the
+    client's resubmits."""
     from examples.rl.tenant import random_prompts, run_tenant
     from skyrl_lora.client import RemoteInferenceClient
-    from skyrl_lora.server.embedded.builder import ANIMALS, _word_ids
+    from skyrl_lora.server.embedded.builder import _word_ids
 
-    targets = frozenset(engine_server.word_id(w) for w in ANIMALS)
     folder = engine_server.adapter_root / name
-    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
-        async with RemoteInferenceClient(
-            engine_server.url, api_key=engine_server.admin_key
-        ) as client:
-            await learner.ready()
-            prompts = random_prompts(_word_ids(), loop.prompt_words, seed=seed)
-            log = await run_tenant(
-                client, name, learner, folder, prompts, loop, mode, time.monotonic()
-            )
-            listed = (await client.list_adapters()).adapters
-            (served,) = [a for a in listed if a.lora_name == name]
-            return log, served, client.metrics().resubmits
+    await reset_learner(learner)
+    async with RemoteInferenceClient(engine_server.url, api_key=engine_server.admin_key) as client:
+        prompts = random_prompts(_word_ids(), loop.prompt_words, seed=seed)
+        log = await run_tenant(client, name, learner, folder, prompts, loop, mode, time.monotonic())
+        listed = (await client.list_adapters()).adapters
+        (served,) = [a for a in listed if a.lora_name == name]
+        return log, served, client.metrics().resubmits
 
 
 async def _until(ready: Any, timeout_s: float = 30.0) -> None:
@@ -293,20 +320,19 @@ async def test_engine_counters_read_the_real_engines_metrics(engine_server: Any)
     assert sum(p["share"] for p in cut.values()) == pytest.approx(1)
 
 
-async def test_a_learner_hands_its_adapter_over_and_times_its_part(engine_server: Any) -> None:
+async def test_a_learner_hands_its_adapter_over_and_times_its_part(
+    engine_server: Any, learner: Any
+) -> None:
     """The GPU runs' transfer on the CPU engine: the learner process hands its
     adapter over by shared memory, twice (the second reuses its buffer and
     client), and says how long its weights' look-up, its copy into the buffer and
     the HTTP call took: the parts the RL report splits a sync's push into."""
-    from examples.rl.learner import LearnerConfig, LearnerProcess
     from skyrl_lora.client import RemoteInferenceClient
 
-    targets = frozenset({engine_server.word_id("meow")})
     key = engine_server.admin_key
-    with LearnerProcess(engine_server.model.model_dir, targets, LearnerConfig()) as learner:
-        await learner.ready()
-        first = await learner.hand_over(engine_server.url, "rl-handed", 1, api_key=key)
-        second = await learner.hand_over(engine_server.url, "rl-handed", 2, api_key=key)
+    await reset_learner(learner)
+    first = await learner.hand_over(engine_server.url, "rl-handed", 1, api_key=key)
+    second = await learner.hand_over(engine_server.url, "rl-handed", 2, api_key=key)
     assert (first.version, second.version) == (1, 2)
     for handed in (first, second):
         assert handed.state_s > 0 and handed.update_s > 0 and 0 < handed.request_s < 60
