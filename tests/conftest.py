@@ -1,14 +1,18 @@
 """Shared fixtures: the embedded model and real CPU vLLM servers on Ray.
 
 Servers run in Ray actors, exactly as ``skyrl-lora serve`` runs them. They
-start lazily, so the pure unit tests never pay for them. A server's start
-costs 40-95 s on the 2-core CPU machine, most of the suite's time, so tests
-share servers wherever their flags allow: the session's ``engine_server``
-and ``dev_server``, and ``serves`` for the ``skyrl-lora serve`` processes of
-the step-watch and shutdown tests (the shutdown tests stop the servers the
-others used, last). Where the selected tests need several, they start two
-at a time as soon as the first is needed (``tests/server_starts.py`` says
-why that costs about one start's time).
+start only where the selected tests need them, so the pure unit tests never
+pay for them. A server's start costs 40-95 s on the 2-core CPU machine,
+most of the suite's time, so tests share servers wherever their flags
+allow: the session's ``engine_server`` and ``dev_server``, and ``serves``
+for the ``skyrl-lora serve`` processes of the step-watch and shutdown tests
+(the shutdown tests stop the servers the others used, last). Where the
+selected tests need several, they start two at a time
+(``tests/server_starts.py`` says why that costs about one start's time):
+the session's two as the session begins, beside its first unit tests, each
+stopped after the last test that uses it (the route walk, ``dev_server``'s
+only user, runs before the other engine tests); the ``serve`` processes as
+soon as the first is needed.
 
 Soak-length tests carry the ``soak`` marker: deselected by default
 (pyproject's addopts), run by ``-m soak`` at full size and by ``.ci/run``
@@ -73,16 +77,36 @@ LAST = (
 )
 
 
+#: The session actors' fixtures (``actor_starts``).
+SESSION_ACTORS = ("engine_server", "dev_server")
+#: Tests moved to just before the first test that needs a session actor: the
+#: route walk's server serves no other test, so it is stopped right after
+#: them (``ActorStarts.release``) instead of idling through the session.
+FIRST = ("tests/test_route_walk_engine.py::",)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         return next((i + 1 for i, p in enumerate(LAST) if item.nodeid.startswith(p)), 0)
 
     items.sort(key=rank)  # stable: every other test keeps its place
+    first = [item for item in items if item.nodeid.startswith(FIRST)]
+    rest = [item for item in items if not item.nodeid.startswith(FIRST)]
+    at = next((i for i, item in enumerate(rest) if _actors_used(item)), len(rest))
+    items[:] = rest[:at] + first + rest[at:]
+
+
+def _actors_used(item: pytest.Item) -> list[str]:
+    return [name for name in SESSION_ACTORS if name in getattr(item, "fixturenames", ())]
 
 
 #: What the selected tests need, read once they are known (after ``-m`` and ``-k``).
 SERVE_PLAN = pytest.StashKey[list[tuple[str, ...]]]()
 FIXTURES_USED = pytest.StashKey[set[str]]()
+#: The session actors each test is the last user of, by its node id.
+LAST_USERS = pytest.StashKey[dict[str, list[str]]]()
+#: The session's ``actor_starts``, once made.
+ACTORS = pytest.StashKey[ActorStarts]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -90,6 +114,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[FIXTURES_USED] = {
         name for item in session.items for name in getattr(item, "fixturenames", ())
     }
+    items = session.items
+    last = {name: i for i, item in enumerate(items) for name in _actors_used(item)}
+    users: dict[str, list[str]] = {}
+    for name, i in last.items():
+        # the module's last test: its module-scoped fixtures may use the actor as they end
+        while i + 1 < len(items) and items[i + 1].path == items[i].path:
+            i += 1
+        users.setdefault(items[i].nodeid, []).append(name)
+    session.config.stash[LAST_USERS] = users
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """After the last test that uses a session actor (its fixtures torn down
+    too), stop the actor."""
+    yield
+    starts = item.config.stash.get(ACTORS, None)
+    for name in item.config.stash.get(LAST_USERS, {}).get(item.nodeid, []):
+        if starts is not None:
+            starts.release(name)
 
 
 @dataclass(frozen=True)
@@ -231,10 +275,20 @@ def actor_starts(
 
     recipes = {"engine_server": session_server, "dev_server": route_walk_server}
     starts = ActorStarts(local_ray, recipes, request.config.stash.get(FIXTURES_USED, set()))
+    request.config.stash[ACTORS] = starts
     try:
         yield starts
     finally:
+        del request.config.stash[ACTORS]  # the session's end: nothing left to release
         starts.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_actors_launched(request: Any) -> None:
+    """The session actors the selected tests need start as the session
+    begins, beside its first tests (unit tests, that leave a core idle)."""
+    if set(SESSION_ACTORS) & request.config.stash.get(FIXTURES_USED, set()):
+        request.getfixturevalue("actor_starts").launch()
 
 
 @pytest.fixture(scope="session")

@@ -106,10 +106,15 @@ ActorRecipe = tuple[list[str], dict[str, str], Callable[[Any, str], Any]]
 class ActorStarts:
     """Server actors in the session's Ray, by fixture name.
 
-    ``get(name)`` launches the actor for ``name`` and, beside it, those of
-    ``needed`` that are not launched yet (the other session actors the
-    selected tests will ask for), then waits for ``name``'s alone.
-    ``recipes`` makes each actor's :data:`ActorRecipe` when it is launched.
+    :meth:`launch` launches those of ``needed`` (the session actors the
+    selected tests will ask for) that are not launched yet, side by side,
+    and waits for none: the session calls it as it begins, so the starts
+    run beside its first tests. ``get(name)`` launches ``name``'s (and the
+    others) if that has not happened, then waits for ``name``'s alone.
+    :meth:`release` stops one after the last test that uses it: an idle
+    server still costs about a tenth of a core (its event loop's monitor,
+    its engine's threads, its reaper) and 3-4 GB of memory. ``recipes`` makes each actor's
+    :data:`ActorRecipe` when it is launched.
     """
 
     def __init__(
@@ -121,31 +126,52 @@ class ActorStarts:
         self._needed = [name for name in recipes if name in wanted]
         self._launched: dict[str, tuple[Any, Any, Callable[[Any, str], Any]]] = {}
         self._ready: dict[str, Any] = {}
+        self._released: set[str] = set()
 
-    def get(self, name: str) -> Any:
+    def _launch(self, name: str) -> None:
         from skyrl_lora.server.cluster.actor import ActorOptions, launch_server_actor
 
-        for each in dict.fromkeys([name, *self._needed]):
-            if each not in self._launched:
-                argv, env, made = self._recipes[each]()
-                handle, started = launch_server_actor(argv, ActorOptions(env=env))
-                self._launched[each] = (handle, started, made)
+        argv, env, made = self._recipes[name]()
+        handle, started = launch_server_actor(argv, ActorOptions(env=env))
+        self._launched[name] = (handle, started, made)
+
+    def launch(self) -> None:
+        for each in self._needed:
+            if each not in self._launched and each not in self._released:
+                self._launch(each)
+
+    def get(self, name: str) -> Any:
+        if name not in self._launched:  # not launched yet, or released
+            self._launch(name)
+        self.launch()
         if name not in self._ready:
             handle, started, made = self._launched[name]
             self._ready[name] = made(handle, self._ray.get(started))
         return self._ready[name]
 
+    def release(self, name: str) -> None:
+        """Stop ``name``'s actor: the selected tests that use it have run."""
+        self._released.add(name)
+        launched = self._launched.pop(name, None)
+        ready = self._ready.pop(name, None) is not None
+        if launched is not None:
+            self._stop({name: launched[0]}, {name} if ready else set())
+
     def shutdown(self) -> None:
         """Stop every launched actor, side by side; a failed stop fails the
         session only for a server that started (one that did not has failed
         its tests already)."""
-        stops = {name: handle.shutdown.remote() for name, (handle, _, _) in self._launched.items()}
+        handles = {name: handle for name, (handle, _, _) in self._launched.items()}
+        self._stop(handles, set(self._ready))
+
+    def _stop(self, handles: dict[str, Any], ready: set[str]) -> None:
+        stops = {name: handle.shutdown.remote() for name, handle in handles.items()}
         failed = []
         for name, stop in stops.items():
             try:
                 self._ray.get(stop, timeout=120)
             except Exception as exc:
-                if name in self._ready:
+                if name in ready:
                     failed.append(exc)
         if failed:
             raise failed[0]
