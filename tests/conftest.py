@@ -69,9 +69,13 @@ SERVE_STEP_WATCH_CONTROL = (
 #: Tests moved to the session's end, in this order (by node id prefix), so
 #: that each shared ``serve`` is stopped by a shutdown test right after its
 #: last user (they start ahead of their users, two at a time: ``serves``).
+#: Both Ray-mode cases come first: the two flag-less serves start together,
+#: and the step watch's two start while those are used and stopped (a
+#: shutdown case mostly waits on a stopping server, which leaves a core idle).
 LAST = (
     "tests/test_push_stream_default_engine.py::",  # the flag-less serve...
     "tests/test_shutdown_engine.py::test_serve_leaves_no_process_behind[SIGTERM-ray]",  # stops it
+    "tests/test_shutdown_engine.py::test_serve_leaves_no_process_behind[SIGKILL-ray]",  # another
     "tests/test_step_watch_engine.py::",  # the two --no-ray serves...
     "tests/test_shutdown_engine.py::",  # ...stopped by the --no-ray cases
 )
