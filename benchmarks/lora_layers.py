@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.lora_layers`` (GPU) times, in one CUDA graph per
 schedule, every linear layer of a decoder shape (``--size``: the 8B shape's
-32 layers of q/k/v, o, gate/up and down) with its base GEMM (``F.linear``
-on bf16 weights, as vLLM's unquantized layers run it) and its LoRA:
+32 layers of q/k/v, o, gate/up and down) with its base GEMM (``x @ W.T`` on
+bf16 weights into the layer's output: the cuBLAS call vLLM's unquantized
+layers make) and its LoRA:
 
 * ``base``: the GEMMs alone (what a step without adapters runs);
 * ``overlap``: ``serve --lora-overlap on`` (the default): the shrink on a
@@ -80,39 +81,68 @@ def schedule_fn(
     before, shrunk = torch.cuda.Event(), torch.cuda.Event()
     ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
 
+    def shrink(slots: Slots, xin: torch.Tensor, buf: torch.Tensor) -> None:
+        grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+
+    def expand(slots: Slots, buf: torch.Tensor, y: torch.Tensor, add: bool = True) -> None:
+        grouped_expand(buf, slots.b, y, *ids, 0, add, DEFAULT_CONFIG, plan)
+
+    def term_of(slots: Slots, y: torch.Tensor) -> torch.Tensor:
+        return outs[f"term{len(slots.widths)}{y.size(1)}"]
+
+    def term_beside(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        shrink(slots, xin, buf)
+        term = term_of(slots, y)
+        term.zero_()
+        expand(slots, buf, term, add=False)
+
+    def shrink_only(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        shrink(slots, xin, buf)
+
+    def nothing(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+    def expand_into(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        expand(slots, buf, y)
+
+    def both(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        shrink(slots, xin, buf)
+        expand(slots, buf, y)
+
+    def add_term(slots: Slots, xin: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> None:
+        y.add_(term_of(slots, y))
+
+    # What each schedule runs on the second stream beside the GEMM (absent:
+    # no second stream), and what it runs after both, on the GEMM's stream.
+    Step = Callable[[Slots, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    beside: dict[str, Step] = {
+        "overlap": shrink_only,
+        "shrink_beside": shrink_only,
+        "fork_join": nothing,
+        "beside": term_beside,
+    }
+    after: dict[str, Step] = {
+        "overlap": expand_into,
+        "expand_after": expand_into,
+        "sequential": both,
+        "beside": add_term,
+    }
+
     def lora(slots: Slots, xin: torch.Tensor, y: torch.Tensor, gemm: Callable[[], None]) -> None:
+        """The layer's GEMM with its LoRA under ``schedule`` (``base``: the GEMM alone)."""
         buf = outs[f"buf{len(slots.widths)}"]
-        if schedule in ("overlap", "fork_join", "shrink_beside"):
+        work = beside.get(schedule)
+        if work is not None:
             before.record()
             with torch.cuda.stream(side):
                 before.wait()
-                if schedule != "fork_join":
-                    grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
+                work(slots, xin, buf, y)
                 shrunk.record()
-            gemm()
-            shrunk.wait()
-            if schedule == "overlap":
-                grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
-            return
-        if schedule == "beside":
-            term = outs[f"term{len(slots.widths)}{y.size(1)}"]
-            before.record()
-            with torch.cuda.stream(side):
-                before.wait()
-                grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
-                term.zero_()
-                grouped_expand(buf, slots.b, term, *ids, 0, False, DEFAULT_CONFIG, plan)
-                shrunk.record()
-            gemm()
-            shrunk.wait()
-            y.add_(term)
-            return
         gemm()
-        if schedule == "expand_after":
-            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
-        if schedule == "sequential":
-            grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
-            grouped_expand(buf, slots.b, y, *ids, 0, True, DEFAULT_CONFIG, plan)
+        if work is not None:
+            shrunk.wait()
+        if schedule in after:
+            after[schedule](slots, xin, buf, y)
 
     def run() -> None:
         if schedule != "base":
@@ -124,10 +154,7 @@ def schedule_fn(
             def gemm(xin: torch.Tensor = xin, weight: torch.Tensor = weight, y: torch.Tensor = y):
                 torch.matmul(xin, weight.t(), out=y)
 
-            if schedule == "base":
-                gemm()
-            else:
-                lora(slots, xin, y, gemm)
+            lora(slots, xin, y, gemm)
 
     return run
 
