@@ -10,7 +10,14 @@ memory (``--gpu-mem``):
 * ``ours_no_overlap``: the same with ``--lora-overlap off``;
 * ``ours_vllm_kernels``: the same with vLLM's kernels and no overlap, as
   plain vLLM runs its LoRA layers (what the wrapper itself costs);
+* ``ours_no_pdl``: ``ours`` with ``VLLM_LORA_DISABLE_PDL=1`` (the LoRA
+  kernels launched plainly, not as programmatic dependents);
 * ``vllm``: plain ``vllm serve`` (vLLM's OpenAI server) with the same vLLM flags.
+
+Plain vLLM loads the adapters at start (``--lora-modules``, about 15 s
+apiece at the 8B shape); ours load them through their own route
+(``POST /skyrl/v1/adapters/load``, the path loads of a sync) once up, and
+the JSON keeps each server's ``adapter_load_s``.
 
 For each point (``--streams`` concurrent streamed completions, spread
 round-robin over ``A`` of the adapters, ``A`` from ``--adapters``; 0 is
@@ -57,13 +64,18 @@ OURS = {
     "ours": [],
     "ours_no_overlap": ["--lora-overlap", "off"],
     "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
+    "ours_no_pdl": [],
 }
+#: Our servers' environment beyond the shared one (vLLM's own switch, which the
+#: grouped kernels honour: ``skyrl_lora.server.compat.DISABLE_PDL_ENV``).
+OURS_ENV = {"ours_no_pdl": {"VLLM_LORA_DISABLE_PDL": "1"}}
 SERVERS = (*OURS, "vllm")
 #: How the plot names them.
 LABELS = {
     "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
     "ours_no_overlap": "skyrl-lora serve --lora-overlap off",
     "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm --lora-overlap off",
+    "ours_no_pdl": "skyrl-lora serve, VLLM_LORA_DISABLE_PDL=1",
     "vllm": "plain vllm serve",
 }
 
@@ -212,6 +224,19 @@ async def same_outputs(
     return report
 
 
+async def load_adapters(url: str, names: list[str], path: Path) -> float:
+    """Load ``names`` (each ``path``'s files) through our server's load route,
+    one after another as a trainer's syncs come; the seconds it took."""
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        for name in names:
+            body = {"lora_name": name, "lora_path": str(path)}
+            async with session.post(f"{url}/skyrl/v1/adapters/load", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"loading {name}: HTTP {resp.status}: {await resp.text()}")
+    return time.monotonic() - started
+
+
 def roofline_ms(model: Model, adapters: int, streams: int, args: argparse.Namespace) -> float:
     """HBM time of one decode step's reads: weights, each distinct adapter, the KV cache."""
     context = args.prompt_tokens + args.max_tokens / 2
@@ -231,8 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_random_model(work, rank=16, size=args.size)
     adapter = write_model_adapter(model.model_dir, args.out / f"r{args.rank}", args.rank, seed=7)
     facts = model_facts(model.model_dir, adapter)
-    # As many adapters as the largest point uses (vLLM loads each at start, about
-    # 15 s apiece at the 8B shape), in a server of --max-loras slots either way.
+    # As many adapters as the largest point uses, in a server of --max-loras
+    # slots either way.
     names = [f"a{i}" for i in range(min(args.max_loras, max([*args.adapters, 1])))]
     # One adapter's files under every name: a name is a slot of its own, and
     # the kernels read each slot's weights whatever they hold.
@@ -259,9 +284,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "adapters_loaded": len(names),
         "model": facts.__dict__,
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "vllm_flags": flags,  # and --lora-modules a0..aN, all one adapter's files
+        # Plain vLLM's also --lora-modules a0..aN; ours load a0..aN once up.
+        "vllm_flags": flags,
         "model_build_s": round(time.monotonic() - built, 1),
         "server_start_s": {},
+        "adapter_load_s": {},
         "points": [],
     }
     prompt = list(range(3, 3 + args.prompt_tokens))
@@ -286,14 +313,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     urls[name] = running.url
                 else:
                     server = start_serve(
-                        ["--no-ray", *vllm_flags, *OURS[name]],
+                        ["--no-ray", *flags, *OURS[name]],
                         out / f"{name}_server.log",
                         timeout_s=900,
-                        env=cache,
+                        env={**cache, **OURS_ENV.get(name, {})},
                     )
                     stack.callback(server.kill_all)
                     stack.callback(server.stop)
                     urls[name] = server.url
+                    loaded = asyncio.run(load_adapters(server.url, names, adapter))
+                    result["adapter_load_s"][name] = round(loaded, 1)
+                    print(f"{name} loaded {len(names)} adapters in {loaded:.1f} s", flush=True)
             except RuntimeError as exc:  # the others still measure; the JSON says why
                 result.setdefault("server_errors", {})[name] = str(exc)
                 print(f"{name} did not start: {exc}", flush=True)
