@@ -1,7 +1,7 @@
 """The engine's tokens/s against the number of distinct adapters in its batch.
 
 ``python -m benchmarks.engine_rate`` (GPU) serves the random 8B-shaped model
-(``--size``) with ``--max-loras`` rank-``--rank`` adapters loaded at start,
+(``--size``) with ``--max-loras`` rank-``--rank`` adapters loaded before it measures,
 from several servers side by side on one GPU, each with its share of the
 memory (``--gpu-mem``):
 
@@ -10,8 +10,6 @@ memory (``--gpu-mem``):
 * ``ours_no_overlap``: the same with ``--lora-overlap off``;
 * ``ours_vllm_kernels``: the same with vLLM's kernels and no overlap, as
   plain vLLM runs its LoRA layers (what the wrapper itself costs);
-* ``ours_no_pdl``: ``ours`` with ``VLLM_LORA_DISABLE_PDL=1`` (the LoRA
-  kernels launched plainly, not as programmatic dependents);
 * ``vllm``: plain ``vllm serve`` (vLLM's OpenAI server) with the same vLLM flags.
 
 Plain vLLM loads the adapters at start (``--lora-modules``, about 15 s
@@ -64,18 +62,13 @@ OURS = {
     "ours": [],
     "ours_no_overlap": ["--lora-overlap", "off"],
     "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
-    "ours_no_pdl": [],
 }
-#: Our servers' environment beyond the shared one (vLLM's own switch, which the
-#: grouped kernels honour: ``skyrl_lora.server.compat.DISABLE_PDL_ENV``).
-OURS_ENV = {"ours_no_pdl": {"VLLM_LORA_DISABLE_PDL": "1"}}
 SERVERS = (*OURS, "vllm")
 #: How the plot names them.
 LABELS = {
     "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
     "ours_no_overlap": "skyrl-lora serve --lora-overlap off",
     "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm --lora-overlap off",
-    "ours_no_pdl": "skyrl-lora serve, VLLM_LORA_DISABLE_PDL=1",
     "vllm": "plain vllm serve",
 }
 
@@ -316,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         ["--no-ray", *flags, *OURS[name]],
                         out / f"{name}_server.log",
                         timeout_s=900,
-                        env={**cache, **OURS_ENV.get(name, {})},
+                        env=cache,
                     )
                     stack.callback(server.kill_all)
                     stack.callback(server.stop)

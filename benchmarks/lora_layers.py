@@ -15,11 +15,6 @@ layers make) and its LoRA:
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
   are done: vLLM's own second-stream order, with the grouped kernels.
 
-``--pdl`` adds ``overlap+pdl`` and ``sequential+pdl`` (and, with
-``--diagnose``, ``expand_after+pdl``): the same with the LoRA kernels
-launched as programmatic dependents of the kernel before them (what
-``serve`` runs on Hopper unless ``VLLM_LORA_DISABLE_PDL=1``).
-
 Every LoRA schedule fills the step's row-chunk plan once, as ``serve`` does.
 The figure that matters is each schedule's step over ``base``: the share of
 the base model's rate its linear layers keep (attention and the rest of the
@@ -59,9 +54,6 @@ SCHEDULES = ("base", "overlap", "sequential", "beside")
 #: the second stream), the shrink beside the GEMM without the expand, and the
 #: expand after the GEMM without any shrink.
 DIAGNOSTICS = ("fork_join", "shrink_beside", "expand_after")
-#: ``--pdl``: schedules again with programmatic dependent launches.
-PDL_SCHEDULES = ("overlap+pdl", "sequential+pdl")
-PDL_DIAGNOSTICS = ("expand_after+pdl",)
 
 
 def schedule_fn(
@@ -73,8 +65,7 @@ def schedule_fn(
     groups: int,
     outs: dict[str, torch.Tensor],
 ) -> Callable[[], None]:
-    """One step's linear layers under ``schedule`` (each decoder layer its own
-    weights; a ``+pdl`` suffix launches its LoRA kernels as programmatic dependents)."""
+    """One step's linear layers under ``schedule`` (each decoder layer its own weights)."""
     from skyrl_lora.server.kernels.grouped_lora import (
         DEFAULT_CONFIG,
         fill_plan,
@@ -83,8 +74,6 @@ def schedule_fn(
         new_plan,
     )
 
-    schedule, _, variant = schedule.partition("+")
-    pdl = variant == "pdl"
     tokens = next(iter(x.values())).size(0)
     device = meta["ids"].device
     plan = new_plan(tokens, groups, device)
@@ -93,10 +82,10 @@ def schedule_fn(
     ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], groups)
 
     def shrink(slots: Slots, xin: torch.Tensor, buf: torch.Tensor) -> None:
-        grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan, pdl)
+        grouped_shrink(xin, slots.a, buf, *ids, 1.0, DEFAULT_CONFIG, plan)
 
     def expand(slots: Slots, buf: torch.Tensor, y: torch.Tensor, add: bool = True) -> None:
-        grouped_expand(buf, slots.b, y, *ids, 0, add, DEFAULT_CONFIG, plan, pdl)
+        grouped_expand(buf, slots.b, y, *ids, 0, add, DEFAULT_CONFIG, plan)
 
     def term_of(slots: Slots, y: torch.Tensor) -> torch.Tensor:
         return outs[f"term{len(slots.widths)}{y.size(1)}"]
@@ -203,25 +192,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
-            timed = (
-                *SCHEDULES,
-                *(PDL_SCHEDULES if args.pdl else ()),
-                *(DIAGNOSTICS if args.diagnose else ()),
-                *(PDL_DIAGNOSTICS if args.pdl and args.diagnose else ()),
-            )
-            checked = [s for s in timed if s.partition("+")[0] in SCHEDULES]
+            timed = (*SCHEDULES, *DIAGNOSTICS) if args.diagnose else SCHEDULES
             steps = {
                 s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
             }
             got = {}
-            for s in checked:  # the first decoder layer's outputs, eagerly
+            for s in SCHEDULES:  # the first decoder layer's outputs, eagerly
                 schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs)()
                 torch.cuda.synchronize()
                 got[s] = _outputs(outs)
             ref = got["sequential"]
             errors = {
                 s: max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[s], ref))
-                for s in checked
+                for s in SCHEDULES
                 if s != "base"
             }
             graphs = {s: graph_of(fn) for s, fn in steps.items()}
@@ -269,9 +252,6 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
-    parser.add_argument(
-        "--pdl", action="store_true", help="also time schedules with programmatic launches"
-    )
     parser.add_argument("--machine", default="")
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)

@@ -81,66 +81,6 @@ def test_grouped_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters:
             assert torch.equal(got[base_rows], y0[base_rows]), layer[0]
 
 
-@pytest.mark.parametrize("which", range(4))  # q/k/v, o, gate/up, down
-def test_programmatic_launches_after_the_gemm_replay_in_a_cuda_graph(which: int) -> None:
-    """``serve``'s order with programmatic launches: the base GEMM, the
-    shrink beside it on a second stream, the expand after both adding into
-    the GEMM's output, captured once and replayed with new inputs. The
-    expand starts while the GEMM drains: were its read of the GEMM's output
-    not behind ``gdc_wait``, a replay would add to the last replay's output.
-    Each replay equals the same layer run eagerly without them."""
-    from skyrl_lora.server.kernels.grouped_lora import (
-        fill_plan,
-        grouped_expand,
-        grouped_shrink,
-        new_plan,
-        pdl_supported,
-    )
-
-    assert pdl_supported(torch.device("cuda")), "an sm_90+ GPU launches programmatic dependents"
-    slots, rank, tokens = 32, 64, 64
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    meta = kernel_metadata(torch.arange(tokens, dtype=torch.int32, device="cuda") % 8, slots)
-    ids = (meta["sorted"], meta["per"], meta["start"], meta["ids"], slots + 1)
-    plan = new_plan(tokens, slots + 1, torch.device("cuda"))
-    fill_plan(plan, *ids)
-    side = torch.cuda.Stream()
-    before, shrunk = torch.cuda.Event(), torch.cuda.Event()
-    layer = llama_layers("8b")[0][which]
-    weights = make_slots(layer, slots, rank, gen)
-    base = torch.randn(sum(layer[1]), layer[2], device="cuda", generator=gen) * 0.02
-    base = base.to(torch.bfloat16)
-    x = torch.empty(tokens, layer[2], device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(tokens, sum(layer[1]), device="cuda", dtype=torch.bfloat16)
-    buf = torch.empty(len(layer[1]), tokens, rank, device="cuda")
-
-    def step(pdl: bool) -> None:
-        before.record()
-        with torch.cuda.stream(side):
-            before.wait()
-            grouped_shrink(x, weights.a, buf, *ids, 1.0, plan=plan, pdl=pdl)
-            shrunk.record()
-        torch.matmul(x, base.t(), out=y)
-        shrunk.wait()
-        grouped_expand(buf, weights.b, y, *ids, 0, True, plan=plan, pdl=pdl)
-
-    x.normal_(generator=gen)
-    step(True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(True)
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-        graph.replay()
-        replayed = y.clone()
-        step(False)
-        torch.cuda.synchronize()
-        scale = float(y.float().abs().max())
-        assert scale > 0, layer[0]
-        diff = float((replayed.float() - y.float()).abs().max())
-        assert diff <= 4 * 2**-8 * scale, (layer[0], diff, scale)
-
-
 def test_installed_ops_replay_in_a_cuda_graph() -> None:
     """The ops the Punica wrapper calls, once installed, capture and replay
     like vLLM's, with the step's metadata changed between replays in place."""

@@ -11,7 +11,6 @@ import gc
 import importlib
 import importlib.metadata
 import inspect
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -840,6 +839,8 @@ def _parameter_names(op: Any) -> tuple[str, ...]:
 
 def vllm_cache_root() -> str:
     """Where vLLM keeps its caches (``VLLM_CACHE_ROOT``, its default when unset)."""
+    import os
+
     given = os.environ.get("VLLM_CACHE_ROOT")
     if given:
         return os.path.expanduser(given)
@@ -1022,21 +1023,6 @@ def mask_base_rows_in_cpu_lora_ops() -> bool:
 #: through the opaque op ``vllm::lora_linear_async``, whose body
 #: (``_apply_async_impl``) :func:`overlap_lora_shrink_with_base` replaces.
 DUAL_STREAM_ENV = "VLLM_LORA_ENABLE_DUAL_STREAM"
-#: vLLM's switch that keeps its LoRA kernels from programmatic dependent
-#: launches; the grouped kernels honour it too (:func:`lora_pdl_disabled`).
-DISABLE_PDL_ENV = "VLLM_LORA_DISABLE_PDL"
-
-
-def lora_pdl_disabled() -> bool:
-    """Whether the environment turns LoRA kernels' programmatic dependent
-    launches off (:data:`DISABLE_PDL_ENV`, an integer as vLLM reads it)."""
-    value = os.environ.get(DISABLE_PDL_ENV, "0").strip() or "0"
-    try:
-        return bool(int(value))
-    except ValueError:
-        raise ValueError(f"{DISABLE_PDL_ENV}={value!r}: expected 0 or 1") from None
-
-
 _BASE_LINEAR_MODULE = "vllm.lora.layers.base_linear"
 
 

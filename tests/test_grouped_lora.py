@@ -456,24 +456,3 @@ def test_vllm_pointer_caches_are_forgotten_on_request(monkeypatch):
         monkeypatch.setattr(utils, name, {(1, 2): ("stale",)})
     compat.forget_lora_pointer_caches()
     assert all(getattr(utils, name) == {} for name in compat._LORA_POINTER_CACHES)
-
-
-def test_programmatic_launches_follow_vllms_switch_and_the_device(monkeypatch):
-    """``VLLM_LORA_DISABLE_PDL`` (vLLM's own switch, an integer) turns the
-    grouped kernels' programmatic launches off too; a CPU tensor (the
-    interpreter) never gets the launch option, whatever is asked."""
-    from skyrl_lora.server import compat
-    from skyrl_lora.server.kernels.grouped_lora import _launch_options, pdl_supported
-
-    monkeypatch.delenv(compat.DISABLE_PDL_ENV, raising=False)
-    assert not compat.lora_pdl_disabled()
-    monkeypatch.setenv(compat.DISABLE_PDL_ENV, "1")
-    assert compat.lora_pdl_disabled()
-    monkeypatch.setenv(compat.DISABLE_PDL_ENV, "0")
-    assert not compat.lora_pdl_disabled()
-    monkeypatch.setenv(compat.DISABLE_PDL_ENV, "yes")
-    with pytest.raises(ValueError, match=compat.DISABLE_PDL_ENV):
-        compat.lora_pdl_disabled()
-    assert not pdl_supported(torch.device("cpu"))
-    assert _launch_options(False) == {}
-    assert _launch_options(True) == {"launch_pdl": True}

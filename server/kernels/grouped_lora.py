@@ -32,14 +32,6 @@ They take the same arguments as vLLM's ops, so they replace
 them in ``PunicaWrapperGPU`` without touching the LoRA layers
 (:mod:`.punica_ops`).
 
-Both kernels can be launched as programmatic dependents of the kernel
-before them (``pdl``, Hopper and later; :func:`pdl_supported`): their
-blocks start as that kernel's last blocks drain, read the plan and the
-adapter's tile, and only then wait (``gdc_wait``) for its output. After
-each base GEMM that hides the expand's launch and its weight load behind
-the GEMM's tail; vLLM's own kernels do the same behind its second stream
-(``VLLM_LORA_DISABLE_PDL`` turns both off).
-
 The shrink adds split-K partial products with atomics into the fp32 buffer,
 as vLLM's does; the expand adds in fp32 and rounds once, where vLLM rounds
 the LoRA term and then adds in the output's dtype (so the two differ by at
@@ -222,14 +214,10 @@ def _grouped_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
     """out[s, t, :] += scaling * x[t, :] @ W_s[slot(t)].T.
 
-    One item per (row chunk, slice, K block). ``USE_GDC``: launched as a
-    programmatic dependent (:func:`_launch_options`), so everything the
-    kernel before it writes (``x``, the zeroed ``out``) is read only after
-    ``gdc_wait``; the plan and the weights, written earlier, before it."""
+    One item per (row chunk, slice, K block)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     k_blocks = tl.cdiv(K, BLOCK_K)
@@ -252,8 +240,6 @@ def _grouped_shrink_kernel(
             mask=k_mask[:, None] & n_mask[None, :],
             other=0.0,
         )
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
         a = tl.load(
             x_ptr + rows[:, None] * x_s0 + offs_k[None, :] * x_s1,
             mask=m_mask[:, None] & k_mask[None, :],
@@ -299,12 +285,10 @@ def _grouped_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
     """out[t, col_s + n] (+)= in[s, t, :] @ W_s[slot(t)][n, :].
 
-    One item per (row chunk, slice, N block). ``USE_GDC``: as the shrink's;
-    ``in`` and ``out`` (the base GEMM's output, added to) only after the wait."""
+    One item per (row chunk, slice, N block)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     per_chunk = SLICES * n_blocks
@@ -329,8 +313,6 @@ def _grouped_expand_kernel(
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            if USE_GDC:
-                tl.extra.cuda.gdc_wait()
             a = tl.load(
                 in_ptr + s * i_s0 + rows[:, None] * i_s1 + offs_r[None, :] * i_s2,
                 mask=m_mask[:, None] & r_mask[None, :],
@@ -402,21 +384,6 @@ def _chunks_at_most(tokens: int, groups: int, block_m: int) -> int:
     """The most row chunks ``tokens`` rows in ``groups`` groups can make (each
     group's last chunk may be partial): the grid's bound, whatever the step holds."""
     return triton.cdiv(tokens, block_m) + min(groups, tokens)
-
-
-@functools.lru_cache(maxsize=8)
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependents
-    (CUDA, compute capability 9.0 or later; not under the interpreter)."""
-    if device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _launch_options(pdl: bool) -> dict[str, bool]:
-    """Triton's launch option for a programmatic dependent launch (none at
-    all otherwise: the interpreter takes no such option)."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def _padded(n: int, least: int = 16) -> int:
@@ -534,14 +501,12 @@ def grouped_shrink(
     scaling: float,
     config: GroupedConfig = DEFAULT_CONFIG,
     plan: RowChunkPlan | None = None,
-    pdl: bool = False,
 ) -> None:
     """``output[s] = scaling * inputs @ A_s[slot].T`` per token (output zeroed first).
 
     ``num_groups``: how many entries of ``lora_ids`` to walk (vLLM's
     ``num_active_loras``: the captured count, or every slot plus the base).
     ``plan``: the step's row chunks (:func:`fill_plan`) of this metadata.
-    ``pdl``: launch as a programmatic dependent (only where :func:`pdl_supported`).
     """
     views = [_as_slot_rows_cols(w) for w in lora_a_weights]
     n, k = views[0].shape[-2:]
@@ -553,7 +518,6 @@ def grouped_shrink(
         num_tokens_per_lora, lora_token_start_loc, lora_ids,
     )  # fmt: skip
     output_tensor.zero_()
-    pdl = pdl and pdl_supported(inputs.device)
     ptrs = _three(views, views[0])
     chunks = _chunks_at_most(tokens, num_groups, config.block_m)
     items = chunks * slices * triton.cdiv(k, config.block_k)
@@ -577,9 +541,7 @@ def grouped_shrink(
         BLOCK_M=config.block_m,
         BLOCK_N=_padded(n),
         BLOCK_K=config.block_k,
-        USE_GDC=pdl,
         num_warps=config.num_warps,
-        **_launch_options(pdl),
     )
 
 
@@ -596,12 +558,11 @@ def grouped_expand(
     add_inputs: bool = False,
     config: GroupedConfig = DEFAULT_CONFIG,
     plan: RowChunkPlan | None = None,
-    pdl: bool = False,
 ) -> None:
     """``output[:, col_s:col_s + n_s] (+)= inputs[s] @ B_s[slot].T`` per token.
 
     Slice ``s`` writes the columns after ``offset_start`` and the slices
-    before it, as vLLM's ``lora_expand`` does. ``pdl``: as :func:`grouped_shrink`'s.
+    before it, as vLLM's ``lora_expand`` does.
     """
     views = [_as_slot_rows_cols(w) for w in lora_b_weights]
     slices = len(views)
@@ -616,7 +577,6 @@ def grouped_expand(
     )  # fmt: skip
     n_blocks = triton.cdiv(max(widths), config.block_n)
     output = output_tensor.view(-1, output_tensor.size(-1))
-    pdl = pdl and pdl_supported(inputs.device)
     items = _chunks_at_most(tokens, num_groups, config.block_m) * slices * n_blocks
     _grouped_expand_kernel[_grid(items, inputs.device, config)](
         inputs,
@@ -640,7 +600,5 @@ def grouped_expand(
         BLOCK_N=config.block_n,
         BLOCK_R=_padded(rank),
         ADD_INPUTS=add_inputs,
-        USE_GDC=pdl,
         num_warps=config.num_warps,
-        **_launch_options(pdl),
     )

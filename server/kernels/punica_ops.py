@@ -45,9 +45,6 @@ __all__ = [
 LIBRARY = "skyrl_lora"
 
 _vllm_ops: tuple[Callable[..., None], Callable[..., None]] | None = None
-#: Launch the grouped kernels as programmatic dependents of the kernel before
-#: them (where the GPU can): set at :func:`install`, fixed before graph capture.
-_pdl = False
 #: Each Punica wrapper's step plan, by the address of its token metadata's
 #: ``num_tokens_per_lora``: the ops are handed that tensor (whole, where
 #: other fields come sliced), and a CUDA graph captured with the plan's
@@ -110,7 +107,6 @@ def lora_shrink(
         int(num_active_loras.item()),
         scaling,
         plan=_step_plans.get(num_tokens_per_lora.data_ptr()),
-        pdl=_pdl,
     )
 
 
@@ -150,7 +146,6 @@ def lora_expand(
         offset_start,
         add_inputs,
         plan=_step_plans.get(num_tokens_per_lora.data_ptr()),
-        pdl=_pdl,
     )
 
 
@@ -202,7 +197,7 @@ def install() -> bool:
     no CUDA device is there (the CPU build runs its own LoRA ops), or where
     this vLLM's ops take other arguments than ours.
     """
-    global _vllm_ops, _pdl
+    global _vllm_ops
     if _vllm_ops is not None:
         return True
     if chosen() != GROUPED or not torch.cuda.is_available():
@@ -212,7 +207,6 @@ def install() -> bool:
         logger.warning("vLLM's LoRA ops take other arguments here: kept vLLM's kernels")
         return False
     _vllm_ops = found
-    _pdl = not compat.lora_pdl_disabled()
     if not compat.replace_punica_lora_ops(
         LIBRARY, lora_shrink, _shrink_fake, lora_expand, _expand_fake
     ):
@@ -220,9 +214,8 @@ def install() -> bool:
         return False
     planned = compat.after_punica_metadata(fill_step_plan)
     logger.info(
-        "LoRA kernels: grouped (%s=%s), row chunks planned %s, programmatic launches %s",
+        "LoRA kernels: grouped (%s=%s), row chunks planned %s",
         KERNELS_ENV, GROUPED, "once per step" if planned else "in every launch",
-        "off" if not _pdl else "on where the GPU has them",
     )  # fmt: skip
     return True
 
