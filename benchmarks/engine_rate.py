@@ -74,6 +74,17 @@ LABELS = {
 
 
 @dataclass(frozen=True)
+class Measured:
+    """One point's window: tokens/s, the GPU's busy share (None without NVML),
+    and the share of one core this load generator used: near 1 it, not the
+    server, may be what limits the rate."""
+
+    tokens_per_s: float
+    gpu_busy: float | None
+    client_cpu: float
+
+
+@dataclass(frozen=True)
 class Model:
     """What a step must read, from the model's files."""
 
@@ -142,8 +153,8 @@ def plain_vllm(
 
 async def measure_point(
     url: str, models: list[str], streams: int, prompt: list[int], args: argparse.Namespace
-) -> tuple[float, float | None]:
-    """Tokens/s of ``streams`` streams spread over ``models`` in the window, and the busy share."""
+) -> Measured:
+    """``streams`` streams spread over ``models``, measured over the window."""
     logs = [StreamLog(m) for m in models]
     stop = asyncio.Event()
     per = [
@@ -161,9 +172,9 @@ async def measure_point(
     polling = asyncio.create_task(busy.run(polled)) if busy is not None else None
     try:
         await asyncio.sleep(args.warmup_s)
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         await asyncio.sleep(args.window_s)
-        end = time.monotonic()
+        end, cpu_end = time.monotonic(), time.process_time()
         for task in tasks:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
@@ -174,7 +185,7 @@ async def measure_point(
         await asyncio.gather(*tasks, *([polling] if polling else []), return_exceptions=True)
     tokens = sum(log.tokens_in(start, end) for log in logs)
     share = busy.between(start, end)["device_busy_pct"] / 100 if busy is not None else None
-    return tokens / (end - start), share
+    return Measured(tokens / (end - start), share, (cpu_end - cpu_start) / (end - start))
 
 
 async def same_outputs(
@@ -337,9 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     roof = roofline_ms(facts, adapters, streams, args)
                     order = servers if r % 2 == 0 else servers[::-1]
                     for name in order:
-                        tok_s, busy = asyncio.run(
-                            measure_point(urls[name], models, streams, prompt, args)
-                        )
+                        got = asyncio.run(measure_point(urls[name], models, streams, prompt, args))
+                        tok_s, busy = got.tokens_per_s, got.gpu_busy
                         step_ms = 1e3 * streams / tok_s if tok_s else float("inf")
                         result["points"].append(
                             {
@@ -350,13 +360,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "tokens_per_s": round(tok_s, 1),
                                 "step_ms": round(step_ms, 3),
                                 "gpu_busy": None if busy is None else round(busy, 3),
+                                "client_cpu": round(got.client_cpu, 3),
                                 "roofline_ms": round(roof, 3),
                                 "roofline_fraction": round(roof / step_ms, 3),
                             }
                         )
                         print(
                             f"S={streams} A={adapters} r{r} {name}: {tok_s:,.0f} tok/s, "
-                            f"step {step_ms:.2f} ms (roof {roof:.2f}), busy {busy}",
+                            f"step {step_ms:.2f} ms (roof {roof:.2f}), busy {busy}, "
+                            f"client cpu {got.client_cpu:.2f}",
                             flush=True,
                         )
                         save()
