@@ -17,14 +17,18 @@ staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
   which samples had no meaning and refuses them
   (:class:`skyrl_lora.errors.NonFiniteLogitsError`) instead of returning
   tokens drawn at random;
-* the rows are counted without a sync (read one step later) and logged as
-  ``nonfinite_logits`` engine events.
+* the rows are counted without a sync and logged as ``nonfinite_logits``
+  engine events once the count reaches the host: each step's count is kept
+  until then, however far the GPU runs behind (a count not ready by the
+  next step used to be dropped), in one of a few pinned scalars and events
+  reused from step to step rather than made anew.
 
 Two elementwise passes over the logits per step, no host sync.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +39,11 @@ from .telemetry.observability import log_engine_event
 
 @dataclass
 class _Pending:
-    """A step's count of flagged rows, on its way to the host."""
+    """A step's count of flagged rows on its way to the host: a pinned scalar
+    and the CUDA event after its copy (both reused once the count is read)."""
 
     count: Any
-    ready: Any  # a CUDA event, or None where the count is already on the host
+    ready: Any
 
 
 class LogitsGuard:
@@ -46,7 +51,8 @@ class LogitsGuard:
 
     def __init__(self) -> None:
         self.flagged_rows = 0
-        self._pending: _Pending | None = None
+        self._pending: deque[_Pending] = deque()  # oldest first
+        self._spare: list[_Pending] = []
 
     def before(self, logits: Any) -> Any:
         """Zero the non-finite rows of ``logits`` in place; their mask, ``[rows]``."""
@@ -60,22 +66,31 @@ class LogitsGuard:
         if logprobs is not None and logprobs.shape[0] == bad.shape[0]:
             logprobs.masked_fill_(bad.unsqueeze(-1), float("nan"))
         count = bad.sum()
-        if not count.is_cuda:
-            self._pending = _Pending(count, None)
-            self._report()
-            return
-        host = torch.empty((), dtype=count.dtype, pin_memory=True)
-        host.copy_(count, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        self._pending = _Pending(host, ready)
+        if count.is_cuda:
+            self._send(count)
+        else:
+            self._log(int(count))
+
+    def _send(self, count: Any) -> None:
+        """Start ``count``'s copy to the host, behind the step's work."""
+        slot = self._spare.pop() if self._spare else self._new_slot()
+        slot.count.copy_(count, non_blocking=True)
+        slot.ready.record()
+        self._pending.append(slot)
+
+    def _new_slot(self) -> _Pending:
+        return _Pending(torch.empty((), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
 
     def _report(self) -> None:
-        pending = self._pending
-        if pending is None or (pending.ready is not None and not pending.ready.query()):
-            return
-        self._pending = None
-        rows = int(pending.count)
+        """Log the counts that have reached the host, oldest first."""
+        rows = 0
+        while self._pending and self._pending[0].ready.query():
+            slot = self._pending.popleft()
+            rows += int(slot.count)
+            self._spare.append(slot)
+        self._log(rows)
+
+    def _log(self, rows: int) -> None:
         if rows:
             self.flagged_rows += rows
             log_engine_event("nonfinite_logits", rows=rows, total=self.flagged_rows)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from skyrl_lora.server import compat
-from skyrl_lora.server.logits_guard import LogitsGuard
+from skyrl_lora.server.logits_guard import LogitsGuard, _Pending
 
 
 def test_non_finite_rows_are_zeroed_flagged_and_counted(caplog) -> None:
@@ -60,3 +60,50 @@ def test_the_wrapped_sampler_is_guarded_for_either_calling_convention() -> None:
         out = call(logits)
         assert out.logprobs_tensors.logprobs[:, 0].isnan().tolist() == [False, True]
     assert not compat.wrap_sampler(SimpleNamespace(), LogitsGuard())
+
+
+class _Event:
+    """A CUDA event as the guard uses it: recorded, then queried."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _QueuedGuard(LogitsGuard):
+    """The guard's path for counts on a GPU, with host scalars and fake events."""
+
+    made = 0
+
+    def _new_slot(self) -> _Pending:
+        self.made += 1
+        return _Pending(torch.zeros((), dtype=torch.int64), _Event())
+
+
+def test_every_steps_count_is_logged_however_far_the_gpu_runs_behind(caplog) -> None:
+    """Counts whose copies are not done yet wait, in order, and are logged
+    once done; none is dropped for a newer one, and the pinned scalars and
+    events of the logged ones are used again."""
+    guard = _QueuedGuard()
+    for rows in (2, 3, 4):  # three steps ahead of the GPU
+        guard._send(torch.tensor(rows))
+    logits = torch.randn(2, 4)
+    guard.before(logits)
+    assert guard.flagged_rows == 0  # nothing has reached the host
+    guard._pending[0].ready.done = guard._pending[1].ready.done = True
+    with caplog.at_level(logging.INFO):
+        guard.before(logits)
+    assert guard.flagged_rows == 5 and len(guard._pending) == 1
+    assert any("nonfinite_logits" in r.getMessage() for r in caplog.records)
+    guard._send(torch.tensor(1))
+    guard._send(torch.tensor(0))
+    assert guard.made == 3  # the two logged slots were used again
+    for slot in guard._pending:
+        slot.ready.done = True
+    guard.before(logits)
+    assert guard.flagged_rows == 10 and not guard._pending
