@@ -11,6 +11,7 @@ import gc
 import importlib
 import importlib.metadata
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -1075,4 +1076,90 @@ def overlap_lora_shrink_with_base() -> bool:
     if layer_class is None or not hasattr(layer_class, "_apply_async_impl"):
         return False
     layer_class._apply_async_impl = _overlapped_lora_apply
+    return True
+
+
+#: vLLM's LoRA layer around the model's logits (its ``lm_head``), 0.26 and 0.32.
+_LOGITS_LORA_MODULE = "vllm.lora.layers.logits_processor"
+#: Each LoRA logits layer's slots that hold ``lm_head`` weights (kept beside
+#: the layer, not on it: the slot writer keeps a layer's plan only while its
+#: attributes stay the same objects).
+_logits_lora_slots: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+
+
+class _LogitsLoRAOff:
+    """A layer's Punica wrapper with ``add_lora_logits`` leaving the logits
+    as they are (in place on the GPU, returned on the CPU); all else its own."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self._wrapper = wrapper
+
+    def add_lora_logits(self, y: Any, *args: Any, **kwargs: Any) -> Any:
+        return y
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapper, name)
+
+
+def note_lora_slot_written(layer: Any, index: int, has_weights: bool) -> None:
+    """Tell a LoRA logits layer whether slot ``index`` now holds ``lm_head``
+    weights (any other layer: nothing). The slot writer calls this for every
+    write, replays included, which never call the layer's ``set_lora``."""
+    if not getattr(type(layer), "skyrl_skips_unweighted_logits_lora", False):
+        return
+    slots = _logits_lora_slots.setdefault(layer, set())
+    if has_weights:
+        slots.add(int(index))
+    else:
+        slots.discard(int(index))
+
+
+def skip_logits_lora_while_unweighted() -> bool:
+    """Run vLLM's LoRA on the logits only while some slot holds ``lm_head``
+    weights; False where this vLLM has no such layer. Placed again, nothing changes.
+
+    vLLM wraps the ``lm_head`` of every model that lists it among its
+    embedding modules (Llama does) and, every step, runs a shrink and an
+    expand over the whole vocabulary for the rows of every adapter, with
+    weights of zeros for adapters without ``lm_head`` LoRA: most adapters
+    (PEFT's usual targets). On the 0.8B model's host-bound engine that was
+    5% of the step loop (py-spy, main a1a13f5, H200). The layer's own
+    ``set_lora`` / ``reset_lora`` and the slot writer
+    (:func:`note_lora_slot_written`) keep which slots hold weights; a slot
+    once written with them counts until it is written without (vLLM does
+    not zero a slot it frees). Logits are computed outside CUDA graphs, so
+    the choice is made every step.
+    """
+    try:
+        cls = importlib.import_module(_LOGITS_LORA_MODULE).LogitsProcessorWithLoRA
+    except (ImportError, AttributeError):
+        return False
+    if getattr(cls, "skyrl_skips_unweighted_logits_lora", False):
+        return True
+    set_lora, reset_lora, get_logits = cls.set_lora, cls.reset_lora, cls._get_logits
+
+    def tracked_set_lora(self: Any, index: int, *args: Any, **kwargs: Any) -> Any:
+        done = set_lora(self, index, *args, **kwargs)
+        note_lora_slot_written(self, index, True)
+        return done
+
+    def tracked_reset_lora(self: Any, index: int) -> Any:
+        done = reset_lora(self, index)
+        note_lora_slot_written(self, index, False)
+        return done
+
+    def logits_with_lora_where_weighted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _logits_lora_slots.get(self):
+            return get_logits(self, *args, **kwargs)
+        wrapper = self.punica_wrapper
+        self.punica_wrapper = _LogitsLoRAOff(wrapper)
+        try:
+            return get_logits(self, *args, **kwargs)
+        finally:
+            self.punica_wrapper = wrapper
+
+    cls.set_lora = tracked_set_lora
+    cls.reset_lora = tracked_reset_lora
+    cls._get_logits = logits_with_lora_where_weighted
+    cls.skyrl_skips_unweighted_logits_lora = True
     return True

@@ -75,6 +75,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import compat
 from ..adapters.finite_check import parts
 
 logger = logging.getLogger("vllm.skyrl_lora.slot_batch")
@@ -450,6 +451,8 @@ class BatchedSlotWriter:
         with contextlib.ExitStack() as recording:
             for name, lora_a, lora_b in weights:
                 self._add(batch, recording, name, index, lora_a, lora_b)
+                # A replay never calls the layer's set_lora: say what the slot holds.
+                compat.note_lora_slot_written(self._layers[name], index, lora_a is not None)
         recorder = batch.recorder
         if recorder.zeros:
             torch._foreach_zero_(recorder.zeros)

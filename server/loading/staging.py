@@ -128,6 +128,8 @@ overlap.install()
 # The CPU build's LoRA ops would apply the last adapter slot to base-model rows
 # batched beside an adapter's (:func:`..compat.mask_base_rows_in_cpu_lora_ops`).
 compat.mask_base_rows_in_cpu_lora_ops()
+# vLLM's LoRA on the logits runs only while a slot holds lm_head weights.
+compat.skip_logits_lora_while_unweighted()
 
 
 #: The longest the step loop waits for the GIL while a staging thread holds it.

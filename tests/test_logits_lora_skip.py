@@ -1,0 +1,106 @@
+"""vLLM's LoRA on the logits runs only while a slot holds ``lm_head`` weights.
+
+:func:`skyrl_lora.server.compat.skip_logits_lora_while_unweighted` on a
+stand-in of vLLM's ``LogitsProcessorWithLoRA`` (the real one needs a model
+and a device); that the real layer still computes the way it wraps is
+checked on the installed vLLM, and the whole path on the CPU engine by
+``tests/test_logits_lora_engine.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+from skyrl_lora.server import compat
+
+
+class _Punica:
+    """A Punica wrapper that adds one to the logits, in place, as on a GPU."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.sampler_indices = "the wrapper's own"
+
+    def add_lora_logits(self, y, x, lora_a, lora_b, scale):
+        self.calls += 1
+        y += 1
+
+
+class _LogitsLoRA:
+    """What the wrapping relies on: ``set_lora`` (which resets first, as vLLM's
+    does), ``reset_lora``, and ``_get_logits`` asking ``punica_wrapper``."""
+
+    def __init__(self) -> None:
+        self.punica_wrapper = _Punica()
+
+    def reset_lora(self, index: int) -> None:
+        pass
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        self.reset_lora(index)
+
+    def _get_logits(self, hidden_states, lm_head, embedding_bias=None):
+        logits = hidden_states.clone()
+        out = self.punica_wrapper.add_lora_logits(logits, hidden_states, None, None, 1.0)
+        return logits if out is None else out
+
+
+@pytest.fixture
+def layer_class(monkeypatch):
+    module = types.ModuleType("fake_logits_processor")
+    module.LogitsProcessorWithLoRA = _LogitsLoRA  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(compat, "_LOGITS_LORA_MODULE", module.__name__)
+    for name in ("set_lora", "reset_lora", "_get_logits"):
+        monkeypatch.setattr(_LogitsLoRA, name, getattr(_LogitsLoRA, name))
+    monkeypatch.delattr(_LogitsLoRA, "skyrl_skips_unweighted_logits_lora", raising=False)
+    assert compat.skip_logits_lora_while_unweighted()
+    wrapped = _LogitsLoRA._get_logits
+    assert compat.skip_logits_lora_while_unweighted()  # placed again: not wrapped twice
+    assert _LogitsLoRA._get_logits is wrapped
+    yield _LogitsLoRA
+    monkeypatch.delattr(_LogitsLoRA, "skyrl_skips_unweighted_logits_lora")
+
+
+def test_the_logits_lora_runs_only_while_a_slot_holds_weights(layer_class) -> None:
+    layer = layer_class()
+    punica = layer.punica_wrapper
+    hidden = torch.zeros(2, 4)
+
+    def logits_moved() -> bool:
+        got = layer._get_logits(hidden, "lm_head")
+        assert layer.punica_wrapper is punica  # given back after each call
+        return bool((got == 1).all())
+
+    assert not logits_moved() and punica.calls == 0  # no slot written yet
+    layer.set_lora(2, "a", "b")  # vLLM's own write
+    assert logits_moved() and punica.calls == 1
+    compat.note_lora_slot_written(layer, 5, True)  # the slot writer's replay: no set_lora
+    layer.reset_lora(2)
+    assert logits_moved()  # slot 5 still holds weights
+    compat.note_lora_slot_written(layer, 5, False)
+    assert not logits_moved() and punica.calls == 2
+
+
+def test_other_layers_are_not_tracked(layer_class) -> None:
+    other = torch.nn.Linear(2, 2)
+    compat.note_lora_slot_written(other, 1, True)
+    compat.note_lora_slot_written(types.SimpleNamespace(), 1, True)  # nor need they be modules
+    assert other not in compat._logits_lora_slots
+
+
+def test_the_installed_vllm_layer_computes_as_the_wrapping_expects() -> None:
+    """The real layer asks its ``punica_wrapper`` for ``add_lora_logits`` inside
+    ``_get_logits``, and its ``set_lora`` / ``reset_lora`` take the slot first."""
+    module = pytest.importorskip(compat._LOGITS_LORA_MODULE)
+    cls = module.LogitsProcessorWithLoRA
+    assert callable(cls._get_logits)
+    assert "self.punica_wrapper.add_lora_logits(" in inspect.getsource(module)
+    for name in ("set_lora", "reset_lora"):
+        params = list(inspect.signature(getattr(cls, name)).parameters)
+        assert params[:2] == ["self", "index"], (name, params)
