@@ -65,18 +65,29 @@ ProcessKey = tuple[int, int]
 
 
 def process_table() -> dict[int, tuple[int, int]]:
-    """``pid -> (parent pid, start time in clock ticks)`` of every process."""
+    """``pid -> (parent pid, start time in clock ticks)`` of every process.
+
+    Read with ``os.open``/``os.read``, not ``Path.read_text``: the watchdog
+    reads every process's ``stat`` once a second for as long as its server
+    runs, and the plain calls cost a third as much (0.9 ms a table against
+    2.9 ms with 120 processes, main b73e51b, 2026-11-29, the 2-core CPU
+    machine)."""
     table: dict[int, tuple[int, int]] = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
+    proc = str(PROC)
+    for name in os.listdir(proc):
+        if not name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fd = os.open(f"{proc}/{name}/stat", os.O_RDONLY)
+            try:
+                stat = os.read(fd, 4096)
+            finally:
+                os.close(fd)
         except OSError:  # gone meanwhile
             continue
         # The command name (field 2) may hold spaces and parentheses: split after its end.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        table[int(name)] = (int(fields[1]), int(fields[19]))
     return table
 
 

@@ -152,7 +152,17 @@ class LoopMonitorConfig:
     """``interval_s``: time between samples (each costs one wake-up of the
     loop); ``report_over_s``: a stall longer than this is logged as an event;
     ``stall_stacks``: sample the loop thread's stack while it is late
-    (:class:`StallStacks`), every ``stack_every_s``."""
+    (:class:`StallStacks`), every ``stack_every_s``.
+
+    A stall reads as up to ``interval_s`` shorter than it was (it may begin
+    just after a wake-up), so at 5 ms every stall over 15 ms is reported.
+    Each wake-up costs the process about 0.15 ms of CPU on the 2-core CPU
+    machine, most of it the kernel's timer and ``epoll`` wake-up, so at 5 ms
+    the monitor takes about 3% of a core from an idle server (uvloop, main
+    b73e51b, 2026-11-29: 2.7-3.2% with a timer callback a wake-up, as
+    :func:`watch` samples; 3.4-4.0% when a task slept between samples). A
+    coarser interval costs less but misses more: at 20 ms a 25 ms stall
+    would go unreported one time in four."""
 
     interval_s: float = 0.005
     report_over_s: float = 0.01
@@ -230,7 +240,11 @@ def most_seen(samples: list[tuple[str, ...]], top: int = 3) -> dict[str, Any]:
 
 
 async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
-    """Sample the loop's lateness, and report collections, until cancelled."""
+    """Sample the loop's lateness, and report collections, until cancelled.
+
+    Each sample is a timer callback that schedules the next (``call_at``):
+    its lateness is read as the loop runs the timer, and a wake-up costs
+    the loop one callback, not a task's step."""
     loop = asyncio.get_running_loop()
     collector = _GcClock()
     gc.callbacks.append(collector)
@@ -239,12 +253,11 @@ async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
         if config.stall_stacks
         else None
     )
-    if stacks is not None:
-        stacks.start()
-    try:
-        while True:
-            due = loop.time() + config.interval_s
-            await asyncio.sleep(config.interval_s)
+    handle: asyncio.TimerHandle | None = None
+
+    def sample(due: float) -> None:
+        nonlocal handle
+        try:
             lag = max(0.0, loop.time() - due)
             samples = stacks.beat() if stacks is not None else None
             EVENT_LOOP_LAG.observe(lag)
@@ -255,7 +268,19 @@ async def watch(config: LoopMonitorConfig = LoopMonitorConfig()) -> None:
                 GC_PAUSE.labels(str(generation)).observe(pause)
                 if pause > config.report_over_s:
                     log_event("gc_pause", generation=generation, ms=round(pause * 1000, 1))
+        finally:
+            due = loop.time() + config.interval_s
+            handle = loop.call_at(due, sample, due)
+
+    if stacks is not None:
+        stacks.start()
+    try:
+        first = loop.time() + config.interval_s
+        handle = loop.call_at(first, sample, first)
+        await loop.create_future()  # until cancelled
     finally:
+        if handle is not None:
+            handle.cancel()
         gc.callbacks.remove(collector)
         if stacks is not None:
             stacks.stop()
