@@ -51,6 +51,8 @@ import aiohttp
 from benchmarks.common import current_commit, free_port, int_list
 from benchmarks.streams import StreamLog, keep_streaming
 from examples.rl.gpu_busy import GpuBusy
+from skyrl_lora.client import RemoteInferenceClient
+from skyrl_lora.errors import SkyRLLoraError
 
 #: H200 HBM3e, the datasheet's bandwidth.
 HBM_BYTES_PER_S = 4.8e12
@@ -232,12 +234,9 @@ async def load_adapters(url: str, names: list[str], path: Path) -> float:
     """Load ``names`` (each ``path``'s files) through our server's load route,
     one after another as a trainer's syncs come; the seconds it took."""
     started = time.monotonic()
-    async with aiohttp.ClientSession() as session:
+    async with RemoteInferenceClient(url) as client:
         for name in names:
-            body = {"lora_name": name, "lora_path": str(path)}
-            async with session.post(f"{url}/skyrl/v1/adapters/load", json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"loading {name}: HTTP {resp.status}: {await resp.text()}")
+            await client.load_lora_adapter(name, str(path))
     return time.monotonic() - started
 
 
@@ -328,7 +327,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     loaded = asyncio.run(load_adapters(server.url, names, adapter))
                     result["adapter_load_s"][name] = round(loaded, 1)
                     print(f"{name} loaded {len(names)} adapters in {loaded:.1f} s", flush=True)
-            except RuntimeError as exc:  # the others still measure; the JSON says why
+            except (RuntimeError, SkyRLLoraError) as exc:  # not up, or its loads refused:
+                # the others still measure; the JSON says why
                 result.setdefault("server_errors", {})[name] = str(exc)
                 print(f"{name} did not start: {exc}", flush=True)
                 continue
