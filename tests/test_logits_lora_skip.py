@@ -63,8 +63,7 @@ def layer_class(monkeypatch):
     wrapped = _LogitsLoRA._get_logits
     assert compat.skip_logits_lora_while_unweighted()  # placed again: not wrapped twice
     assert _LogitsLoRA._get_logits is wrapped
-    yield _LogitsLoRA
-    monkeypatch.delattr(_LogitsLoRA, "skyrl_skips_unweighted_logits_lora")
+    return _LogitsLoRA
 
 
 def test_the_logits_lora_runs_only_while_a_slot_holds_weights(layer_class) -> None:
