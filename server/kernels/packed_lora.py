@@ -105,6 +105,16 @@ def stage(wide: torch.Tensor, k: int, widths: Sequence[int], b: Sequence[torch.T
 
 
 @triton.jit
+def _fence(like):
+    """``fence.acq_rel.gpu`` in every thread holding an element of ``like``:
+    each thread's atomics into the workspace are performed before the
+    program's counter moves (a barrier alone orders only the issue)."""
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _shrink_pack_kernel(
     x_ptr,
     a0_ptr,
@@ -132,6 +142,7 @@ def _shrink_pack_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     """Program (slice s, K block kb): out[:, kb-block] = x's (slice 0 only);
     sums[s] += scaling * x[:, kb-block] @ A_s[slot][:, kb-block].T on the
@@ -178,9 +189,13 @@ def _shrink_pack_kernel(
             mask=(m_mask & mine)[:, None] & r_mask[None, :],
             sem="relaxed",
         )
+    if FENCE:
+        _fence(offs_r)
     tl.debug_barrier()
     arrived = tl.atomic_add(counters_ptr + s, 1, sem="acq_rel")
     if arrived == k_blocks - 1:
+        if FENCE:
+            _fence(offs_r)
         for m0 in range(0, M, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & r_mask[None, :]
@@ -249,5 +264,6 @@ def shrink_pack(
         BLOCK_M=min(config.block_m, max(16, triton.next_power_of_2(m))),
         BLOCK_K=config.block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        FENCE=x.is_cuda,  # the interpreter runs programs one after another
         num_warps=config.num_warps,
     )
