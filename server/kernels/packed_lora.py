@@ -50,6 +50,8 @@ class PackConfig:
     block_m: int = 64
     block_k: int = 256
     num_warps: int = 4
+    atomic_sem: str = "relaxed"
+    fence: bool = True
 
 
 DEFAULT_PACK = PackConfig()
@@ -143,6 +145,7 @@ def _shrink_pack_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     FENCE: tl.constexpr,
+    ATOMIC_SEM: tl.constexpr,
 ):
     """Program (slice s, K block kb): out[:, kb-block] = x's (slice 0 only);
     sums[s] += scaling * x[:, kb-block] @ A_s[slot][:, kb-block].T on the
@@ -187,7 +190,7 @@ def _shrink_pack_kernel(
             sums_ptr + s * sums_s0 + rows[:, None] * sums_s1 + offs_r[None, :],
             part,
             mask=(m_mask & mine)[:, None] & r_mask[None, :],
-            sem="relaxed",
+            sem=ATOMIC_SEM,
         )
     if FENCE:
         _fence(offs_r)
@@ -264,6 +267,7 @@ def shrink_pack(
         BLOCK_M=min(config.block_m, max(16, triton.next_power_of_2(m))),
         BLOCK_K=config.block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        FENCE=x.is_cuda,  # the interpreter runs programs one after another
+        FENCE=x.is_cuda and config.fence,  # the interpreter runs programs one after another
+        ATOMIC_SEM=config.atomic_sem,
         num_warps=config.num_warps,
     )
