@@ -110,7 +110,9 @@ def stage(wide: torch.Tensor, k: int, widths: Sequence[int], b: Sequence[torch.T
 def _fence(like):
     """``fence.acq_rel.gpu`` in every thread holding an element of ``like``:
     each thread's atomics into the workspace are performed before the
-    program's counter moves (a barrier alone orders only the issue)."""
+    program's counter moves (a barrier alone orders only their issue; on an
+    H200 a 256-row shrink lost partial sums without it, and with it run
+    over a 64-element vector at 8 warps, where some threads hold none)."""
     tl.inline_asm_elementwise(
         "fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -192,13 +194,13 @@ def _shrink_pack_kernel(
             mask=(m_mask & mine)[:, None] & r_mask[None, :],
             sem=ATOMIC_SEM,
         )
-    if FENCE:
-        _fence(offs_r)
+    if FENCE:  # over a tile as wide as the atomics', so that every thread runs it
+        _fence(tl.arange(0, BLOCK_M)[:, None] + offs_r[None, :])
     tl.debug_barrier()
     arrived = tl.atomic_add(counters_ptr + s, 1, sem="acq_rel")
     if arrived == k_blocks - 1:
         if FENCE:
-            _fence(offs_r)
+            _fence(tl.arange(0, BLOCK_M)[:, None] + offs_r[None, :])
         for m0 in range(0, M, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & r_mask[None, :]
