@@ -172,6 +172,11 @@ def _shrink_pack_kernel(
         mask=k_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
+    # Each thread's atomics return before the program's counter moves: the
+    # count below depends on every value they return (the compiler cannot
+    # know it is zero), so no partial sum lands after the slice's last
+    # program has read the sums.
+    landed = pid * 0  # an int32 the loop carries (a literal would be a constexpr)
     for m0 in range(0, M, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         m_mask = rows < M
@@ -188,16 +193,17 @@ def _shrink_pack_kernel(
             )
         mine = tl.load(mapping_ptr + rows, mask=m_mask, other=-1) == target
         part = tl.dot(x, a) * scaling
-        tl.atomic_add(
+        before = tl.atomic_add(
             sums_ptr + s * sums_s0 + rows[:, None] * sums_s1 + offs_r[None, :],
             part,
             mask=(m_mask & mine)[:, None] & r_mask[None, :],
             sem=ATOMIC_SEM,
         )
+        landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
     if FENCE:  # over a tile as wide as the atomics', so that every thread runs it
         _fence(tl.arange(0, BLOCK_M)[:, None] + offs_r[None, :])
     tl.debug_barrier()
-    arrived = tl.atomic_add(counters_ptr + s, 1, sem="acq_rel")
+    arrived = tl.atomic_add(counters_ptr + s, 1 + tl.minimum(landed, 0), sem="acq_rel")
     if arrived == k_blocks - 1:
         if FENCE:
             _fence(tl.arange(0, BLOCK_M)[:, None] + offs_r[None, :])
@@ -205,7 +211,7 @@ def _shrink_pack_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & r_mask[None, :]
             at = sums_ptr + s * sums_s0 + rows[:, None] * sums_s1 + offs_r[None, :]
-            total = tl.load(at, mask=mask, other=0.0, volatile=True)
+            total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg", volatile=True)
             tl.store(
                 out_ptr + rows[:, None] * out_s0 + K + s * R + offs_r[None, :],
                 total.to(out_ptr.dtype.element_ty),
