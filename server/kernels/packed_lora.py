@@ -211,7 +211,7 @@ def _shrink_pack_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & r_mask[None, :]
             at = sums_ptr + s * sums_s0 + rows[:, None] * sums_s1 + offs_r[None, :]
-            total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg", volatile=True)
+            total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(
                 out_ptr + rows[:, None] * out_s0 + K + s * R + offs_r[None, :],
                 total.to(out_ptr.dtype.element_ty),
