@@ -13,10 +13,7 @@ layers make) and its LoRA:
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
-  are done: vLLM's own second-stream order, with the grouped kernels;
-* ``packed`` (one adapter only): the LoRA inside the GEMM
-  (:mod:`skyrl_lora.server.kernels.packed_lora`): one shrink writing
-  ``[x | x A^T]``, then one GEMM over the widened weight ``[W | B]``.
+  are done: vLLM's own second-stream order, with the grouped kernels.
 
 Every LoRA schedule fills the step's row-chunk plan once, as ``serve`` does.
 The figure that matters is each schedule's step over ``base``: the share of
@@ -34,7 +31,6 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,49 +54,6 @@ SCHEDULES = ("base", "overlap", "sequential", "beside")
 #: the second stream), the shrink beside the GEMM without the expand, and the
 #: expand after the GEMM without any shrink.
 DIAGNOSTICS = ("fork_join", "shrink_beside", "expand_after")
-#: One adapter's schedules (their rows are the packed slot's), and their
-#: parts under ``--diagnose``: the base GEMMs over the widened weights'
-#: first K columns (a strided view) and the widened GEMMs without the shrink.
-PACKED = ("packed",)
-PACKED_DIAGNOSTICS = ("base_wide", "packed_gemm")
-
-
-@dataclass(frozen=True)
-class Packed:
-    """What the packed schedules read: each layer's widened weight (slot 0's B
-    staged), a packed input per (fan-in, slices), the shrink's scratch, the
-    packed slot and the tokens' slots."""
-
-    wide: list[torch.Tensor]
-    inputs: dict[tuple[int, int], torch.Tensor]
-    scratch: Any
-    slot: torch.Tensor
-    token_slots: torch.Tensor
-
-
-def packed_setup(
-    layers: list[Slots], weights: list[torch.Tensor], tokens: int, rank: int
-) -> Packed:
-    """Widen every layer's weight and stage slot 0's adapter in it."""
-    from skyrl_lora.server.kernels.packed_lora import new_scratch, packed_width, stage, widen
-
-    wide = []
-    inputs = {}
-    for slots, weight in zip(layers, weights):
-        fan_in, n = weight.size(1), len(slots.widths)
-        w = widen(weight, n, rank)
-        stage(w, fan_in, slots.widths, [b[0, 0] for b in slots.b])
-        wide.append(w)
-        inputs[(fan_in, n)] = torch.zeros(
-            tokens, packed_width(fan_in, n, rank), device="cuda", dtype=torch.bfloat16
-        )
-    return Packed(
-        wide,
-        inputs,
-        new_scratch(tokens, rank, torch.device("cuda")),
-        torch.zeros(1, dtype=torch.int32, device="cuda"),
-        torch.zeros(tokens, dtype=torch.int32, device="cuda"),
-    )
 
 
 def schedule_fn(
@@ -111,12 +64,8 @@ def schedule_fn(
     meta: dict[str, torch.Tensor],
     groups: int,
     outs: dict[str, torch.Tensor],
-    packed: Packed | None = None,
 ) -> Callable[[], None]:
     """One step's linear layers under ``schedule`` (each decoder layer its own weights)."""
-    if schedule in PACKED + PACKED_DIAGNOSTICS:
-        assert packed is not None
-        return packed_fn(schedule, layers, x, outs, packed)
     from skyrl_lora.server.kernels.grouped_lora import (
         DEFAULT_CONFIG,
         fill_plan,
@@ -210,32 +159,6 @@ def schedule_fn(
     return run
 
 
-def packed_fn(
-    schedule: str,
-    layers: list[Slots],
-    x: dict[int, torch.Tensor],
-    outs: dict[str, torch.Tensor],
-    packed: Packed,
-) -> Callable[[], None]:
-    """One step's linear layers with the LoRA inside each GEMM (``packed``), or
-    its parts (``base_wide``, ``packed_gemm``)."""
-    from skyrl_lora.server.kernels.packed_lora import base_view, shrink_pack
-
-    def run() -> None:
-        for i, (slots, wide) in enumerate(zip(layers, packed.wide)):
-            xin = x[wide.size(1) - len(slots.widths) * slots.a[0].size(-2)]
-            y = outs[f"y{i % 4}"]
-            if schedule == "base_wide":
-                torch.matmul(xin, base_view(wide, xin.size(1)).t(), out=y)
-                continue
-            pin = packed.inputs[(xin.size(1), len(slots.widths))]
-            if schedule == "packed":
-                shrink_pack(xin, slots.a, pin, packed.slot, packed.token_slots, packed.scratch)
-            torch.matmul(pin, wide.t(), out=y)
-
-    return run
-
-
 def _outputs(outs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [outs[f"y{j}"].float().clone() for j in range(4)]
 
@@ -267,26 +190,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for j, (_, widths, _) in enumerate(shapes):
             outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
             outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
-        packed = packed_setup(layers, weights, tokens, args.rank) if 1 in args.adapters else None
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
-            checked = SCHEDULES + (PACKED if adapters == 1 else ())
-            timed = checked + (
-                DIAGNOSTICS + (PACKED_DIAGNOSTICS if adapters == 1 else ()) if args.diagnose else ()
-            )
+            timed = (*SCHEDULES, *DIAGNOSTICS) if args.diagnose else SCHEDULES
             steps = {
-                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs, packed)
-                for s in timed
+                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
             }
             got = {}
-            for s in checked:  # the first decoder layer's outputs, eagerly
-                schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs, packed)()
+            for s in SCHEDULES:  # the first decoder layer's outputs, eagerly
+                schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs)()
                 torch.cuda.synchronize()
                 got[s] = _outputs(outs)
             ref = got["sequential"]
             errors = {
                 s: max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[s], ref))
-                for s in checked
+                for s in SCHEDULES
                 if s != "base"
             }
             graphs = {s: graph_of(fn) for s, fn in steps.items()}
