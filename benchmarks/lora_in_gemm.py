@@ -13,7 +13,8 @@ class over its 32 layers:
 * ``in_gemm``: the whole LoRA inside the one kernel: the first programs add
   split-K pieces of the shrink into an fp32 workspace and count themselves
   done, every program waits for that count after its main loop, then
-  applies the expand in its epilogue (one launch a layer, no second stream).
+  applies the expand in its epilogue (one launch a layer, no second stream);
+  ``--backoff-ns`` adds variants whose waiting threads sleep between polls.
 
 The step is each class's best configuration summed over the 128 layers,
 beside ``serve``'s schedule (:mod:`benchmarks.lora_layers`'s ``overlap``)
@@ -39,7 +40,14 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import current_commit
-from benchmarks.lora_kernels import graph_of, llama_layers, make_slots, metadata, time_graph
+from benchmarks.lora_kernels import (
+    graph_of,
+    int_list,
+    llama_layers,
+    make_slots,
+    metadata,
+    time_graph,
+)
 
 TOKENS, RANK = 64, 64
 #: (BLOCK_N, BLOCK_K, stages): tile configurations tried for every layer class.
@@ -53,6 +61,7 @@ def _gemm(
     x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, sums_ptr, count_ptr, N, K, n0, n1,
     LORA: tl.constexpr, SHRINK: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+    BACKOFF_NS: tl.constexpr,
 ):  # fmt: skip
     """y[:, tile] = x @ W[tile].T (+ s @ B[tile].T, s the tile's slice's shrink)."""
     pid = tl.program_id(0)
@@ -83,6 +92,8 @@ def _gemm(
                 tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
             seen = tl.load(count_ptr, volatile=True)
             while seen < P:
+                if BACKOFF_NS > 0:  # every waiting thread polls L2: fewer polls, less traffic
+                    _sleep(seen, BACKOFF_NS)
                 seen = tl.load(count_ptr, volatile=True)
             seen = tl.atomic_add(count_ptr, 0, sem="acquire")
         first = pid * BN
@@ -101,6 +112,15 @@ def _gemm(
                 tl.store(at, tl.zeros((BM, R), tl.float32))
             tl.atomic_xchg(count_ptr, 0)
             tl.atomic_xchg(count_ptr + 32, 0)
+
+
+@triton.jit
+def _sleep(like, NS: tl.constexpr):
+    """``nanosleep`` in the threads holding ``like`` (a poll's back-off)."""
+    tl.inline_asm_elementwise(
+        "nanosleep.u32 $2;\nmov.b32 $0, $1;", "=r,r,r", [like, like * 0 + NS], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 class LayerClass:
@@ -125,7 +145,9 @@ class LayerClass:
         bounds = [sum(self.widths[: i + 1]) for i in range(len(self.widths) - 1)]
         self.n0, self.n1 = [*bounds, self.n, self.n][:2]
 
-    def launch(self, i: int, variant: str, config: tuple[int, int, int]) -> None:
+    def launch(
+        self, i: int, variant: str, config: tuple[int, int, int], backoff_ns: int = 0
+    ) -> None:
         """Layer ``i`` of the class as ``variant`` (``epilogue`` reads the given
         shrink from ``sums``, left there by :meth:`reference`)."""
         bn, bk, stages = config
@@ -135,7 +157,7 @@ class LayerClass:
             self.n, self.fan_in, self.n0, self.n1,
             LORA=variant != "triton", SHRINK=variant == "in_gemm", KP=pieces,
             P=len(self.widths) * pieces, R=RANK, BM=TOKENS, BN=bn, BK=bk, BKS=PIECE_K,
-            num_stages=stages, num_warps=4,
+            BACKOFF_NS=backoff_ns, num_stages=stages, num_warps=4,
         )  # fmt: skip
 
     def reference(self, i: int, lora: bool) -> torch.Tensor:
@@ -188,6 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": TOKENS, "rank": RANK, "classes": {},
     }  # fmt: skip
     step = {"cublas": 0.0, "triton": 0.0, "epilogue": 0.0, "in_gemm": 0.0}
+    step |= {f"in_gemm_backoff{ns}": 0.0 for ns in args.backoff_ns if ns > 0}
     for c in classes:
         errors = {v: c.error(0, v, args.configs[0], 20) for v in ("triton", "epilogue", "in_gemm")}
 
@@ -195,6 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(depth):
                 if variant == "cublas":
                     torch.matmul(c.x, c.weights[i].t(), out=c.y)
+                elif variant.startswith("in_gemm_backoff"):
+                    c.launch(i, "in_gemm", config, int(variant.removeprefix("in_gemm_backoff")))
                 else:
                     c.launch(i, variant, config)
 
@@ -241,6 +266,9 @@ def _configs(text: str) -> list[tuple[int, int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=_configs, default=CONFIGS, help="BNxBKxSTAGES,...")
+    parser.add_argument(
+        "--backoff-ns", type=int_list, default=[0], help="in_gemm's poll back-offs to add (0: none)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--machine", default="")
