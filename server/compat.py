@@ -1081,6 +1081,8 @@ def overlap_lora_shrink_with_base() -> bool:
 
 #: vLLM's LoRA layer around the model's logits (its ``lm_head``), 0.26 and 0.32.
 _LOGITS_LORA_MODULE = "vllm.lora.layers.logits_processor"
+#: vLLM's LoRA model manager, whose ``_deactivate_adapter`` frees a slot (0.26, 0.32).
+_LORA_MANAGER_MODULE = "vllm.lora.model_manager"
 #: Each LoRA logits layer's slots that hold ``lm_head`` weights (kept beside
 #: the layer, not on it: the slot writer keeps a layer's plan only while its
 #: attributes stay the same objects).
@@ -1126,9 +1128,9 @@ def skip_logits_lora_while_unweighted() -> bool:
     5% of the step loop (py-spy, main a1a13f5, H200). The layer's own
     ``set_lora`` / ``reset_lora`` and the slot writer
     (:func:`note_lora_slot_written`) keep which slots hold weights; a slot
-    once written with them counts until it is written without (vLLM does
-    not zero a slot it frees). Logits are computed outside CUDA graphs, so
-    the choice is made every step.
+    written with them counts until it is written without or its adapter is
+    deactivated (:func:`_forget_freed_logits_slots`). Logits are computed
+    outside CUDA graphs, so the choice is made every step.
     """
     try:
         cls = importlib.import_module(_LOGITS_LORA_MODULE).LogitsProcessorWithLoRA
@@ -1162,4 +1164,38 @@ def skip_logits_lora_while_unweighted() -> bool:
     cls.reset_lora = tracked_reset_lora
     cls._get_logits = logits_with_lora_where_weighted
     cls.skyrl_skips_unweighted_logits_lora = True
+    _forget_freed_logits_slots()
+    return True
+
+
+def _forget_freed_logits_slots() -> bool:
+    """A deactivated adapter's slot stops counting as holding ``lm_head`` weights.
+
+    vLLM frees the slot without zeroing it, but maps no row to a free slot,
+    and every way back into use writes the slot again (vLLM's
+    ``activate_adapter`` calls ``set_lora`` or ``reset_lora`` on every
+    layer; our slot writer reports its writes). Without this, one tenant's
+    ``lm_head`` adapter, once unloaded, kept LoRA on the logits running for
+    every step until its slot was reused. Patched on the class before the
+    managers are made: each binds ``_deactivate_adapter`` into its LRU cache.
+    False where this vLLM's manager looks otherwise.
+    """
+    try:
+        cls = importlib.import_module(_LORA_MANAGER_MODULE).LoRAModelManager
+        deactivate = cls._deactivate_adapter
+    except (ImportError, AttributeError):
+        return False
+    if getattr(cls, "skyrl_forgets_freed_logits_slots", False):
+        return True
+
+    def deactivate_forgetting_logits_slot(self: Any, lora_id: int) -> Any:
+        freed = [i for i, held in enumerate(self.lora_index_to_id) if held == lora_id]
+        done = deactivate(self, lora_id)
+        for module in self.modules.values():
+            for index in freed:
+                note_lora_slot_written(module, index, False)
+        return done
+
+    cls._deactivate_adapter = deactivate_forgetting_logits_slot
+    cls.skyrl_forgets_freed_logits_slots = True
     return True

@@ -50,12 +50,30 @@ class _LogitsLoRA:
         return logits if out is None else out
 
 
+class _Manager:
+    """What the slot forgetting relies on: ``lora_index_to_id`` (each slot's
+    adapter id), ``modules`` and ``_deactivate_adapter`` freeing the slot."""
+
+    def __init__(self, modules: dict) -> None:
+        self.lora_index_to_id: list[int | None] = [None] * 4
+        self.modules = modules
+
+    def _deactivate_adapter(self, lora_id: int) -> None:
+        self.lora_index_to_id[self.lora_index_to_id.index(lora_id)] = None
+
+
 @pytest.fixture
 def layer_class(monkeypatch):
     module = types.ModuleType("fake_logits_processor")
     module.LogitsProcessorWithLoRA = _LogitsLoRA  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(compat, "_LOGITS_LORA_MODULE", module.__name__)
+    managers = types.ModuleType("fake_model_manager")
+    managers.LoRAModelManager = _Manager  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, managers.__name__, managers)
+    monkeypatch.setattr(compat, "_LORA_MANAGER_MODULE", managers.__name__)
+    monkeypatch.setattr(_Manager, "_deactivate_adapter", _Manager._deactivate_adapter)
+    monkeypatch.delattr(_Manager, "skyrl_forgets_freed_logits_slots", raising=False)
     for name in ("set_lora", "reset_lora", "_get_logits"):
         monkeypatch.setattr(_LogitsLoRA, name, getattr(_LogitsLoRA, name))
     monkeypatch.delattr(_LogitsLoRA, "skyrl_skips_unweighted_logits_lora", raising=False)
@@ -86,6 +104,26 @@ def test_the_logits_lora_runs_only_while_a_slot_holds_weights(layer_class) -> No
     assert not logits_moved() and punica.calls == 2
 
 
+def test_a_deactivated_adapters_slot_stops_counting(layer_class) -> None:
+    """vLLM frees the slot of an adapter it deactivates (unload, LRU eviction)
+    without zeroing it; no row maps to a free slot, so the logits skip the
+    LoRA again, and a slot written again counts again."""
+    layer = layer_class()
+    manager = _Manager({"lm_head": layer, "q_proj": torch.nn.Linear(2, 2)})
+    hidden = torch.zeros(2, 4)
+    manager.lora_index_to_id[1:3] = [7, 8]
+    layer.set_lora(1, "a", "b")  # adapter 7 holds lm_head weights
+    layer.set_lora(2, "a", "b")  # and adapter 8
+    manager._deactivate_adapter(7)
+    assert manager.lora_index_to_id[1] is None  # vLLM's own work still done
+    assert compat._logits_lora_slots[layer] == {2}
+    manager._deactivate_adapter(8)
+    assert not compat._logits_lora_slots[layer]
+    assert not bool((layer._get_logits(hidden, "lm_head") == 1).all())
+    layer.set_lora(2, "a", "b")
+    assert bool((layer._get_logits(hidden, "lm_head") == 1).all())
+
+
 def test_other_layers_are_not_tracked(layer_class) -> None:
     other = torch.nn.Linear(2, 2)
     compat.note_lora_slot_written(other, 1, True)
@@ -103,3 +141,20 @@ def test_the_installed_vllm_layer_computes_as_the_wrapping_expects() -> None:
     for name in ("set_lora", "reset_lora"):
         params = list(inspect.signature(getattr(cls, name)).parameters)
         assert params[:2] == ["self", "index"], (name, params)
+
+
+def test_the_installed_vllm_manager_frees_slots_as_the_forgetting_expects() -> None:
+    """The real manager frees a slot in ``_deactivate_adapter(lora_id)`` through
+    ``lora_index_to_id``, holds its layers in ``modules``, binds that method
+    into its LRU cache as it is made (so the class is patched first), and its
+    ``activate_adapter`` writes every layer's slot (``set_lora`` or
+    ``reset_lora``)."""
+    module = pytest.importorskip(compat._LORA_MANAGER_MODULE)
+    cls = module.LoRAModelManager
+    params = list(inspect.signature(cls._deactivate_adapter).parameters)
+    assert params == ["self", "lora_id"], params
+    assert "lora_index_to_id" in inspect.getsource(cls._deactivate_adapter)
+    init = inspect.getsource(cls.__init__)
+    assert "self.modules" in init and "self._deactivate_adapter" in init
+    activate = inspect.getsource(cls.activate_adapter)
+    assert "set_lora(" in activate and "reset_lora(" in activate
