@@ -67,6 +67,32 @@ def test_host_metadata_equals_vllms_for_mixed_batches(seed: int) -> None:
     _assert_same(vllm_meta, host_meta, n)
 
 
+@pytest.mark.parametrize(
+    "n", [1, lora_metadata.LIST_PLAN_MAX, lora_metadata.LIST_PLAN_MAX + 1, MAX_TOKENS]
+)
+def test_both_ways_of_planning_equal_vllms_on_either_side_of_the_switch(n, monkeypatch) -> None:
+    """Plans of up to ``LIST_PLAN_MAX`` tokens are made on Python lists, larger
+    ones with torch: each equals vLLM's, and the two ways agree on each size."""
+    rng = random.Random(n)
+    table = lora_metadata.slot_table(SLOTS)
+    ids = [rng.choice([0, 17, 3, 42, 99]) for _ in range(n)]
+    slots = lora_metadata.slots_of(ids, table)
+    assert slots.tolist() == [table[i] if i > 0 else -1 for i in ids]
+    vllm_meta, host_meta = _metas()
+    vllm_meta.prepare_tensors(slots.to(torch.int64))
+    step = lora_metadata.plan(slots, CAPTURED)
+    lora_metadata.write(host_meta, step)
+    _assert_same(vllm_meta, host_meta, n)
+
+    listed = n <= lora_metadata.LIST_PLAN_MAX  # so the other way is torch's, and back
+    monkeypatch.setattr(lora_metadata, "LIST_PLAN_MAX", -1 if listed else MAX_TOKENS)
+    assert lora_metadata.slots_of(ids, table).tolist() == slots.tolist()
+    other = lora_metadata.plan(slots, CAPTURED)
+    for name in ("sorted_by_slot", "active_slots", "tokens_per_slot", "start_loc"):
+        assert torch.equal(getattr(other, name), getattr(step, name)), name
+    assert (other.no_lora, other.num_active) == (step.no_lora, step.num_active)
+
+
 def test_a_batch_of_the_base_model_only_sets_the_no_adapter_flag() -> None:
     vllm_meta, host_meta = _metas()
     slots = lora_metadata.slots_of([0] * 40, lora_metadata.slot_table(SLOTS))
