@@ -14,7 +14,14 @@ class over its 32 layers:
   split-K pieces of the shrink into an fp32 workspace and count themselves
   done, every program waits for that count after its main loop, then
   applies the expand in its epilogue (one launch a layer, no second stream);
-  ``--backoff-ns`` adds variants whose waiting threads sleep between polls.
+* ``in_gemm_apart``: the same with the pieces in programs of their own,
+  launched before the tiles. The pieces' buffers double the kernel's shared
+  memory at ``--piece-k`` 256 (64 KiB a program against 32 at BN 64, BK
+  128, 6 stages: half the programs resident, which may be what the wait
+  costs); at 64 it stays 32 KiB (Triton's compile for sm_90). ``in_gemm``
+  skips configurations with more pieces than tiles.
+  ``--backoff-ns`` adds variants whose waiting threads sleep between polls,
+  ``--piece-k`` sets the pieces' width.
 
 The step is each class's best configuration summed over the 128 layers,
 beside ``serve``'s schedule (:mod:`benchmarks.lora_layers`'s ``overlap``)
@@ -59,11 +66,16 @@ PIECE_K = 256
 @triton.jit
 def _gemm(
     x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, sums_ptr, count_ptr, N, K, n0, n1,
-    LORA: tl.constexpr, SHRINK: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
-    R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-    BACKOFF_NS: tl.constexpr,
+    LORA: tl.constexpr, SHRINK: tl.constexpr, APART: tl.constexpr, KP: tl.constexpr,
+    P: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BKS: tl.constexpr, BACKOFF_NS: tl.constexpr,
 ):  # fmt: skip
-    """y[:, tile] = x @ W[tile].T (+ s @ B[tile].T, s the tile's slice's shrink)."""
+    """y[:, tile] = x @ W[tile].T (+ s @ B[tile].T, s the tile's slice's shrink).
+
+    With ``SHRINK``, programs ``pid < P`` first add one piece of the shrink;
+    ``APART``: those programs do nothing else, and the tiles are the
+    programs after them (launched first, so the tiles' wait cannot hold
+    the SMs they need)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     offs_r = tl.arange(0, R)
@@ -79,31 +91,35 @@ def _gemm(
         )
         # The count moves only once these atomics have returned (it depends on their values).
         landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
-    offs_n = pid * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k in range(0, K, BK):
-        xv = tl.load(x_ptr + offs_m[:, None] * K + (k + offs_k)[None, :])
-        wv = tl.load(w_ptr + offs_n[None, :] * K + (k + offs_k)[:, None])
-        acc = tl.dot(xv, wv, acc)
-    if LORA:
-        if SHRINK:
-            if pid < P:
-                tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
-            seen = tl.load(count_ptr, volatile=True)
-            while seen < P:
-                if BACKOFF_NS > 0:  # every waiting thread polls L2: fewer polls, less traffic
-                    _sleep(seen, BACKOFF_NS)
+    if SHRINK and APART and pid < P:
+        tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
+    else:
+        tile = pid - P if SHRINK and APART else pid
+        offs_n = tile * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            xv = tl.load(x_ptr + offs_m[:, None] * K + (k + offs_k)[None, :])
+            wv = tl.load(w_ptr + offs_n[None, :] * K + (k + offs_k)[:, None])
+            acc = tl.dot(xv, wv, acc)
+        if LORA:
+            if SHRINK:
+                if not APART and pid < P:
+                    tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
                 seen = tl.load(count_ptr, volatile=True)
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-        first = pid * BN
-        s = (first >= n0).to(tl.int32) + (first >= n1).to(tl.int32)
-        sv = tl.load(
-            sums_ptr + s * BM * R + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg"
-        )
-        bv = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None])
-        acc = tl.dot(sv.to(tl.bfloat16), bv, acc)
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16))
+                while seen < P:
+                    if BACKOFF_NS > 0:  # every waiting thread polls L2: fewer polls
+                        _sleep(seen, BACKOFF_NS)
+                    seen = tl.load(count_ptr, volatile=True)
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            first = tile * BN
+            s = (first >= n0).to(tl.int32) + (first >= n1).to(tl.int32)
+            sv = tl.load(
+                sums_ptr + s * BM * R + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg"
+            )
+            bv = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None])
+            acc = tl.dot(sv.to(tl.bfloat16), bv, acc)
+        tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16))
     if SHRINK:  # the last program out clears the workspace and counters
         done = tl.atomic_add(count_ptr + 32, 1, sem="acq_rel")
         if done == tl.num_programs(0) - 1:
@@ -146,18 +162,24 @@ class LayerClass:
         self.n0, self.n1 = [*bounds, self.n, self.n][:2]
 
     def launch(
-        self, i: int, variant: str, config: tuple[int, int, int], backoff_ns: int = 0
+        self, i: int, variant: str, config: tuple[int, int, int], piece_k: int = PIECE_K
     ) -> None:
         """Layer ``i`` of the class as ``variant`` (``epilogue`` reads the given
-        shrink from ``sums``, left there by :meth:`reference`)."""
+        shrink from ``sums``, left there by :meth:`reference`; ``KIND@NS``: the
+        waits back off ``NS`` ns between polls)."""
         bn, bk, stages = config
-        pieces = self.fan_in // PIECE_K
-        _gemm[(self.n // bn,)](
+        kind, _, backoff = variant.partition("@")
+        apart = kind == "in_gemm_apart"
+        pieces = self.fan_in // piece_k
+        shrink_programs = len(self.widths) * pieces
+        if kind == "in_gemm" and shrink_programs > self.n // bn:
+            raise ValueError(f"{shrink_programs} pieces for {self.n // bn} tiles: some never run")
+        _gemm[(self.n // bn + (shrink_programs if apart else 0),)](
             self.x, self.weights[i], self.y, self.a[i], self.b[i], self.sums, self.count,
             self.n, self.fan_in, self.n0, self.n1,
-            LORA=variant != "triton", SHRINK=variant == "in_gemm", KP=pieces,
-            P=len(self.widths) * pieces, R=RANK, BM=TOKENS, BN=bn, BK=bk, BKS=PIECE_K,
-            BACKOFF_NS=backoff_ns, num_stages=stages, num_warps=4,
+            LORA=kind != "triton", SHRINK=kind.startswith("in_gemm"), APART=apart, KP=pieces,
+            P=shrink_programs, R=RANK, BM=TOKENS, BN=bn, BK=bk, BKS=piece_k,
+            BACKOFF_NS=int(backoff or 0), num_stages=stages, num_warps=4,
         )  # fmt: skip
 
     def reference(self, i: int, lora: bool) -> torch.Tensor:
@@ -172,7 +194,9 @@ class LayerClass:
             col += width
         return want
 
-    def error(self, i: int, variant: str, config: tuple[int, int, int], launches: int) -> float:
+    def error(
+        self, i: int, variant: str, config: tuple[int, int, int], launches: int, piece_k: int
+    ) -> float:
         """The largest relative error of ``launches`` launches against :meth:`reference`."""
         want = self.reference(i, lora=variant != "triton")
         worst = 0.0
@@ -181,7 +205,7 @@ class LayerClass:
                 x = self.x.float()
                 for s, a in enumerate(self.slots[i].a):
                     self.sums[s].copy_(x @ a[0, 0].float().T)
-            self.launch(i, variant, config)
+            self.launch(i, variant, config, piece_k)
             torch.cuda.synchronize()
             worst = max(worst, float((self.y.float() - want).abs().max() / want.abs().max()))
         if variant == "epilogue":
@@ -209,26 +233,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": args.machine or torch.cuda.get_device_name(0),
         "tokens": TOKENS, "rank": RANK, "classes": {},
     }  # fmt: skip
-    step = {"cublas": 0.0, "triton": 0.0, "epilogue": 0.0, "in_gemm": 0.0}
-    step |= {f"in_gemm_backoff{ns}": 0.0 for ns in args.backoff_ns if ns > 0}
+    lora_in_gemm = ("in_gemm", "in_gemm_apart")
+    step = dict.fromkeys(("cublas", "triton", "epilogue", *lora_in_gemm), 0.0)
+    step |= {f"{v}@{ns}": 0.0 for v in lora_in_gemm for ns in args.backoff_ns if ns > 0}
     for c in classes:
-        errors = {v: c.error(0, v, args.configs[0], 20) for v in ("triton", "epilogue", "in_gemm")}
+        errors: dict[str, float | None] = {}
+        for v in ("triton", "epilogue", *lora_in_gemm):
+            try:
+                errors[v] = c.error(0, v, args.configs[0], 20, args.piece_k)
+            except ValueError:  # more pieces than that configuration's tiles
+                errors[v] = None
 
         def layers(variant: str, config: tuple[int, int, int], c: LayerClass = c) -> None:
             for i in range(depth):
                 if variant == "cublas":
                     torch.matmul(c.x, c.weights[i].t(), out=c.y)
-                elif variant.startswith("in_gemm_backoff"):
-                    c.launch(i, "in_gemm", config, int(variant.removeprefix("in_gemm_backoff")))
                 else:
-                    c.launch(i, variant, config)
+                    c.launch(i, variant, config, args.piece_k)
 
         graphs = {}
         for variant in step:
             for config in [args.configs[0]] if variant == "cublas" else args.configs:
                 try:
                     graphs[f"{variant} {config}"] = graph_of(partial(layers, variant, config))
-                except triton.runtime.errors.OutOfResources:
+                except (triton.runtime.errors.OutOfResources, ValueError):
                     continue
         timed = _interleaved(graphs, args.rounds, args.reps)
         del graphs
@@ -269,6 +297,7 @@ def main() -> int:
     parser.add_argument(
         "--backoff-ns", type=int_list, default=[0], help="in_gemm's poll back-offs to add (0: none)"
     )
+    parser.add_argument("--piece-k", type=int, default=PIECE_K, help="K columns a shrink piece")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--machine", default="")
