@@ -35,24 +35,23 @@ against torch before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import current_commit
 from benchmarks.lora_kernels import (
+    add_graph_flags,
     graph_of,
     int_list,
     llama_layers,
     make_slots,
     metadata,
+    run_to_json,
     time_graph,
 )
 
@@ -298,16 +297,8 @@ def main() -> int:
         "--backoff-ns", type=int_list, default=[0], help="in_gemm's poll back-offs to add (0: none)"
     )
     parser.add_argument("--piece-k", type=int, default=PIECE_K, help="K columns a shrink piece")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--machine", default="")
-    parser.add_argument("--commit", default=current_commit())
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = run(args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    add_graph_flags(parser)
+    return run_to_json(parser, run)
 
 
 if __name__ == "__main__":

@@ -443,6 +443,27 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def add_graph_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every CUDA-graph timing here shares: rounds, replays a
+    round, and the labels and file of its JSON."""
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--machine", default="")
+    parser.add_argument("--commit", default=current_commit())
+    parser.add_argument("--json", type=Path)
+
+
+def run_to_json(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], dict[str, Any]]
+) -> int:
+    """Parse the flags, run, and write the result where ``--json`` says."""
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="8b")
@@ -454,13 +475,9 @@ def main() -> int:
     parser.add_argument(
         "--adapters", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 32]
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=10)
+    add_graph_flags(parser)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time tile/grid choices")
-    parser.add_argument("--machine", default="")
-    parser.add_argument("--commit", default=current_commit())
-    parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--base-kernels",
         action="append",

@@ -28,23 +28,22 @@ parts of ``overlap`` (:data:`DIAGNOSTICS`) to see where its time goes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import current_commit
 from benchmarks.lora_kernels import (
     Slots,
+    add_graph_flags,
     graph_of,
     int_list,
     llama_layers,
     make_slots,
     metadata,
     run_facts,
+    run_to_json,
     time_graph,
 )
 
@@ -248,18 +247,10 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--tokens", type=int_list, default=[64, 256])
     parser.add_argument("--adapters", type=int_list, default=[1, 2, 8, 32])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=10)
+    add_graph_flags(parser)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
-    parser.add_argument("--machine", default="")
-    parser.add_argument("--commit", default=current_commit())
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = run(args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return run_to_json(parser, run)
 
 
 if __name__ == "__main__":
