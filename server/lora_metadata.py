@@ -51,10 +51,11 @@ class HostPlan:
 
 #: Up to this many tokens (or rows) a step's plan is worked out on Python
 #: lists, beyond it with torch's ``unique`` and ``sort``, whose calls cost
-#: more and whose work per token less: ``slots_of`` and ``plan`` together,
-#: 64 tokens over 8 adapters, took 157 us before and 90 us after (190 and
-#: 130 at 256; medians of 9 interleaved rounds, main 6d905f0, 2026-11-29,
-#: the 2-core CPU machine). A decode step plans twice (tokens, sampled rows).
+#: more and whose work per token less: ``slots_of`` and ``plan`` together
+#: over 8 adapters take 53 us on lists against 119 with torch at 64 tokens,
+#: 110 against 142 at 256, 190 against 175 at 512 (``benchmarks.host_plan``,
+#: medians of 9 interleaved rounds, main 5ded72d, 2026-11-29, the 2-core CPU
+#: machine). A decode step plans twice (tokens, sampled rows).
 LIST_PLAN_MAX = 256
 
 
