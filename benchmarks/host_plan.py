@@ -12,7 +12,6 @@ median with min and max, so the switch can be placed where they cross.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import current_commit
-from benchmarks.lora_kernels import int_list
+from benchmarks.lora_kernels import int_list, run_to_json
 from skyrl_lora.server import lora_metadata
 
 #: vLLM's captured active-adapter counts at ``--max-loras 32``.
@@ -86,11 +85,7 @@ def main() -> int:
     parser.add_argument("--machine", default="")
     parser.add_argument("--commit", default=current_commit())
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = run(args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return run_to_json(parser, run)
 
 
 if __name__ == "__main__":
