@@ -21,7 +21,9 @@ class over its 32 layers:
   costs); at 64 it stays 32 KiB (Triton's compile for sm_90). ``in_gemm``
   skips configurations with more pieces than tiles.
   ``--backoff-ns`` adds variants whose waiting threads sleep between polls,
-  ``--piece-k`` sets the pieces' width.
+  ``--piece-k`` sets the pieces' width (how many programs count) and
+  ``--chunk-k`` adds variants whose pieces read it in narrower chunks
+  (``in_gemm/64``: what the pieces hold in shared memory).
 
 The step is each class's best configuration summed over the 128 layers,
 beside ``serve``'s schedule (:mod:`benchmarks.lora_layers`'s ``overlap``)
@@ -67,11 +69,13 @@ def _gemm(
     x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, sums_ptr, count_ptr, N, K, n0, n1,
     LORA: tl.constexpr, SHRINK: tl.constexpr, APART: tl.constexpr, KP: tl.constexpr,
     P: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BKS: tl.constexpr, BACKOFF_NS: tl.constexpr,
+    PIECE: tl.constexpr, BKS: tl.constexpr, BACKOFF_NS: tl.constexpr,
 ):  # fmt: skip
     """y[:, tile] = x @ W[tile].T (+ s @ B[tile].T, s the tile's slice's shrink).
 
-    With ``SHRINK``, programs ``pid < P`` first add one piece of the shrink;
+    With ``SHRINK``, programs ``pid < P`` first add one piece of the shrink
+    (``PIECE`` columns of K, read ``BKS`` at a time: the piece's width sets
+    how many programs count, the chunk's the shared memory they hold);
     ``APART``: those programs do nothing else, and the tiles are the
     programs after them (launched first, so the tiles' wait cannot hold
     the SMs they need)."""
@@ -79,13 +83,16 @@ def _gemm(
     offs_m = tl.arange(0, BM)
     offs_r = tl.arange(0, R)
     landed = pid * 0
-    if SHRINK and pid < P:  # piece (slice, K chunk) of the shrink
-        offs_ks = (pid % KP) * BKS + tl.arange(0, BKS)
-        xs = tl.load(x_ptr + offs_m[:, None] * K + offs_ks[None, :])
-        av = tl.load(a_ptr + ((pid // KP) * R + offs_r)[None, :] * K + offs_ks[:, None])
+    if SHRINK and pid < P:  # piece (slice, K columns) of the shrink
+        part = tl.zeros((BM, R), tl.float32)
+        for kk in range(0, PIECE, BKS):
+            offs_ks = (pid % KP) * PIECE + kk + tl.arange(0, BKS)
+            xs = tl.load(x_ptr + offs_m[:, None] * K + offs_ks[None, :])
+            av = tl.load(a_ptr + ((pid // KP) * R + offs_r)[None, :] * K + offs_ks[:, None])
+            part = tl.dot(xs, av, part)
         before = tl.atomic_add(
             sums_ptr + (pid // KP) * BM * R + offs_m[:, None] * R + offs_r[None, :],
-            tl.dot(xs, av),
+            part,
             sem="relaxed",
         )
         # The count moves only once these atomics have returned (it depends on their values).
@@ -164,10 +171,12 @@ class LayerClass:
         self, i: int, variant: str, config: tuple[int, int, int], piece_k: int = PIECE_K
     ) -> None:
         """Layer ``i`` of the class as ``variant`` (``epilogue`` reads the given
-        shrink from ``sums``, left there by :meth:`reference`; ``KIND@NS``: the
-        waits back off ``NS`` ns between polls)."""
+        shrink from ``sums``, left there by :meth:`reference`; ``KIND/C``: the
+        pieces read ``C`` columns at a time (default: the whole piece);
+        ``KIND@NS``: the waits back off ``NS`` ns between polls)."""
         bn, bk, stages = config
-        kind, _, backoff = variant.partition("@")
+        spec, _, backoff = variant.partition("@")
+        kind, _, chunk = spec.partition("/")
         apart = kind == "in_gemm_apart"
         pieces = self.fan_in // piece_k
         shrink_programs = len(self.widths) * pieces
@@ -177,7 +186,8 @@ class LayerClass:
             self.x, self.weights[i], self.y, self.a[i], self.b[i], self.sums, self.count,
             self.n, self.fan_in, self.n0, self.n1,
             LORA=kind != "triton", SHRINK=kind.startswith("in_gemm"), APART=apart, KP=pieces,
-            P=shrink_programs, R=RANK, BM=TOKENS, BN=bn, BK=bk, BKS=piece_k,
+            P=shrink_programs, R=RANK, BM=TOKENS, BN=bn, BK=bk, PIECE=piece_k,
+            BKS=int(chunk or piece_k),
             BACKOFF_NS=int(backoff or 0), num_stages=stages, num_warps=4,
         )  # fmt: skip
 
@@ -232,16 +242,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": args.machine or torch.cuda.get_device_name(0),
         "tokens": TOKENS, "rank": RANK, "classes": {},
     }  # fmt: skip
-    lora_in_gemm = ("in_gemm", "in_gemm_apart")
-    step = dict.fromkeys(("cublas", "triton", "epilogue", *lora_in_gemm), 0.0)
-    step |= {f"{v}@{ns}": 0.0 for v in lora_in_gemm for ns in args.backoff_ns if ns > 0}
+    lora_in_gemm = [
+        f"{kind}{f'/{chunk}' if chunk != args.piece_k else ''}{f'@{ns}' if ns else ''}"
+        for kind in ("in_gemm", "in_gemm_apart")
+        for chunk in args.chunk_k or [args.piece_k]
+        for ns in args.backoff_ns
+    ]
+    step: dict[str, float | None] = dict.fromkeys(
+        ("cublas", "triton", "epilogue", *lora_in_gemm), 0.0
+    )
     for c in classes:
         errors: dict[str, float | None] = {}
-        for v in ("triton", "epilogue", *lora_in_gemm):
-            try:
-                errors[v] = c.error(0, v, args.configs[0], 20, args.piece_k)
-            except ValueError:  # more pieces than that configuration's tiles
-                errors[v] = None
+        for v in step:
+            if v == "cublas":
+                continue
+            errors[v] = None  # no configuration has as many tiles as pieces
+            for config in args.configs:
+                try:
+                    errors[v] = c.error(0, v, config, 20, args.piece_k)
+                    break
+                except ValueError:
+                    continue
 
         def layers(variant: str, config: tuple[int, int, int], c: LayerClass = c) -> None:
             for i in range(depth):
@@ -259,14 +280,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
         timed = _interleaved(graphs, args.rounds, args.reps)
         del graphs
-        best = {
-            v: min((t for k, t in timed.items() if k.startswith(v + " ")), key=lambda t: t["ms"])
+        best = {  # None: no configuration of this class can run the variant
+            v: min((t["ms"] for k, t in timed.items() if k.startswith(v + " ")), default=None)
             for v in step
         }
-        for v in step:
-            step[v] += best[v]["ms"]
+        for v, ms in best.items():
+            total = step[v]
+            step[v] = None if total is None or ms is None else total + ms
         result["classes"][c.name] = {"max_rel_err": errors, "timed": timed}
-        print(c.name, {v: round(best[v]["ms"], 3) for v in step}, errors, flush=True)
+        print(c.name, {v: ms and round(ms, 3) for v, ms in best.items()}, errors, flush=True)
     meta = metadata(TOKENS, 1, 1)
     outs: dict[str, torch.Tensor] = {
         f"buf{n}": torch.empty(n, TOKENS, RANK, device="cuda") for n in (1, 2, 3)
@@ -282,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     whole = {k: t["ms"] for k, t in _interleaved(graphs, args.rounds, args.reps).items()}
     result["step_ms"] = {**step, **{f"serve_{k}": v for k, v in whole.items()}}
-    print("step ms:", {k: round(v, 3) for k, v in result["step_ms"].items()}, flush=True)
+    print("step ms:", {k: v and round(v, 3) for k, v in result["step_ms"].items()}, flush=True)
     return result
 
 
@@ -297,6 +319,12 @@ def main() -> int:
         "--backoff-ns", type=int_list, default=[0], help="in_gemm's poll back-offs to add (0: none)"
     )
     parser.add_argument("--piece-k", type=int, default=PIECE_K, help="K columns a shrink piece")
+    parser.add_argument(
+        "--chunk-k",
+        type=int_list,
+        default=[],
+        help="in_gemm variants whose pieces read K this wide",
+    )
     add_graph_flags(parser)
     return run_to_json(parser, run)
 
