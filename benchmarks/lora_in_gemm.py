@@ -20,10 +20,11 @@ class over its 32 layers:
   128, 6 stages: half the programs resident, which may be what the wait
   costs); at 64 it stays 32 KiB (Triton's compile for sm_90). ``in_gemm``
   skips configurations with more pieces than tiles.
-  ``--backoff-ns`` adds variants whose waiting threads sleep between polls,
-  ``--piece-k`` sets the pieces' width (how many programs count) and
-  ``--chunk-k`` adds variants whose pieces read it in narrower chunks
-  (``in_gemm/64``: what the pieces hold in shared memory).
+  Every combination of ``--piece-k`` (a piece's columns: how many
+  programs count), ``--chunk-k`` (what it reads at once: the shared memory
+  it holds), ``--backoff-ns`` (waiting threads sleep between polls) and
+  ``--skip`` (diagnostics: leave out the wait, the workspace's clearing or
+  the pieces' atomics) is a variant, named ``KIND:PIECE/CHUNK[@NS][~LEFT]``.
 
 The step is each class's best configuration summed over the 128 layers,
 beside ``serve``'s schedule (:mod:`benchmarks.lora_layers`'s ``overlap``)
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -62,6 +64,30 @@ TOKENS, RANK = 64, 64
 CONFIGS = [(bn, bk, st) for bn in (32, 64) for bk in (64, 128) for st in (3, 4, 6)]
 #: The shrink's split-K piece (columns of K per counting program).
 PIECE_K = 256
+#: What ``SKIP`` leaves out, by bit (diagnostic variants: their sums are wrong).
+SKIPS = {1: "wait", 2: "clear", 4: "atomics"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run a layer: ``kind`` (``cublas``, ``triton``, ``epilogue``,
+    ``in_gemm``, ``in_gemm_apart``) and, for the last two, how the shrink's
+    pieces are cut (``piece`` columns of K a program, read ``chunk`` at a
+    time), how its waits poll and what a diagnostic run leaves out."""
+
+    kind: str
+    piece: int = PIECE_K
+    chunk: int = PIECE_K
+    backoff_ns: int = 0
+    skip: int = 0
+
+    @property
+    def name(self) -> str:
+        if not self.kind.startswith("in_gemm"):
+            return self.kind
+        left_out = "".join(f"~{what}" for bit, what in SKIPS.items() if self.skip & bit)
+        backoff = f"@{self.backoff_ns}" if self.backoff_ns else ""
+        return f"{self.kind}:{self.piece}/{self.chunk}{backoff}{left_out}"
 
 
 @triton.jit
@@ -69,7 +95,7 @@ def _gemm(
     x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, sums_ptr, count_ptr, N, K, n0, n1,
     LORA: tl.constexpr, SHRINK: tl.constexpr, APART: tl.constexpr, KP: tl.constexpr,
     P: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PIECE: tl.constexpr, BKS: tl.constexpr, BACKOFF_NS: tl.constexpr,
+    PIECE: tl.constexpr, BKS: tl.constexpr, BACKOFF_NS: tl.constexpr, SKIP: tl.constexpr,
 ):  # fmt: skip
     """y[:, tile] = x @ W[tile].T (+ s @ B[tile].T, s the tile's slice's shrink).
 
@@ -78,7 +104,8 @@ def _gemm(
     how many programs count, the chunk's the shared memory they hold);
     ``APART``: those programs do nothing else, and the tiles are the
     programs after them (launched first, so the tiles' wait cannot hold
-    the SMs they need)."""
+    the SMs they need). ``SKIP`` (diagnostics, wrong sums) leaves out
+    the wait (1), the workspace's clearing (2) or the pieces' atomics (4)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     offs_r = tl.arange(0, R)
@@ -90,13 +117,13 @@ def _gemm(
             xs = tl.load(x_ptr + offs_m[:, None] * K + offs_ks[None, :])
             av = tl.load(a_ptr + ((pid // KP) * R + offs_r)[None, :] * K + offs_ks[:, None])
             part = tl.dot(xs, av, part)
-        before = tl.atomic_add(
-            sums_ptr + (pid // KP) * BM * R + offs_m[:, None] * R + offs_r[None, :],
-            part,
-            sem="relaxed",
-        )
-        # The count moves only once these atomics have returned (it depends on their values).
-        landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
+        at = sums_ptr + (pid // KP) * BM * R + offs_m[:, None] * R + offs_r[None, :]
+        if SKIP & 4:
+            tl.store(at, part)
+        else:
+            before = tl.atomic_add(at, part, sem="relaxed")
+            # The count moves only once these atomics have returned (it depends on their values).
+            landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
     if SHRINK and APART and pid < P:
         tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
     else:
@@ -112,12 +139,13 @@ def _gemm(
             if SHRINK:
                 if not APART and pid < P:
                     tl.atomic_add(count_ptr, 1 + tl.minimum(landed, 0), sem="acq_rel")
-                seen = tl.load(count_ptr, volatile=True)
-                while seen < P:
-                    if BACKOFF_NS > 0:  # every waiting thread polls L2: fewer polls
-                        _sleep(seen, BACKOFF_NS)
+                if not SKIP & 1:
                     seen = tl.load(count_ptr, volatile=True)
-                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+                    while seen < P:
+                        if BACKOFF_NS > 0:  # every waiting thread polls L2: fewer polls
+                            _sleep(seen, BACKOFF_NS)
+                        seen = tl.load(count_ptr, volatile=True)
+                    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
             first = tile * BN
             s = (first >= n0).to(tl.int32) + (first >= n1).to(tl.int32)
             sv = tl.load(
@@ -126,7 +154,7 @@ def _gemm(
             bv = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None])
             acc = tl.dot(sv.to(tl.bfloat16), bv, acc)
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16))
-    if SHRINK:  # the last program out clears the workspace and counters
+    if SHRINK and not SKIP & 2:  # the last program out clears the workspace and counters
         done = tl.atomic_add(count_ptr + 32, 1, sem="acq_rel")
         if done == tl.num_programs(0) - 1:
             for sl in range(0, 3):
@@ -167,28 +195,24 @@ class LayerClass:
         bounds = [sum(self.widths[: i + 1]) for i in range(len(self.widths) - 1)]
         self.n0, self.n1 = [*bounds, self.n, self.n][:2]
 
-    def launch(
-        self, i: int, variant: str, config: tuple[int, int, int], piece_k: int = PIECE_K
-    ) -> None:
-        """Layer ``i`` of the class as ``variant`` (``epilogue`` reads the given
-        shrink from ``sums``, left there by :meth:`reference`; ``KIND/C``: the
-        pieces read ``C`` columns at a time (default: the whole piece);
-        ``KIND@NS``: the waits back off ``NS`` ns between polls)."""
+    def launch(self, i: int, v: Variant, config: tuple[int, int, int]) -> None:
+        """Layer ``i`` of the class as ``v`` (``epilogue`` reads the given
+        shrink from ``sums``, left there by :meth:`error`)."""
         bn, bk, stages = config
-        spec, _, backoff = variant.partition("@")
-        kind, _, chunk = spec.partition("/")
-        apart = kind == "in_gemm_apart"
-        pieces = self.fan_in // piece_k
+        if v.kind == "cublas":
+            torch.matmul(self.x, self.weights[i].t(), out=self.y)
+            return
+        apart = v.kind == "in_gemm_apart"
+        pieces = self.fan_in // v.piece
         shrink_programs = len(self.widths) * pieces
-        if kind == "in_gemm" and shrink_programs > self.n // bn:
+        if v.kind == "in_gemm" and shrink_programs > self.n // bn:
             raise ValueError(f"{shrink_programs} pieces for {self.n // bn} tiles: some never run")
         _gemm[(self.n // bn + (shrink_programs if apart else 0),)](
             self.x, self.weights[i], self.y, self.a[i], self.b[i], self.sums, self.count,
             self.n, self.fan_in, self.n0, self.n1,
-            LORA=kind != "triton", SHRINK=kind.startswith("in_gemm"), APART=apart, KP=pieces,
-            P=shrink_programs, R=RANK, BM=TOKENS, BN=bn, BK=bk, PIECE=piece_k,
-            BKS=int(chunk or piece_k),
-            BACKOFF_NS=int(backoff or 0), num_stages=stages, num_warps=4,
+            LORA=v.kind != "triton", SHRINK=v.kind.startswith("in_gemm"), APART=apart,
+            KP=pieces, P=shrink_programs, R=RANK, BM=TOKENS, BN=bn, BK=bk, PIECE=v.piece,
+            BKS=v.chunk, BACKOFF_NS=v.backoff_ns, SKIP=v.skip, num_stages=stages, num_warps=4,
         )  # fmt: skip
 
     def reference(self, i: int, lora: bool) -> torch.Tensor:
@@ -203,21 +227,19 @@ class LayerClass:
             col += width
         return want
 
-    def error(
-        self, i: int, variant: str, config: tuple[int, int, int], launches: int, piece_k: int
-    ) -> float:
+    def error(self, i: int, v: Variant, config: tuple[int, int, int], launches: int) -> float:
         """The largest relative error of ``launches`` launches against :meth:`reference`."""
-        want = self.reference(i, lora=variant != "triton")
+        want = self.reference(i, lora=v.kind != "triton")
         worst = 0.0
         for _ in range(launches):
-            if variant == "epilogue":  # the shrink's output, given
+            if v.kind == "epilogue":  # the shrink's output, given
                 x = self.x.float()
                 for s, a in enumerate(self.slots[i].a):
                     self.sums[s].copy_(x @ a[0, 0].float().T)
-            self.launch(i, variant, config, piece_k)
+            self.launch(i, v, config)
             torch.cuda.synchronize()
             worst = max(worst, float((self.y.float() - want).abs().max() / want.abs().max()))
-        if variant == "epilogue":
+        if v.kind == "epilogue":
             self.sums.zero_()
         return worst
 
@@ -242,53 +264,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": args.machine or torch.cuda.get_device_name(0),
         "tokens": TOKENS, "rank": RANK, "classes": {},
     }  # fmt: skip
-    lora_in_gemm = [
-        f"{kind}{f'/{chunk}' if chunk != args.piece_k else ''}{f'@{ns}' if ns else ''}"
-        for kind in ("in_gemm", "in_gemm_apart")
-        for chunk in args.chunk_k or [args.piece_k]
+    variants = [Variant("cublas"), Variant("triton"), Variant("epilogue")] + [
+        Variant(kind, piece, chunk, ns, skip)
+        for kind in args.kinds
+        for piece in args.piece_k
+        for chunk in args.chunk_k or [piece]
         for ns in args.backoff_ns
+        for skip in args.skip
+        if chunk <= piece
     ]
-    step: dict[str, float | None] = dict.fromkeys(
-        ("cublas", "triton", "epilogue", *lora_in_gemm), 0.0
-    )
+    step: dict[str, float | None] = {v.name: 0.0 for v in variants}
     for c in classes:
         errors: dict[str, float | None] = {}
-        for v in step:
-            if v == "cublas":
-                continue
-            errors[v] = None  # no configuration has as many tiles as pieces
-            for config in args.configs:
+        for v in variants[1:]:
+            errors[v.name] = None  # diagnostic, or no configuration has as many tiles as pieces
+            for config in args.configs if not v.skip else []:
                 try:
-                    errors[v] = c.error(0, v, config, 20, args.piece_k)
+                    errors[v.name] = c.error(0, v, config, 20)
                     break
                 except ValueError:
                     continue
 
-        def layers(variant: str, config: tuple[int, int, int], c: LayerClass = c) -> None:
+        def layers(v: Variant, config: tuple[int, int, int], c: LayerClass = c) -> None:
             for i in range(depth):
-                if variant == "cublas":
-                    torch.matmul(c.x, c.weights[i].t(), out=c.y)
-                else:
-                    c.launch(i, variant, config, args.piece_k)
+                c.launch(i, v, config)
 
         graphs = {}
-        for variant in step:
-            for config in [args.configs[0]] if variant == "cublas" else args.configs:
+        for v in variants:
+            for config in args.configs[:1] if v.kind == "cublas" else args.configs:
                 try:
-                    graphs[f"{variant} {config}"] = graph_of(partial(layers, variant, config))
+                    graphs[f"{v.name} {config}"] = graph_of(partial(layers, v, config))
                 except (triton.runtime.errors.OutOfResources, ValueError):
                     continue
         timed = _interleaved(graphs, args.rounds, args.reps)
         del graphs
         best = {  # None: no configuration of this class can run the variant
-            v: min((t["ms"] for k, t in timed.items() if k.startswith(v + " ")), default=None)
-            for v in step
+            v.name: min(
+                (t["ms"] for k, t in timed.items() if k.startswith(v.name + " ")), default=None
+            )
+            for v in variants
         }
-        for v, ms in best.items():
-            total = step[v]
-            step[v] = None if total is None or ms is None else total + ms
+        for name, ms in best.items():
+            total = step[name]
+            step[name] = None if total is None or ms is None else total + ms
         result["classes"][c.name] = {"max_rel_err": errors, "timed": timed}
-        print(c.name, {v: ms and round(ms, 3) for v, ms in best.items()}, errors, flush=True)
+        print(c.name, {k: ms and round(ms, 3) for k, ms in best.items()}, errors, flush=True)
     meta = metadata(TOKENS, 1, 1)
     outs: dict[str, torch.Tensor] = {
         f"buf{n}": torch.empty(n, TOKENS, RANK, device="cuda") for n in (1, 2, 3)
@@ -318,12 +338,15 @@ def main() -> int:
     parser.add_argument(
         "--backoff-ns", type=int_list, default=[0], help="in_gemm's poll back-offs to add (0: none)"
     )
-    parser.add_argument("--piece-k", type=int, default=PIECE_K, help="K columns a shrink piece")
     parser.add_argument(
-        "--chunk-k",
-        type=int_list,
-        default=[],
-        help="in_gemm variants whose pieces read K this wide",
+        "--kinds", type=lambda t: t.split(","), default=["in_gemm", "in_gemm_apart"]
+    )
+    parser.add_argument("--piece-k", type=int_list, default=[PIECE_K], help="K columns a piece")
+    parser.add_argument(
+        "--chunk-k", type=int_list, default=[], help="K columns a piece reads at once (its width)"
+    )
+    parser.add_argument(
+        "--skip", type=int_list, default=[0], help=f"diagnostic variants leaving out {SKIPS}"
     )
     add_graph_flags(parser)
     return run_to_json(parser, run)
