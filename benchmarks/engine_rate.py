@@ -7,6 +7,8 @@ memory (``--gpu-mem``):
 
 * ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA
   kernels, each layer's shrink on a second stream beside its base GEMM);
+* ``ours_fused``: the same with ``--lora-overlap fused`` (each layer's base
+  GEMM and LoRA in one launch of ours where it takes the step);
 * ``ours_no_overlap``: the same with ``--lora-overlap off``;
 * ``ours_vllm_kernels``: the same with vLLM's kernels and no overlap, as
   plain vLLM runs its LoRA layers (what the wrapper itself costs);
@@ -62,6 +64,7 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320
 #: Our servers' flags beyond the shared vLLM flags.
 OURS = {
     "ours": [],
+    "ours_fused": ["--lora-overlap", "fused"],
     "ours_no_overlap": ["--lora-overlap", "off"],
     "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
 }
@@ -69,6 +72,7 @@ SERVERS = (*OURS, "vllm")
 #: How the plot names them.
 LABELS = {
     "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
+    "ours_fused": "skyrl-lora serve --lora-overlap fused",
     "ours_no_overlap": "skyrl-lora serve --lora-overlap off",
     "ours_vllm_kernels": "skyrl-lora serve --lora-kernels vllm --lora-overlap off",
     "vllm": "plain vllm serve",

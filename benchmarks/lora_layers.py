@@ -10,6 +10,9 @@ layers make) and its LoRA:
 * ``overlap``: ``serve --lora-overlap on`` (the default): the shrink on a
   second stream beside the GEMM, the expand after both
   (``compat._overlapped_lora_apply``'s order);
+* ``fused``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
+  launch (:mod:`skyrl_lora.server.kernels.fused_lora`), ``overlap`` where
+  that does not take the step (more than 64 tokens);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
@@ -47,7 +50,7 @@ from benchmarks.lora_kernels import (
     time_graph,
 )
 
-SCHEDULES = ("base", "overlap", "sequential", "beside")
+SCHEDULES = ("base", "overlap", "fused", "sequential", "beside")
 #: ``--diagnose``: parts of ``overlap``, to see where its time goes (their
 #: outputs are not the layer's): the fork and join alone (events, nothing on
 #: the second stream), the shrink beside the GEMM without the expand, and the
@@ -65,6 +68,7 @@ def schedule_fn(
     outs: dict[str, torch.Tensor],
 ) -> Callable[[], None]:
     """One step's linear layers under ``schedule`` (each decoder layer its own weights)."""
+    from skyrl_lora.server.kernels.fused_lora import fused_lora_linear
     from skyrl_lora.server.kernels.grouped_lora import (
         DEFAULT_CONFIG,
         fill_plan,
@@ -130,7 +134,8 @@ def schedule_fn(
     def lora(slots: Slots, xin: torch.Tensor, y: torch.Tensor, gemm: Callable[[], None]) -> None:
         """The layer's GEMM with its LoRA under ``schedule`` (``base``: the GEMM alone)."""
         buf = outs[f"buf{len(slots.widths)}"]
-        work = beside.get(schedule)
+        key = "overlap" if schedule == "fused" else schedule  # where the fused one declines
+        work = beside.get(key)
         if work is not None:
             before.record()
             with torch.cuda.stream(side):
@@ -140,8 +145,8 @@ def schedule_fn(
         gemm()
         if work is not None:
             shrunk.wait()
-        if schedule in after:
-            after[schedule](slots, xin, buf, y)
+        if key in after:
+            after[key](slots, xin, buf, y)
 
     def run() -> None:
         if schedule != "base":
@@ -149,6 +154,11 @@ def schedule_fn(
         for i, (slots, weight) in enumerate(zip(layers, weights)):
             xin = x[weight.size(1)]
             y = outs[f"y{i % 4}"]
+            if schedule == "fused" and fused_lora_linear(
+                xin, weight, None, slots.a, slots.b, tuple(slots.widths), meta["mapping"],
+                meta["ids"], 1.0, out=y,
+            ) is not None:  # fmt: skip
+                continue
 
             def gemm(xin: torch.Tensor = xin, weight: torch.Tensor = weight, y: torch.Tensor = y):
                 torch.matmul(xin, weight.t(), out=y)

@@ -1025,6 +1025,29 @@ def mask_base_rows_in_cpu_lora_ops() -> bool:
 #: (``_apply_async_impl``) :func:`overlap_lora_shrink_with_base` replaces.
 DUAL_STREAM_ENV = "VLLM_LORA_ENABLE_DUAL_STREAM"
 _BASE_LINEAR_MODULE = "vllm.lora.layers.base_linear"
+#: vLLM's plain (unquantized) linear method: the one whose ``apply`` is
+#: ``x W^T + bias`` over the layer's ``weight``, so a fused kernel may stand in.
+_UNQUANTIZED_METHOD = "UnquantizedLinearMethod"
+#: The base GEMM with the LoRA inside, where :func:`overlap_lora_shrink_with_base`
+#: was given one: ``(rows, weight, bias, lora_a, lora_b, widths, slot_of_row,
+#: active_slots, scale) -> output or None`` (None: it does not take this layer
+#: or step).
+_fused_linear: Callable[..., Any] | None = None
+
+
+def _fused_lora_apply(layer: Any, rows: Any, bias: Any) -> Any:
+    """The layer's output from :data:`_fused_linear`, or None where there is
+    none, the base layer is not vLLM's plain linear method, or it declines."""
+    if _fused_linear is None:
+        return None
+    if type(layer._get_quant_method()).__name__ != _UNQUANTIZED_METHOD:
+        return None
+    meta = layer.punica_wrapper.token_mapping_meta
+    return _fused_linear(
+        rows, layer.base_layer.weight, bias, layer.lora_a_stacked, layer.lora_b_stacked,
+        tuple(layer.output_slices), meta.token_lora_mapping[: rows.size(0)],
+        meta.active_lora_ids, 1.0,
+    )  # fmt: skip
 
 
 def _overlapped_lora_apply(layer: Any, x: Any, bias: Any = None) -> Any:
@@ -1037,6 +1060,8 @@ def _overlapped_lora_apply(layer: Any, x: Any, bias: Any = None) -> Any:
     adapter, where its zeroing and add still run. This one adds none: a step
     without adapters runs the base layer alone, decided as the CUDA graph of
     that kind is captured (vLLM captures with and without LoRA apart).
+    Where a fused kernel was installed and takes the layer and the step
+    (:data:`_fused_linear`), that one launch replaces all of it.
     """
     import torch
 
@@ -1044,6 +1069,9 @@ def _overlapped_lora_apply(layer: Any, x: Any, bias: Any = None) -> Any:
     if bool(wrapper.token_mapping_meta.no_lora_flag_cpu[0]):
         return layer._get_quant_method().apply(layer.base_layer, x, bias)
     rows = x.flatten(0, 1) if x.ndim == 3 else x
+    fused = _fused_lora_apply(layer, rows, bias)
+    if fused is not None:
+        return fused.view(*x.shape[:-1], fused.size(-1))
     buffer = torch.empty(
         (len(layer.output_slices), rows.size(0), layer.lora_b_stacked[0].size(-1)),
         dtype=torch.float32,
@@ -1062,12 +1090,14 @@ def _overlapped_lora_apply(layer: Any, x: Any, bias: Any = None) -> Any:
     return output
 
 
-def overlap_lora_shrink_with_base() -> bool:
+def overlap_lora_shrink_with_base(fused: Callable[..., Any] | None = None) -> bool:
     """Run every linear LoRA layer's shrink beside its base GEMM (see
-    :func:`_overlapped_lora_apply`); False, changing nothing, where vLLM has
-    no second-stream path of this shape. Takes effect only where
+    :func:`_overlapped_lora_apply`), or the layer as one ``fused`` launch
+    where that takes it; False, changing nothing, where vLLM has no
+    second-stream path of this shape. Takes effect only where
     :data:`DUAL_STREAM_ENV` was set before vLLM's LoRA layers were imported.
     Must run in the worker before the model's CUDA graphs are captured."""
+    global _fused_linear
     try:
         module = importlib.import_module(_BASE_LINEAR_MODULE)
     except ImportError:
@@ -1076,6 +1106,7 @@ def overlap_lora_shrink_with_base() -> bool:
     if layer_class is None or not hasattr(layer_class, "_apply_async_impl"):
         return False
     layer_class._apply_async_impl = _overlapped_lora_apply
+    _fused_linear = fused
     return True
 
 

@@ -369,19 +369,21 @@ def test_kernel_choice_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("flags", "cpu", "cache_dir", "overlap"),
+    ("flags", "cpu", "cache_dir", "overlap", "fused"),
     [
-        ([], True, "skyrl-lora-grouped-kernels", False),
-        (["--lora-kernels", "grouped"], True, "skyrl-lora-grouped-kernels", False),
-        (["--lora-kernels", "vllm"], True, None, False),
-        ([], False, "skyrl-lora-grouped-kernels-overlap", True),
-        (["--lora-overlap", "off"], False, "skyrl-lora-grouped-kernels", False),
-        (["--lora-kernels", "vllm"], False, "skyrl-lora-overlap", True),
-        (["--lora-kernels", "vllm", "--lora-overlap", "off"], False, None, False),
+        ([], True, "skyrl-lora-grouped-kernels", False, False),
+        (["--lora-kernels", "grouped"], True, "skyrl-lora-grouped-kernels", False, False),
+        (["--lora-kernels", "vllm"], True, None, False, False),
+        (["--lora-overlap", "fused"], True, "skyrl-lora-grouped-kernels", False, False),
+        ([], False, "skyrl-lora-grouped-kernels-overlap", True, False),
+        (["--lora-overlap", "off"], False, "skyrl-lora-grouped-kernels", False, False),
+        (["--lora-overlap", "fused"], False, "skyrl-lora-grouped-kernels-fused", True, True),
+        (["--lora-kernels", "vllm"], False, "skyrl-lora-overlap", True, False),
+        (["--lora-kernels", "vllm", "--lora-overlap", "off"], False, None, False, False),
     ],
 )
 def test_serve_tells_its_workers_the_kernels_and_keeps_their_compile_caches_apart(
-    flags, cpu, cache_dir, overlap, monkeypatch, tmp_path
+    flags, cpu, cache_dir, overlap, fused, monkeypatch, tmp_path
 ):
     """``serve`` hands the choices to the engine's workers through the
     environment (the second stream only where the engine runs on CUDA:
@@ -390,17 +392,19 @@ def test_serve_tells_its_workers_the_kernels_and_keeps_their_compile_caches_apar
     names neither the kernels a graph calls nor the layers' second stream."""
     from skyrl_lora.server import compat
     from skyrl_lora.server.http.app import parse_server_args
-    from skyrl_lora.server.kernels import GROUPED, KERNELS_ENV
+    from skyrl_lora.server.kernels import FUSED_ENV, GROUPED, KERNELS_ENV
 
     monkeypatch.setattr(compat, "engine_on_cpu", lambda: cpu)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     monkeypatch.delenv(compat.DUAL_STREAM_ENV, raising=False)
+    monkeypatch.setenv(FUSED_ENV, "1")  # left by an earlier serve: cleared unless asked
     args = parse_server_args(["--model", "unused", *flags])
     chosen = flags[1] if flags[:1] == ["--lora-kernels"] else GROUPED
     assert args.lora_kernels == chosen
     assert os.environ[KERNELS_ENV] == chosen
     assert (os.environ.get(compat.DUAL_STREAM_ENV) == "1") is overlap
+    assert (os.environ.get(FUSED_ENV) == "1") is fused
     expected = tmp_path / cache_dir if cache_dir else tmp_path
     assert os.environ["VLLM_CACHE_ROOT"] == str(expected)
     parse_server_args(["--model", "unused", *flags])  # a second serve in one process
@@ -415,7 +419,10 @@ def test_the_overlap_installs_only_where_asked(monkeypatch):
     from skyrl_lora.server.kernels import overlap
 
     monkeypatch.setattr(overlap, "_installed", False)
+    monkeypatch.setattr(overlap, "_fused", False)
+    monkeypatch.setattr(compat, "_fused_linear", None)
     monkeypatch.delenv(compat.DUAL_STREAM_ENV, raising=False)
+    monkeypatch.delenv(overlap.FUSED_ENV, raising=False)
     assert overlap.install() is False
     assert not overlap.installed()
     base_linear = pytest.importorskip("vllm.lora.layers.base_linear")
@@ -423,8 +430,18 @@ def test_the_overlap_installs_only_where_asked(monkeypatch):
     monkeypatch.setattr(layer_class, "_apply_async_impl", layer_class._apply_async_impl)
     monkeypatch.setenv(compat.DUAL_STREAM_ENV, "1")
     assert overlap.install() is True
-    assert overlap.installed()
+    assert overlap.installed() and not overlap.fused_installed()
     assert layer_class._apply_async_impl is compat._overlapped_lora_apply
+    assert compat._fused_linear is None
+
+    # Asked for the fused layer too: the second-stream body calls it first.
+    from skyrl_lora.server.kernels.fused_lora import fused_lora_linear
+
+    monkeypatch.setattr(overlap, "_installed", False)
+    monkeypatch.setenv(overlap.FUSED_ENV, "1")
+    assert overlap.install() is True
+    assert overlap.fused_installed()
+    assert compat._fused_linear is fused_lora_linear
 
 
 def test_the_grid_bound_covers_every_row_chunk_a_step_can_make():

@@ -40,7 +40,7 @@ from ..engine.gate import (
 )
 from ..engine.gated import GatedEngine, admitted_versions
 from ..engine.step_budget import graph_step_budget
-from ..kernels import GROUPED, KERNELS_ENV, VLLM
+from ..kernels import FUSED_ENV, GROUPED, KERNELS_ENV, VLLM
 from ..loading import staged_engine
 from ..loading.staging_yield import DEFAULT_STAGING_YIELD, StagingYield
 from ..reaper import start_reaper
@@ -316,10 +316,12 @@ def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     group.add_argument(
         "--lora-overlap",
-        choices=("on", "off"),
+        choices=("fused", "on", "off"),
         default="on",
         help="on a GPU, run each LoRA layer's shrink on a second CUDA stream beside the base "
-        "layer's GEMM (sets vLLM's VLLM_LORA_ENABLE_DUAL_STREAM; ignored on the CPU build)",
+        "layer's GEMM (sets vLLM's VLLM_LORA_ENABLE_DUAL_STREAM; ignored on the CPU build); "
+        "'fused': the base GEMM and the LoRA in one launch of ours where it takes the layer "
+        "and step (unquantized, at most 64 tokens), the second stream elsewhere",
     )
     group.add_argument(
         "--stall-stacks",
@@ -385,16 +387,21 @@ def _choose_lora_kernels(args: argparse.Namespace) -> None:
     other's ops are not registered).
     """
     os.environ[KERNELS_ENV] = args.lora_kernels
-    overlap = args.lora_overlap == "on" and not compat.engine_on_cpu()
+    overlap = args.lora_overlap in ("fused", "on") and not compat.engine_on_cpu()
+    fused = overlap and args.lora_overlap == "fused"
     if overlap:
         os.environ[compat.DUAL_STREAM_ENV] = "1"
     else:
         os.environ.pop(compat.DUAL_STREAM_ENV, None)
+    if fused:
+        os.environ[FUSED_ENV] = "1"
+    else:
+        os.environ.pop(FUSED_ENV, None)
     root = compat.vllm_cache_root()
     if os.path.basename(root).startswith(CACHE_DIR_PREFIX):
         root = os.path.dirname(root)  # a second serve in one process
     parts = ["grouped-kernels"] if args.lora_kernels == GROUPED else []
-    parts += ["overlap"] if overlap else []
+    parts += ["fused" if fused else "overlap"] if overlap else []
     os.environ["VLLM_CACHE_ROOT"] = (
         os.path.join(root, CACHE_DIR_PREFIX + "-".join(parts)) if parts else root
     )

@@ -853,6 +853,7 @@ class LoRAStagingExtension:
             "host_lora_metadata": host_lora_metadata and self._skyrl_host_lora_metadata(),
             "grouped_lora_kernels": punica_ops.installed(),
             "lora_shrink_overlap": overlap.installed(),
+            "fused_lora_layers": overlap.fused_installed(),
             "prompt_logits_per_request": compat.per_request_prompt_logits(
                 getattr(self, "model_runner", None)
             ),
