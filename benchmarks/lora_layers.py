@@ -10,9 +10,10 @@ layers make) and its LoRA:
 * ``overlap``: ``serve --lora-overlap on`` (the default): the shrink on a
   second stream beside the GEMM, the expand after both
   (``compat._overlapped_lora_apply``'s order);
-* ``fused``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
-  launch (:mod:`skyrl_lora.server.kernels.fused_lora`), ``overlap`` where
-  that does not take the step (more than 64 tokens);
+* ``fused@L``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
+  launch (:mod:`skyrl_lora.server.kernels.fused_lora`, its shrink's pieces
+  in ``L`` lanes: ``--fused-lanes``), ``overlap`` where that does not take
+  the step (more than 64 tokens);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
@@ -50,7 +51,7 @@ from benchmarks.lora_kernels import (
     time_graph,
 )
 
-SCHEDULES = ("base", "overlap", "fused", "sequential", "beside")
+SCHEDULES = ("base", "overlap", "sequential", "beside")
 #: ``--diagnose``: parts of ``overlap``, to see where its time goes (their
 #: outputs are not the layer's): the fork and join alone (events, nothing on
 #: the second stream), the shrink beside the GEMM without the expand, and the
@@ -79,6 +80,8 @@ def schedule_fn(
 
     tokens = next(iter(x.values())).size(0)
     device = meta["ids"].device
+    fused = schedule.startswith("fused@")
+    lanes = int(schedule.partition("@")[2]) if fused else 1
     plan = new_plan(tokens, groups, device)
     side = torch.cuda.Stream()
     before, shrunk = torch.cuda.Event(), torch.cuda.Event()
@@ -134,7 +137,7 @@ def schedule_fn(
     def lora(slots: Slots, xin: torch.Tensor, y: torch.Tensor, gemm: Callable[[], None]) -> None:
         """The layer's GEMM with its LoRA under ``schedule`` (``base``: the GEMM alone)."""
         buf = outs[f"buf{len(slots.widths)}"]
-        key = "overlap" if schedule == "fused" else schedule  # where the fused one declines
+        key = "overlap" if fused else schedule  # where the fused one declines
         work = beside.get(key)
         if work is not None:
             before.record()
@@ -154,9 +157,9 @@ def schedule_fn(
         for i, (slots, weight) in enumerate(zip(layers, weights)):
             xin = x[weight.size(1)]
             y = outs[f"y{i % 4}"]
-            if schedule == "fused" and fused_lora_linear(
+            if fused and fused_lora_linear(
                 xin, weight, None, slots.a, slots.b, tuple(slots.widths), meta["mapping"],
-                meta["ids"], 1.0, out=y,
+                meta["ids"], 1.0, out=y, lanes=lanes,
             ) is not None:  # fmt: skip
                 continue
 
@@ -201,19 +204,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
-            timed = (*SCHEDULES, *DIAGNOSTICS) if args.diagnose else SCHEDULES
+            schedules = (*SCHEDULES, *(f"fused@{lanes}" for lanes in args.fused_lanes))
+            timed = (*schedules, *DIAGNOSTICS) if args.diagnose else schedules
             steps = {
                 s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
             }
             got = {}
-            for s in SCHEDULES:  # the first decoder layer's outputs, eagerly
+            for s in schedules:  # the first decoder layer's outputs, eagerly
                 schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs)()
                 torch.cuda.synchronize()
                 got[s] = _outputs(outs)
             ref = got["sequential"]
             errors = {
                 s: max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[s], ref))
-                for s in SCHEDULES
+                for s in schedules
                 if s != "base"
             }
             graphs = {s: graph_of(fn) for s, fn in steps.items()}
@@ -260,6 +264,7 @@ def main() -> int:
     add_graph_flags(parser)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
+    parser.add_argument("--fused-lanes", type=int_list, default=[2], help="fused@L schedules")
     return run_to_json(parser, run)
 
 

@@ -58,6 +58,9 @@ PIECE_KS = (512, 256, 128, 64)
 #: Rows of the workspace per slice: a launch's zeroing covers the whole copy,
 #: so launches of any row count and slice count may follow each other.
 _WORKSPACE_ROWS = MAX_TOKENS
+#: Pieces a (slice, columns) of the shrink is split over by adapter: one
+#: adapter's shrink is one piece's work, several adapters' are spread.
+LANES = 2
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,13 @@ def tiles_for(widths: tuple[int, ...], k: int) -> Tiles | None:
 def _fused_lora_linear(
     x_ptr, stride_xm, w_ptr, stride_wn, bias_ptr, y_ptr,
     a0, a1, a2, a_slot_stride, b0, b1, b2, b_slot0, b_slot1, b_slot2,
-    slot_of_row_ptr, active_ptr, num_active_entries,
+    slot_of_row_ptr, active_ptr, entries,
     sums_ptr, count_ptr, ticket_ptr,
     M, N, K, n0, n1, zero_share, scale,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, PIECE: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
-    P: tl.constexpr, G: tl.constexpr, ZB: tl.constexpr, ROWS: tl.constexpr,
-    COPY: tl.constexpr,
+    LANES: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ZB: tl.constexpr,
+    ROWS: tl.constexpr, COPY: tl.constexpr,
 ):  # fmt: skip
     ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     mine = (ticket & 0xFFFFFFFF).to(tl.int32)
@@ -114,29 +117,36 @@ def _fused_lora_linear(
     row_ok = offs_m < M
     slot = tl.load(slot_of_row_ptr + offs_m, mask=row_ok, other=-1)
     offs_r = tl.arange(0, R)
-    if mine < P:  # a piece of the shrink: (slice, PIECE columns of K)
-        sl = mine // KP
+    # The step's adapters: vLLM's sorted list, the base rows' -1 first where
+    # there are any, then -1s to its end. Every one has rows in the step's
+    # one row block.
+    first_adapter = (tl.load(active_ptr) < 0).to(tl.int32)
+    if mine < P:  # a piece of the shrink: (lane, slice, PIECE columns of K)
+        lane = mine // (P // LANES)
+        sl = (mine % (P // LANES)) // KP
         k0 = (mine % KP) * PIECE
         a_ptr = _pick(sl, a0, a1, a2)
         at = here + sl * ROWS * R + offs_m[:, None] * R + offs_r[None, :]
         landed = mine * 0
-        for e in range(0, num_active_entries):
-            a = tl.load(active_ptr + e)
+        e = first_adapter + lane  # this lane's adapters: every LANES-th
+        a = tl.load(active_ptr + e, mask=e < entries, other=-1)
+        while a >= 0:
             hit = row_ok & (slot == a)
-            if (a >= 0) & (tl.sum(hit.to(tl.int32), axis=0) > 0):
-                part = tl.zeros((BM, R), tl.float32)
-                for kk in range(0, PIECE, CHUNK):
-                    offs_k = k0 + kk + tl.arange(0, CHUNK)
-                    xs = tl.load(
-                        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=row_ok[:, None],
-                        other=0.0,
-                    )
-                    av = tl.load(a_ptr + a * a_slot_stride + offs_r[None, :] * K + offs_k[:, None])
-                    part = tl.dot(xs, av, part)
-                before = tl.atomic_add(at, part * scale, mask=hit[:, None], sem="relaxed")
-                # The count below moves only once these adds have returned (it uses their values).
-                landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
+            part = tl.zeros((BM, R), tl.float32)
+            for kk in range(0, PIECE, CHUNK):
+                offs_k = k0 + kk + tl.arange(0, CHUNK)
+                xs = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
+                av = tl.load(a_ptr + a * a_slot_stride + offs_r[None, :] * K + offs_k[:, None])
+                part = tl.dot(xs, av, part)
+            before = tl.atomic_add(at, part * scale, mask=hit[:, None], sem="relaxed")
+            # The count below moves only once these adds have returned (it uses their values).
+            landed += tl.sum(tl.sum(tl.where(before == before, 0, 1), axis=1), axis=0)
+            e += LANES
+            a = tl.load(active_ptr + e, mask=e < entries, other=-1)
         tl.atomic_add(count_ptr + parity, 1 + tl.minimum(landed, 0), sem="acq_rel")
     else:  # an output tile
         tile = mine - P
@@ -165,13 +175,14 @@ def _fused_lora_linear(
         shrunk = tl.load(
             here + s * ROWS * R + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg"
         )
-        for e in range(0, num_active_entries):
-            a = tl.load(active_ptr + e)
-            hit = row_ok & (slot == a)
-            if (a >= 0) & (tl.sum(hit.to(tl.int32), axis=0) > 0):
-                sv = tl.where(hit[:, None], shrunk, 0.0).to(y_ptr.dtype.element_ty)
-                bv = tl.load(b_ptr + a * b_slot + cols[None, :] * R + offs_r[:, None])
-                acc = tl.dot(sv, bv, acc)
+        e = first_adapter
+        a = tl.load(active_ptr + e, mask=e < entries, other=-1)
+        while a >= 0:
+            sv = tl.where((slot == a)[:, None], shrunk, 0.0).to(y_ptr.dtype.element_ty)
+            bv = tl.load(b_ptr + a * b_slot + cols[None, :] * R + offs_r[:, None])
+            acc = tl.dot(sv, bv, acc)
+            e += 1
+            a = tl.load(active_ptr + e, mask=e < entries, other=-1)
         tl.store(
             y_ptr + offs_m[:, None] * N + offs_n[None, :],
             acc.to(y_ptr.dtype.element_ty),
@@ -255,6 +266,7 @@ def fused_lora_linear(
     active_slots: torch.Tensor,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
+    lanes: int = LANES,
 ) -> torch.Tensor | None:
     """``rows W^T + bias`` plus, for each row with an adapter slot (``slot_of_row``,
     -1: none), ``scale (row A_slot^T) B_slot^T`` on each slice, in one launch.
@@ -266,6 +278,8 @@ def fused_lora_linear(
     None where :func:`supports` says no (or the workspace would have to be
     made inside a graph's capture): the caller runs its other path.
     ``out``: a contiguous (rows, N) tensor to write into instead of a new one.
+    ``lanes``: how many pieces share each (slice, columns) of the shrink, each
+    taking every ``lanes``-th adapter of the step.
     """
     if not supports(rows, weight, lora_a, lora_b, widths):
         return None
@@ -280,7 +294,7 @@ def fused_lora_linear(
         return None
     piece = next(p for p in PIECE_KS if k % p == 0)
     pieces_per_slice = k // piece
-    pieces = len(widths) * pieces_per_slice
+    pieces = lanes * len(widths) * pieces_per_slice
     programs = pieces + n // tiles.block_n
     zero_share = triton.cdiv(space.copy, programs)
     bounds = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
@@ -300,7 +314,8 @@ def fused_lora_linear(
         m, n, k, n0, n1, zero_share, scale,
         HAS_BIAS=bias is not None, R=rank, BM=max(16, triton.next_power_of_2(m)),
         BN=tiles.block_n, BK=tiles.block_k, PIECE=piece, CHUNK=min(CHUNK_K, piece),
-        KP=pieces_per_slice, P=pieces, G=programs, ZB=triton.next_power_of_2(zero_share),
-        ROWS=_WORKSPACE_ROWS, COPY=space.copy, num_stages=tiles.stages, num_warps=4,
+        KP=pieces_per_slice, LANES=lanes, P=pieces, G=programs,
+        ZB=triton.next_power_of_2(zero_share), ROWS=_WORKSPACE_ROWS, COPY=space.copy,
+        num_stages=tiles.stages, num_warps=4,
     )  # fmt: skip
     return out
