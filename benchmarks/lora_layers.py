@@ -12,8 +12,9 @@ layers make) and its LoRA:
   (``compat._overlapped_lora_apply``'s order);
 * ``fused@L``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
   launch (:mod:`skyrl_lora.server.kernels.fused_lora`, its shrink's pieces
-  in ``L`` lanes: ``--fused-lanes``), ``overlap`` where that does not take
-  the step (more than 64 tokens);
+  in ``L`` lanes: ``--fused-lanes``; ``fused@Lt``: roles by ticket, not by
+  program id), ``overlap`` where that does not take the step (more than 64
+  tokens);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
@@ -81,7 +82,8 @@ def schedule_fn(
     tokens = next(iter(x.values())).size(0)
     device = meta["ids"].device
     fused = schedule.startswith("fused@")
-    lanes = int(schedule.partition("@")[2]) if fused else 1
+    lanes = int(schedule.partition("@")[2].rstrip("t")) if fused else 1
+    by_ticket = schedule.endswith("t")
     plan = new_plan(tokens, groups, device)
     side = torch.cuda.Stream()
     before, shrunk = torch.cuda.Event(), torch.cuda.Event()
@@ -159,7 +161,7 @@ def schedule_fn(
             y = outs[f"y{i % 4}"]
             if fused and fused_lora_linear(
                 xin, weight, None, slots.a, slots.b, tuple(slots.widths), meta["mapping"],
-                meta["ids"], 1.0, out=y, lanes=lanes,
+                meta["ids"], 1.0, out=y, lanes=lanes, ticket_roles=by_ticket,
             ) is not None:  # fmt: skip
                 continue
 
@@ -204,7 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
-            schedules = (*SCHEDULES, *(f"fused@{lanes}" for lanes in args.fused_lanes))
+            schedules = (
+                *SCHEDULES,
+                *(f"fused@{lanes}" for lanes in args.fused_lanes),
+                *(f"fused@{lanes}t" for lanes in args.fused_lanes if args.fused_ticket_roles),
+            )
             timed = (*schedules, *DIAGNOSTICS) if args.diagnose else schedules
             steps = {
                 s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
@@ -265,6 +271,9 @@ def main() -> int:
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
     parser.add_argument("--fused-lanes", type=int_list, default=[2], help="fused@L schedules")
+    parser.add_argument(
+        "--fused-ticket-roles", action="store_true", help="also fused@Lt: roles by ticket"
+    )
     return run_to_json(parser, run)
 
 

@@ -39,6 +39,7 @@ class Case:
     base_share: float = 0.25  # rows with no adapter
     bias: bool = False
     lanes: int = 2  # pieces a (slice, columns) of the shrink is spread over, by adapter
+    ticket_roles: bool = False  # roles by arrival, not by program id
 
 
 CASES = [
@@ -47,6 +48,7 @@ CASES = [
     Case("gate/up-like, every slot, no base rows", 64, 8, 256, 32, (64, 64), base_share=0.0),
     Case("adapters spread over 3 lanes", 30, 7, 128, 16, (32, 32), lanes=3),
     Case("one lane", 30, 5, 128, 16, (32,), lanes=1),
+    Case("roles by ticket", 30, 5, 128, 16, (32, 32), ticket_roles=True),
     Case("every row on the base model", 9, 3, 64, 16, (32,), base_share=1.0),
     Case("wide K in pieces of 512", 20, 2, 1024, 16, (32,)),
     Case("qkv-like again (the workspace's other copy)", 37, 4, 128, 16, (64, 32, 32)),
@@ -80,8 +82,9 @@ def _run_case(case: Case, seed: int) -> dict[str, float]:
     scale = 0.5
 
     got = fused_lora_linear(
-        x, weight, bias, a, b, case.widths, slots, active, scale, lanes=case.lanes
-    )
+        x, weight, bias, a, b, case.widths, slots, active, scale, lanes=case.lanes,
+        ticket_roles=case.ticket_roles,
+    )  # fmt: skip
     assert got is not None, case
 
     want = x.float() @ weight.float().T + (bias.float() if bias is not None else 0.0)

@@ -98,20 +98,12 @@ def _fused_lora_linear(
     HAS_BIAS: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, PIECE: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
     LANES: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ZB: tl.constexpr,
-    ROWS: tl.constexpr, COPY: tl.constexpr,
+    ROWS: tl.constexpr, COPY: tl.constexpr, TICKET_ROLES: tl.constexpr,
 ):  # fmt: skip
     ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-    mine = (ticket & 0xFFFFFFFF).to(tl.int32)
-    if mine == G - 1:  # the launch's last ticket: the next launch starts at 0, one higher
-        tl.atomic_add(ticket_ptr, tl.full([], (1 << 32) - G, tl.int64), sem="relaxed")
-    parity = ((ticket >> 32) & 1).to(tl.int32)
-    here = sums_ptr + parity * COPY
-    # This program's share of zeroing the copy the next launch adds into.
-    offs_z = mine * zero_share + tl.arange(0, ZB)
-    ours = (tl.arange(0, ZB) < zero_share) & (offs_z < COPY)
-    tl.store(sums_ptr + (1 - parity) * COPY + offs_z, tl.zeros([ZB], tl.float32), mask=ours)
-    if mine == 0:
-        tl.store(count_ptr + 1 - parity, 0)
+    # By ticket, a program waits for it before any work; by program id, the
+    # ticket is needed only once the work is done.
+    mine = (ticket & 0xFFFFFFFF).to(tl.int32) if TICKET_ROLES else tl.program_id(0)
 
     offs_m = tl.arange(0, BM)
     row_ok = offs_m < M
@@ -126,8 +118,9 @@ def _fused_lora_linear(
         sl = (mine % (P // LANES)) // KP
         k0 = (mine % KP) * PIECE
         a_ptr = _pick(sl, a0, a1, a2)
-        at = here + sl * ROWS * R + offs_m[:, None] * R + offs_r[None, :]
         landed = mine * 0
+        parity = ((ticket >> 32) & 1).to(tl.int32)
+        at = sums_ptr + parity * COPY + sl * ROWS * R + offs_m[:, None] * R + offs_r[None, :]
         e = first_adapter + lane  # this lane's adapters: every LANES-th
         a = tl.load(active_ptr + e, mask=e < entries, other=-1)
         while a >= 0:
@@ -148,6 +141,12 @@ def _fused_lora_linear(
             e += LANES
             a = tl.load(active_ptr + e, mask=e < entries, other=-1)
         tl.atomic_add(count_ptr + parity, 1 + tl.minimum(landed, 0), sem="acq_rel")
+        # Each piece zeroes a share of the copy the next launch adds into.
+        offs_z = mine * zero_share + tl.arange(0, ZB)
+        ours = (tl.arange(0, ZB) < zero_share) & (offs_z < COPY)
+        tl.store(sums_ptr + (1 - parity) * COPY + offs_z, tl.zeros([ZB], tl.float32), mask=ours)
+        if mine == 0:
+            tl.store(count_ptr + 1 - parity, 0)
     else:  # an output tile
         tile = mine - P
         offs_n = tile * BN + tl.arange(0, BN)
@@ -163,6 +162,7 @@ def _fused_lora_linear(
             acc = tl.dot(xv, wv, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        parity = ((ticket >> 32) & 1).to(tl.int32)
         seen = tl.load(count_ptr + parity, volatile=True)
         while seen < P:
             seen = tl.load(count_ptr + parity, volatile=True)
@@ -173,7 +173,8 @@ def _fused_lora_linear(
         b_ptr = _pick(s, b0, b1, b2)
         b_slot = _pick(s, b_slot0, b_slot1, b_slot2)
         shrunk = tl.load(
-            here + s * ROWS * R + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg"
+            sums_ptr + parity * COPY + s * ROWS * R + offs_m[:, None] * R + offs_r[None, :],
+            cache_modifier=".cg",
         )
         e = first_adapter
         a = tl.load(active_ptr + e, mask=e < entries, other=-1)
@@ -188,6 +189,8 @@ def _fused_lora_linear(
             acc.to(y_ptr.dtype.element_ty),
             mask=row_ok[:, None],
         )
+    if (ticket & 0xFFFFFFFF) == G - 1:  # the launch's last ticket: the next starts at 0, one up
+        tl.atomic_add(ticket_ptr, tl.full([], (1 << 32) - G, tl.int64), sem="relaxed")
 
 
 class _Workspace:
@@ -267,6 +270,7 @@ def fused_lora_linear(
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     lanes: int = LANES,
+    ticket_roles: bool = False,
 ) -> torch.Tensor | None:
     """``rows W^T + bias`` plus, for each row with an adapter slot (``slot_of_row``,
     -1: none), ``scale (row A_slot^T) B_slot^T`` on each slice, in one launch.
@@ -296,7 +300,7 @@ def fused_lora_linear(
     pieces_per_slice = k // piece
     pieces = lanes * len(widths) * pieces_per_slice
     programs = pieces + n // tiles.block_n
-    zero_share = triton.cdiv(space.copy, programs)
+    zero_share = triton.cdiv(space.copy, pieces)  # the pieces zero the next launch's copy
     bounds = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
     n0, n1 = [*bounds, n, n][:2]
     if out is None:
@@ -316,6 +320,7 @@ def fused_lora_linear(
         BN=tiles.block_n, BK=tiles.block_k, PIECE=piece, CHUNK=min(CHUNK_K, piece),
         KP=pieces_per_slice, LANES=lanes, P=pieces, G=programs,
         ZB=triton.next_power_of_2(zero_share), ROWS=_WORKSPACE_ROWS, COPY=space.copy,
+        TICKET_ROLES=ticket_roles,
         num_stages=tiles.stages, num_warps=4,
     )  # fmt: skip
     return out
