@@ -10,11 +10,11 @@ layers make) and its LoRA:
 * ``overlap``: ``serve --lora-overlap on`` (the default): the shrink on a
   second stream beside the GEMM, the expand after both
   (``compat._overlapped_lora_apply``'s order);
-* ``fused@L``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
+* ``fused``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
   launch (:mod:`skyrl_lora.server.kernels.fused_lora`, its shrink's pieces
-  in ``L`` lanes: ``--fused-lanes``; ``fused@Lt``: roles by ticket, not by
-  program id), ``overlap`` where that does not take the step (more than 64
-  tokens);
+  in as many lanes as the wave has room for; ``fused@L``: in ``L`` lanes,
+  ``--fused-lanes``; ``fused@Lt``: roles by ticket, not by program id),
+  ``overlap`` where that does not take the step (more than 64 tokens);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
@@ -81,8 +81,8 @@ def schedule_fn(
 
     tokens = next(iter(x.values())).size(0)
     device = meta["ids"].device
-    fused = schedule.startswith("fused@")
-    lanes = int(schedule.partition("@")[2].rstrip("t")) if fused else 1
+    fused = schedule.startswith("fused")
+    lanes = int(schedule.partition("@")[2].rstrip("t")) if "@" in schedule else None
     by_ticket = schedule.endswith("t")
     plan = new_plan(tokens, groups, device)
     side = torch.cuda.Stream()
@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             meta = metadata(tokens, adapters, args.slots)
             schedules = (
                 *SCHEDULES,
+                "fused",
                 *(f"fused@{lanes}" for lanes in args.fused_lanes),
                 *(f"fused@{lanes}t" for lanes in args.fused_lanes if args.fused_ticket_roles),
             )
@@ -270,7 +271,7 @@ def main() -> int:
     add_graph_flags(parser)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
-    parser.add_argument("--fused-lanes", type=int_list, default=[2], help="fused@L schedules")
+    parser.add_argument("--fused-lanes", type=int_list, default=[], help="fused@L schedules")
     parser.add_argument(
         "--fused-ticket-roles", action="store_true", help="also fused@Lt: roles by ticket"
     )

@@ -38,7 +38,7 @@ class Case:
     widths: tuple[int, ...]
     base_share: float = 0.25  # rows with no adapter
     bias: bool = False
-    lanes: int = 2  # pieces a (slice, columns) of the shrink is spread over, by adapter
+    lanes: int | None = 2  # pieces a (slice, columns) of the shrink is spread over, by adapter
     ticket_roles: bool = False  # roles by arrival, not by program id
 
 
@@ -47,7 +47,7 @@ CASES = [
     Case("one row", 1, 3, 64, 16, (48,)),
     Case("gate/up-like, every slot, no base rows", 64, 8, 256, 32, (64, 64), base_share=0.0),
     Case("adapters spread over 3 lanes", 30, 7, 128, 16, (32, 32), lanes=3),
-    Case("one lane", 30, 5, 128, 16, (32,), lanes=1),
+    Case("lanes by default (one off CUDA)", 30, 5, 128, 16, (32,), lanes=None),
     Case("roles by ticket", 30, 5, 128, 16, (32, 32), ticket_roles=True),
     Case("every row on the base model", 9, 3, 64, 16, (32,), base_share=1.0),
     Case("wide K in pieces of 512", 20, 2, 1024, 16, (32,)),
@@ -174,3 +174,90 @@ def test_supports_takes_decode_steps_and_refuses_the_rest(results: dict[str, Any
         "float32": False,
         "four slices": False,
     }
+
+
+def _sm90_registers(widths: tuple[int, ...], k: int) -> tuple[int, int]:
+    """The registers a thread of the kernel uses on these layers' tiles, as
+    ptxas (Triton's own, no GPU needed) builds it for sm_90 with the options
+    a launch passes, and the programs an SM then holds."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from skyrl_lora.server.kernels import fused_lora as fl
+
+    tiles = fl.tiles_for(widths, k)
+    assert tiles is not None
+    piece = next(p for p in fl.PIECE_KS if k % p == 0)
+    pieces = len(widths) * (k // piece)
+    constants = dict(
+        HAS_BIAS=False, R=64, BM=fl.MAX_TOKENS, BN=tiles.block_n, BK=tiles.block_k,
+        PIECE=piece, CHUNK=fl.CHUNK_K, KP=k // piece, LANES=1, P=pieces,
+        G=pieces + sum(widths) // tiles.block_n, ZB=1024, ROWS=fl.MAX_TOKENS,
+        COPY=3 * fl.MAX_TOKENS * 64, TICKET_ROLES=False,
+    )  # fmt: skip
+    pointers = {"slot_of_row_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32"}
+    pointers |= {"sums_ptr": "*fp32", "ticket_ptr": "*i64"}
+    pointers |= {n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "a0", "a1", "a2")}
+    pointers |= {n: "*bf16" for n in ("b0", "b1", "b2")}
+    kernel = fl._fused_lora_linear
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    signature["scale"] = "fp32"
+    aligned = [n for n, t in signature.items() if t.startswith("*")]
+    aligned += ["stride_xm", "stride_wn", "a_slot_stride", "b_slot0", "b_slot1", "b_slot2"]
+    aligned += ["M", "N", "K", "n0", "n1"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=fl.launch_options(tiles),
+    )
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"fused_lora_{os.getpid()}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [str(tools / "cuobjdump"), "-res-usage", str(cubin)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        cubin.unlink()
+    registers = int(usage.split("REG:")[1].split()[0])
+    by_shared = tiles.per_sm()
+    by_registers = 65536 // (registers * fl.NUM_WARPS * 32)
+    return registers, min(by_shared, by_registers)
+
+
+@pytest.mark.parametrize(
+    "name,widths,k",
+    [("qkv_proj", (4096, 1024, 1024), 4096), ("gate_up_proj", (14336, 14336), 4096)],
+)
+def test_the_8b_layers_tiles_stay_resident_as_their_shared_memory_allows(
+    name: str, widths: tuple[int, ...], k: int
+) -> None:
+    """Registers must not cost a resident program: on the gate/up layer Triton
+    would use 146 a thread (three programs an SM, where the shared memory
+    holds four, and the launch's 448 tiles in two waves of 132 SMs)."""
+    from skyrl_lora.server.kernels import fused_lora as fl
+
+    tiles = fl.tiles_for(widths, k)
+    assert tiles is not None
+    registers, resident = _sm90_registers(widths, k)
+    assert resident == tiles.per_sm(), (name, registers, tiles)
+    assert (tiles.per_sm(), tiles.max_registers()) == {
+        "qkv_proj": (1, None), "gate_up_proj": (4, 128)
+    }[name]  # fmt: skip
+
+
+def test_lanes_fill_the_waves_free_slots() -> None:
+    from skyrl_lora.server.kernels.fused_lora import MAX_LANES, lanes_for
+
+    # The 8B shape on 132 SMs: qkv (96 tiles, 24 pieces a lane, one program an SM),
+    # down (64, 28), gate/up (448, 16, four an SM), and a wave already full.
+    assert lanes_for(96, 24, 132) == 1
+    assert lanes_for(64, 28, 132) == 2
+    assert lanes_for(448, 16, 528) == MAX_LANES
+    assert lanes_for(132, 8, 132) == 1

@@ -10,13 +10,15 @@ the others stream the weights (``benchmarks.lora_in_gemm`` has the figures;
 
 One launch: its programs are ``P`` pieces, then the output tiles.
 
-* Every program first takes a ticket (one 64-bit atomic add): the low half
+* Every program takes a ticket (one 64-bit atomic add): the low half
   numbers the launch's programs, the high half counts launches. The program
   holding a launch's last ticket moves the high half on and clears the low
   one, so nothing is reset at the end and each program knows its launch's
-  number. Roles follow tickets, not program ids: the pieces go to programs
-  already running, so tiles that wait for them cannot keep them off the
-  SMs, whatever order the hardware starts programs in.
+  number. Roles follow program ids, the pieces first (the hardware starts
+  programs in id order, so tiles that wait cannot keep the pieces off the
+  SMs), and the ticket is awaited only where its launch number is needed;
+  ``ticket_roles``: roles follow tickets, whatever the start order, at the
+  price of the ticket's round trip before any work.
 * A piece, (slice, ``PIECE`` columns of K), adds ``x[:, cols] A_a[:, cols]^T``
   for each adapter ``a`` in the step into that adapter's rows of an fp32
   workspace, then counts itself done.
@@ -26,6 +28,15 @@ One launch: its programs are ``P`` pieces, then the output tiles.
 * The workspace and count come twice, for launches of even and of odd
   number; each launch zeroes the copy the next one uses, a share per
   program, so no program tidies up after the others.
+
+**One wave.** A decode step's layer is a few microseconds of HBM reads:
+a second wave of programs costs about as much as the first. Two things
+keep the launch in one: the registers (``Tiles.max_registers``: Triton
+gives the program up to 146 a thread on the 8B model's gate/up tiles,
+ptxas for sm_90, three programs an SM where their shared memory allows
+four, and its 448 tiles then need two waves of 132 SMs; capped at 128 a
+thread, four fit), and the lanes (by default as many as the wave's free
+slots take: :func:`lanes_for`).
 
 One workspace per device and rank serves every layer: launches on one
 stream run one after another, so a launch's zeroing is done before the
@@ -58,9 +69,17 @@ PIECE_KS = (512, 256, 128, 64)
 #: Rows of the workspace per slice: a launch's zeroing covers the whole copy,
 #: so launches of any row count and slice count may follow each other.
 _WORKSPACE_ROWS = MAX_TOKENS
-#: Pieces a (slice, columns) of the shrink is split over by adapter: one
-#: adapter's shrink is one piece's work, several adapters' are spread.
-LANES = 2
+#: The most pieces a (slice, columns) of the shrink is split over by adapter:
+#: one adapter's shrink is one piece's work, several adapters' are spread.
+MAX_LANES = 4
+#: Warps a program runs (128 threads), and the 32-bit registers of an SM
+#: (sm_80 and sm_90): what bounds the registers a thread may use.
+NUM_WARPS = 4
+_SM_REGISTERS = 65536
+#: An SM's shared memory where the device does not say (sm_90: 228 KiB), and
+#: what each resident program reserves beside its own.
+_SM_SHARED_BYTES = 228 * 1024
+_PROGRAM_RESERVED_SHARED = 1024
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,23 @@ class Tiles:
     block_n: int
     block_k: int
     stages: int
+
+    @property
+    def shared_bytes(self) -> int:
+        """The pipeline's shared memory: ``stages`` blocks of x (up to
+        :data:`MAX_TOKENS` rows) and of W, ``block_k`` deep, 16-bit floats."""
+        return self.stages * (MAX_TOKENS + self.block_n) * self.block_k * 2
+
+    def per_sm(self, sm_shared_bytes: int = _SM_SHARED_BYTES) -> int:
+        """Programs an SM holds, as their shared memory allows."""
+        return max(1, sm_shared_bytes // (self.shared_bytes + _PROGRAM_RESERVED_SHARED))
+
+    def max_registers(self, sm_shared_bytes: int = _SM_SHARED_BYTES) -> int | None:
+        """The registers a thread may use so that the registers hold as many
+        programs as the shared memory does (a multiple of 8; None: no bound
+        under the hardware's 255)."""
+        bound = _SM_REGISTERS // (self.per_sm(sm_shared_bytes) * NUM_WARPS * 32) // 8 * 8
+        return bound if bound < 255 else None
 
 
 def tiles_for(widths: tuple[int, ...], k: int) -> Tiles | None:
@@ -86,6 +122,21 @@ def tiles_for(widths: tuple[int, ...], k: int) -> Tiles | None:
     if block_k is None:
         return None
     return Tiles(block_n, block_k, 3 if wide else 6)
+
+
+def lanes_for(tiles: int, pieces_per_lane: int, slots: int) -> int:
+    """The most lanes (up to :data:`MAX_LANES`, at least one) whose pieces fit
+    beside ``tiles`` output tiles in one wave of ``slots`` resident programs."""
+    return max(1, min(MAX_LANES, (slots - tiles) // pieces_per_lane))
+
+
+def _device_slots(device: torch.device, tiles: Tiles) -> int | None:
+    """Programs of these tiles resident at once on the device (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_multiprocessor", _SM_SHARED_BYTES)
+    return int(props.multi_processor_count) * tiles.per_sm(shared)
 
 
 @triton.jit
@@ -269,7 +320,7 @@ def fused_lora_linear(
     active_slots: torch.Tensor,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
-    lanes: int = LANES,
+    lanes: int | None = None,
     ticket_roles: bool = False,
 ) -> torch.Tensor | None:
     """``rows W^T + bias`` plus, for each row with an adapter slot (``slot_of_row``,
@@ -283,7 +334,8 @@ def fused_lora_linear(
     made inside a graph's capture): the caller runs its other path.
     ``out``: a contiguous (rows, N) tensor to write into instead of a new one.
     ``lanes``: how many pieces share each (slice, columns) of the shrink, each
-    taking every ``lanes``-th adapter of the step.
+    taking every ``lanes``-th adapter of the step (None: :func:`lanes_for`
+    the device's wave; one off CUDA).
     """
     if not supports(rows, weight, lora_a, lora_b, widths):
         return None
@@ -298,6 +350,10 @@ def fused_lora_linear(
         return None
     piece = next(p for p in PIECE_KS if k % p == 0)
     pieces_per_slice = k // piece
+    if lanes is None:
+        slots = _device_slots(rows.device, tiles)
+        per_lane = len(widths) * pieces_per_slice
+        lanes = 1 if slots is None else lanes_for(n // tiles.block_n, per_lane, slots)
     pieces = lanes * len(widths) * pieces_per_slice
     programs = pieces + n // tiles.block_n
     zero_share = triton.cdiv(space.copy, pieces)  # the pieces zero the next launch's copy
@@ -321,6 +377,16 @@ def fused_lora_linear(
         KP=pieces_per_slice, LANES=lanes, P=pieces, G=programs,
         ZB=triton.next_power_of_2(zero_share), ROWS=_WORKSPACE_ROWS, COPY=space.copy,
         TICKET_ROLES=ticket_roles,
-        num_stages=tiles.stages, num_warps=4,
+        **launch_options(tiles),
     )  # fmt: skip
     return out
+
+
+def launch_options(tiles: Tiles) -> dict[str, int]:
+    """Triton's compile options for a launch of these tiles: its pipeline, its
+    warps and, where it buys a resident program an SM, a register bound."""
+    options = {"num_stages": tiles.stages, "num_warps": NUM_WARPS}
+    registers = tiles.max_registers()
+    if registers is not None:
+        options["maxnreg"] = registers
+    return options
