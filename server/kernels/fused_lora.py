@@ -15,8 +15,8 @@ One launch: its programs are ``P`` pieces, then the output tiles.
   holding a launch's last ticket moves the high half on and clears the low
   one, so nothing is reset at the end and each program knows its launch's
   number. Roles follow program ids, the pieces first (the hardware starts
-  programs in id order, so tiles that wait cannot keep the pieces off the
-  SMs), and the ticket is awaited only where its launch number is needed;
+  programs in id order in practice, so tiles that wait do not keep the
+  pieces off the SMs), and the ticket is awaited only where its launch number is needed;
   ``ticket_roles``: roles follow tickets, whatever the start order, at the
   price of the ticket's round trip before any work.
 * A piece, (slice, ``PIECE`` columns of K), adds ``x[:, cols] A_a[:, cols]^T``
