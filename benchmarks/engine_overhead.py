@@ -23,6 +23,12 @@ with its min-max, and each side's gaps (p50/p99/max, the median of the
 rounds' figures). The check is on tokens per CPU-second, a median ratio
 of at least :data:`MIN_RATIO`.
 
+``--stand-in-step-ms MS``: both servers answer from the stand-in engine core
+of :mod:`benchmarks.fast_engine` (one token per running request every MS,
+the real engine idle), so only their API processes work, at a GPU's token
+rate: with ``--streams 256 --models tiny-llama`` the base-model load under
+which a GPU run found our API process the limit.
+
 ``python -m benchmarks.engine_overhead [--rounds 6] [--json PATH]``; exit
 status 1 where the check fails.
 """
@@ -64,13 +70,16 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True)
 class Load:
-    """One window's load: ``streams`` back-to-back completions per model."""
+    """One window's load: ``streams`` back-to-back completions per model;
+    ``stand_in_step_ms``: the servers' engines stood in for (None: real)."""
 
     streams: int = 2
     max_tokens: int = 64
     warmup_s: float = 2.0
     window_s: float = 6.0
     rounds: int = 6
+    models: tuple[str, ...] = MODELS
+    stand_in_step_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ def tree_cpu_s(root: int) -> float:
 
 async def measure_window(url: str, pid: int, prompt: list[int], load: Load) -> Window:
     """Tokens, CPU and inter-token gaps of every model's streams in one timed window."""
-    logs = [StreamLog(m) for m in MODELS]
+    logs = [StreamLog(m) for m in load.models]
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(
@@ -252,9 +261,12 @@ async def measure_window(url: str, pid: int, prompt: list[int], load: Load) -> W
 
 
 @contextlib.contextmanager
-def both_servers(logs: Path) -> Iterator[tuple[dict[str, tuple[str, int]], list[int]]]:
+def both_servers(
+    logs: Path, stand_in_step_ms: float | None = None
+) -> Iterator[tuple[dict[str, tuple[str, int]], list[int]]]:
     """Ours and plain vLLM on the embedded model, started side by side; their
-    URLs and root pids, and a prompt.
+    URLs and root pids, and a prompt. ``stand_in_step_ms``: both through
+    :mod:`benchmarks.fast_engine`'s stand-in engine core.
 
     Started at once, the two take about as long as one alone would on a busy
     2-core machine (each start mostly waits on imports and its engine process).
@@ -266,8 +278,17 @@ def both_servers(logs: Path) -> Iterator[tuple[dict[str, tuple[str, int]], list[
 
     model = ensure_embedded_model()
     argv = embedded_server_argv(model)
+    stand_in = ("-m", "benchmarks.fast_engine", "--step-ms", str(stand_in_step_ms))
+    ours_launcher = (*stand_in, "--") if stand_in_step_ms else ("-m", "skyrl_lora.server", "serve")
+    vllm_launcher = (
+        (*stand_in, "--vllm", "--") if stand_in_step_ms
+        else ("-m", "vllm.entrypoints.openai.api_server")
+    )  # fmt: skip
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(start_serve, ["--no-ray", *argv], logs / "ours.log", env=CPU_ENV)
+        pending = pool.submit(
+            start_serve, ["--no-ray", *argv], logs / "ours.log", env=CPU_ENV,
+            launcher=ours_launcher,
+        )  # fmt: skip
 
         def stop_ours() -> None:
             if pending.exception() is None:  # a failed start has cleaned up after itself
@@ -275,7 +296,9 @@ def both_servers(logs: Path) -> Iterator[tuple[dict[str, tuple[str, int]], list[
                 pending.result().kill_all()
 
         stack.callback(stop_ours)
-        plain = stack.enter_context(plain_vllm(argv, logs / "vllm.log", CPU_ENV, timeout_s=540))
+        plain = stack.enter_context(
+            plain_vllm(argv, logs / "vllm.log", CPU_ENV, timeout_s=540, launcher=vllm_launcher)
+        )
         ours = pending.result()
         servers = {"ours": (ours.url, ours.proc.pid), "vllm": (plain.url, plain.proc.pid)}
         yield servers, greeting_prompt(model)
@@ -288,7 +311,7 @@ def run(load: Load, logs: Path) -> Overhead:
     first window (its adapters' first use) ran at half the rate of its next.
     """
     logs.mkdir(parents=True, exist_ok=True)
-    with both_servers(logs) as (servers, prompt):
+    with both_servers(logs, load.stand_in_step_ms) as (servers, prompt):
 
         async def measure(server: str) -> Window:
             return await measure_window(*servers[server], prompt, load)
@@ -324,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--warmup-s", type=float, default=defaults.warmup_s)
     parser.add_argument("--window-s", type=float, default=defaults.window_s)
+    parser.add_argument("--models", default=",".join(MODELS), help="the models streamed")
+    parser.add_argument(
+        "--stand-in-step-ms", type=float, help="answer from a stand-in engine core (API only)"
+    )
     parser.add_argument("--logs", type=Path, help="the servers' logs (default: a temp dir)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -333,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_s=args.warmup_s,
         window_s=args.window_s,
         rounds=args.rounds,
+        models=tuple(args.models.split(",")),
+        stand_in_step_ms=args.stand_in_step_ms,
     )
     commit = current_commit()  # what the servers start from, not what is there at the end
     with contextlib.ExitStack() as stack:
@@ -342,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
-        "load": {**asdict(load), "models": list(MODELS)},
+        "load": {**asdict(load), "models": list(load.models)},
         **overhead.to_json(),
     }
     print(json.dumps(result, indent=1))

@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,15 +118,21 @@ class Running:
 
 @contextlib.contextmanager
 def plain_vllm(
-    argv: list[str], log: Path, env: dict[str, str], timeout_s: float = 900
+    argv: list[str],
+    log: Path,
+    env: dict[str, str],
+    timeout_s: float = 900,
+    launcher: Sequence[str] = ("-m", "vllm.entrypoints.openai.api_server"),
 ) -> Iterator[Running]:
-    """vLLM's own OpenAI server with ``argv`` (its ``--port 0`` replaced by a free port)."""
+    """vLLM's own OpenAI server with ``argv`` (its ``--port 0`` replaced by a free port).
+
+    ``launcher``: the Python arguments before ``argv`` (a benchmark's wrapper)."""
     port = free_port()
     args = list(argv)
     args[args.index("--port") + 1] = str(port)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            [sys.executable, *launcher, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

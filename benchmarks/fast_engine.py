@@ -6,7 +6,8 @@ event loop) hands out every running request's token each step, tens of steps
 a second; the embedded model on the CPU steps far slower, so the host work
 per token never adds up to what a GPU run sees (event-loop stalls, long
 garbage collections). ``python -m benchmarks.fast_engine --step-ms 25 --
-SERVE_ARGS`` runs ``skyrl-lora serve`` with the engine core client's request
+SERVE_ARGS`` runs ``skyrl-lora serve`` (``--vllm``: vLLM's own OpenAI
+server, its arguments after ``--``) with the engine core client's request
 calls answered here: each running request gets one token (with its logprob
 where asked) every ``step_ms``, finishing at its ``max_tokens``; aborts drop
 it. Everything else (adapter loads, utility calls) still goes to the real
@@ -120,14 +121,23 @@ def install(step_s: float) -> StandInCore:
 
 
 def main() -> None:
-    """``python -m benchmarks.fast_engine --step-ms MS -- SERVE_ARGS``."""
+    """``python -m benchmarks.fast_engine --step-ms MS [--vllm] -- SERVER_ARGS``."""
     args = sys.argv[1:]
     step_ms = 25.0
     if args[:1] == ["--step-ms"]:
         step_ms, args = float(args[1]), args[2:]
+    plain = args[:1] == ["--vllm"]
+    if plain:
+        args = args[1:]
     if args[:1] == ["--"]:
         args = args[1:]
     install(step_ms / 1000)
+    if plain:
+        import runpy
+
+        sys.argv = ["vllm.entrypoints.openai.api_server", *args]
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+        return
     from skyrl_lora.server.cli import main as serve
 
     sys.exit(serve(["serve", *args]))
