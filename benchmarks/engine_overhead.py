@@ -278,17 +278,17 @@ def both_servers(
 
     model = ensure_embedded_model()
     argv = embedded_server_argv(model)
-    stand_in = ("-m", "benchmarks.fast_engine", "--step-ms", str(stand_in_step_ms))
-    ours_launcher = (*stand_in, "--") if stand_in_step_ms else ("-m", "skyrl_lora.server", "serve")
-    vllm_launcher = (
-        (*stand_in, "--vllm", "--") if stand_in_step_ms
-        else ("-m", "vllm.entrypoints.openai.api_server")
-    )  # fmt: skip
+    # Each server's own launcher unless the engines are stood in for.
+    ours_how: dict[str, tuple[str, ...]] = {}
+    vllm_how: dict[str, tuple[str, ...]] = {}
+    if stand_in_step_ms:
+        stand_in = ("-m", "benchmarks.fast_engine", "--step-ms", str(stand_in_step_ms))
+        ours_how["launcher"] = (*stand_in, "--")
+        vllm_how["launcher"] = (*stand_in, "--vllm", "--")
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
-            start_serve, ["--no-ray", *argv], logs / "ours.log", env=CPU_ENV,
-            launcher=ours_launcher,
-        )  # fmt: skip
+            start_serve, ["--no-ray", *argv], logs / "ours.log", env=CPU_ENV, **ours_how
+        )
 
         def stop_ours() -> None:
             if pending.exception() is None:  # a failed start has cleaned up after itself
@@ -297,7 +297,7 @@ def both_servers(
 
         stack.callback(stop_ours)
         plain = stack.enter_context(
-            plain_vllm(argv, logs / "vllm.log", CPU_ENV, timeout_s=540, launcher=vllm_launcher)
+            plain_vllm(argv, logs / "vllm.log", CPU_ENV, timeout_s=540, **vllm_how)
         )
         ours = pending.result()
         servers = {"ours": (ours.url, ours.proc.pid), "vllm": (plain.url, plain.proc.pid)}

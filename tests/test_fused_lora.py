@@ -176,25 +176,21 @@ def test_supports_takes_decode_steps_and_refuses_the_rest(results: dict[str, Any
     }
 
 
-def _sm90_registers(widths: tuple[int, ...], k: int) -> tuple[int, int]:
-    """The registers a thread of the kernel uses on these layers' tiles, as
-    ptxas (Triton's own, no GPU needed) builds it for sm_90 with the options
-    a launch passes, and the programs an SM then holds."""
+def _sm90_registers(fl: Any, tiles: Any, widths: tuple[int, ...], k: int) -> int:
+    """The registers a thread of the kernel (module ``fl``) uses on these
+    layers' ``tiles``, as ptxas (Triton's own, no GPU needed) builds it for
+    sm_90 with the options a launch passes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from skyrl_lora.server.kernels import fused_lora as fl
-
-    tiles = fl.tiles_for(widths, k)
-    assert tiles is not None
     piece = next(p for p in fl.PIECE_KS if k % p == 0)
     pieces = len(widths) * (k // piece)
     constants = dict(
         HAS_BIAS=False, R=64, BM=fl.MAX_TOKENS, BN=tiles.block_n, BK=tiles.block_k,
         PIECE=piece, CHUNK=fl.CHUNK_K, KP=k // piece, LANES=1, P=pieces,
         G=pieces + sum(widths) // tiles.block_n, ZB=1024, ROWS=fl.MAX_TOKENS,
-        COPY=3 * fl.MAX_TOKENS * 64, TICKET_ROLES=False,
+        COPY=fl.MAX_SLICES * fl.MAX_TOKENS * 64, TICKET_ROLES=False,
     )  # fmt: skip
     pointers = {"slot_of_row_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32"}
     pointers |= {"sums_ptr": "*fp32", "ticket_ptr": "*i64"}
@@ -225,10 +221,7 @@ def _sm90_registers(widths: tuple[int, ...], k: int) -> tuple[int, int]:
         ).stdout  # fmt: skip
     finally:
         cubin.unlink()
-    registers = int(usage.split("REG:")[1].split()[0])
-    by_shared = tiles.per_sm()
-    by_registers = 65536 // (registers * fl.NUM_WARPS * 32)
-    return registers, min(by_shared, by_registers)
+    return int(usage.split("REG:")[1].split()[0])
 
 
 @pytest.mark.parametrize(
@@ -245,8 +238,9 @@ def test_the_8b_layers_tiles_stay_resident_as_their_shared_memory_allows(
 
     tiles = fl.tiles_for(widths, k)
     assert tiles is not None
-    registers, resident = _sm90_registers(widths, k)
-    assert resident == tiles.per_sm(), (name, registers, tiles)
+    registers = _sm90_registers(fl, tiles, widths, k)
+    by_registers = fl._SM_REGISTERS // (registers * fl.NUM_WARPS * 32)
+    assert by_registers >= tiles.per_sm(), (name, registers, tiles)
     assert (tiles.per_sm(), tiles.max_registers()) == {
         "qkv_proj": (1, None), "gate_up_proj": (4, 128)
     }[name]  # fmt: skip

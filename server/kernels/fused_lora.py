@@ -76,8 +76,8 @@ MAX_LANES = 4
 #: (sm_80 and sm_90): what bounds the registers a thread may use.
 NUM_WARPS = 4
 _SM_REGISTERS = 65536
-#: An SM's shared memory where the device does not say (sm_90: 228 KiB), and
-#: what each resident program reserves beside its own.
+#: An SM's shared memory on sm_90, whose tiles these are (228 KiB), and what
+#: each resident program reserves beside its own.
 _SM_SHARED_BYTES = 228 * 1024
 _PROGRAM_RESERVED_SHARED = 1024
 
@@ -96,15 +96,15 @@ class Tiles:
         :data:`MAX_TOKENS` rows) and of W, ``block_k`` deep, 16-bit floats."""
         return self.stages * (MAX_TOKENS + self.block_n) * self.block_k * 2
 
-    def per_sm(self, sm_shared_bytes: int = _SM_SHARED_BYTES) -> int:
+    def per_sm(self) -> int:
         """Programs an SM holds, as their shared memory allows."""
-        return max(1, sm_shared_bytes // (self.shared_bytes + _PROGRAM_RESERVED_SHARED))
+        return max(1, _SM_SHARED_BYTES // (self.shared_bytes + _PROGRAM_RESERVED_SHARED))
 
-    def max_registers(self, sm_shared_bytes: int = _SM_SHARED_BYTES) -> int | None:
+    def max_registers(self) -> int | None:
         """The registers a thread may use so that the registers hold as many
         programs as the shared memory does (a multiple of 8; None: no bound
         under the hardware's 255)."""
-        bound = _SM_REGISTERS // (self.per_sm(sm_shared_bytes) * NUM_WARPS * 32) // 8 * 8
+        bound = _SM_REGISTERS // (self.per_sm() * NUM_WARPS * 32) // 8 * 8
         return bound if bound < 255 else None
 
 
@@ -131,12 +131,12 @@ def lanes_for(tiles: int, pieces_per_lane: int, slots: int) -> int:
 
 
 def _device_slots(device: torch.device, tiles: Tiles) -> int | None:
-    """Programs of these tiles resident at once on the device (None off CUDA)."""
+    """Programs of these tiles resident at once on the device (None off CUDA):
+    as many an SM as :meth:`Tiles.per_sm`, the count the register bound of
+    :func:`launch_options` keeps."""
     if device.type != "cuda":
         return None
-    props = torch.cuda.get_device_properties(device)
-    shared = getattr(props, "shared_memory_per_multiprocessor", _SM_SHARED_BYTES)
-    return int(props.multi_processor_count) * tiles.per_sm(shared)
+    return torch.cuda.get_device_properties(device).multi_processor_count * tiles.per_sm()
 
 
 @triton.jit
