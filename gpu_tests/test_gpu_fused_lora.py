@@ -24,6 +24,10 @@ if not torch.cuda.is_available():  # pragma: no cover - the CPU suite never coll
     pytest.skip("no CUDA device", allow_module_level=True)
 
 SLOTS = 32
+#: B's factor over the benchmarks' adapters (0.02 a weight), so that the LoRA
+#: term is the size of the base output: with theirs it sits under the
+#: tolerance at rank 16, and a term lost on some rows would pass.
+LOUD_B = 25.0
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +42,19 @@ def _mapping(tokens: int, adapters: int, shift: int = 0) -> torch.Tensor:
     mapping = (torch.arange(tokens, dtype=torch.int32) + shift) % adapters
     mapping[shift % 5 :: 5] = -1  # some rows on the base model
     return mapping
+
+
+def _loud_slots(layer, count: int, rank: int, gen: torch.Generator):
+    slots = make_slots(layer, count, rank, gen)
+    for b in slots.b:
+        b.mul_(LOUD_B)
+    return slots
+
+
+def _assert_lora_visible(want: torch.Tensor, base: torch.Tensor, tol: float) -> None:
+    """The check can fail: the LoRA term is far past the tolerance."""
+    term = float((want.float() - base.float()).abs().max())
+    assert term > 8 * tol, (term, tol)
 
 
 def _torch_reference(x, weight, slots, mapping, scale: float) -> torch.Tensor:
@@ -66,12 +83,13 @@ def test_fused_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters: i
     no_lora = torch.tensor([False])
     for layer in llama_layers("8b")[0]:
         name, widths, fan_in = layer
-        slots = make_slots(layer, SLOTS, rank, gen)
+        slots = _loud_slots(layer, SLOTS, rank, gen)
         x = torch.randn(tokens, fan_in, device="cuda", generator=gen).to(torch.bfloat16)
         weight = (torch.randn(sum(widths), fan_in, device="cuda", generator=gen) * 0.02).to(
             torch.bfloat16
         )
         want = torch.nn.functional.linear(x, weight)
+        base = want.clone()
         buf = torch.empty(len(widths), tokens, rank, device="cuda")
         lora_shrink(
             x, slots.a, buf, meta["mapping"], meta["sorted"], meta["per"], meta["start"],
@@ -89,6 +107,8 @@ def test_fused_equals_vllm_on_every_8b_layer(rank: int, tokens: int, adapters: i
         # vLLM rounds the base output to bf16 before adding the LoRA term;
         # we add in fp32 and round once: a few bf16 units of the output apart.
         tol = 4 * 2**-8 * float(want.float().abs().max())
+        if bool((mapping >= 0).any()):  # (1, 1): its one row is on the base model
+            _assert_lora_visible(want, base, tol)
         diff = float((got.float() - want.float()).abs().max())
         assert diff <= tol, (name, rank, tokens, adapters, diff, tol)
 
@@ -102,7 +122,7 @@ def test_graph_replays_of_layers_sharing_the_workspace() -> None:
     shapes = [s for s in llama_layers("8b")[0] if s[0] in ("qkv_proj", "o_proj", "down_proj")]
     layers = []
     for shape in shapes:
-        slots = make_slots(shape, SLOTS, 64, gen)
+        slots = _loud_slots(shape, SLOTS, 64, gen)
         weight = (torch.randn(sum(shape[1]), shape[2], device="cuda", generator=gen) * 0.02).to(
             torch.bfloat16
         )
@@ -140,6 +160,7 @@ def test_graph_replays_of_layers_sharing_the_workspace() -> None:
         torch.cuda.synchronize()
         for x, out, (shape, slots, weight) in zip(xs, outs, layers):
             want = _torch_reference(x, weight, slots, mapping, 1.0)
+            _assert_lora_visible(want, x.float() @ weight.float().T, 2e-2 * float(want.abs().max()))
             err = float((out.float() - want).abs().max()) / float(want.abs().max())
             worst = max(worst, err)
             assert err <= 2e-2, (replay, shape[0], tokens, err)
@@ -161,7 +182,7 @@ def test_the_layer_as_vllm_calls_it() -> None:
     assert punica_ops.install()
     gen = torch.Generator(device="cuda").manual_seed(3)
     shape = llama_layers("8b")[0][0]
-    slots = make_slots(shape, 8, 64, gen)
+    slots = _loud_slots(shape, 8, 64, gen)
     weight = (torch.randn(sum(shape[1]), shape[2], device="cuda", generator=gen) * 0.02).to(
         torch.bfloat16
     )
@@ -198,6 +219,7 @@ def test_the_layer_as_vllm_calls_it() -> None:
             got = compat._overlapped_lora_apply(layer, x, bias)
             torch.cuda.synchronize()
             tol = 4 * 2**-8 * float(want.abs().max())
+            _assert_lora_visible(want, x.float() @ weight.float().T + bias.float(), tol)
             assert float((got.float() - want).abs().max()) <= tol, tokens
     finally:
         compat._fused_linear = original
