@@ -3,7 +3,7 @@
 ``python -m benchmarks.engine_rate`` (GPU) serves the random 8B-shaped model
 (``--size``) with ``--max-loras`` rank-``--rank`` adapters loaded before it measures,
 from several servers side by side on one GPU, each with its share of the
-memory (``--gpu-mem``):
+memory (``--gpu-mem``; by default they split :data:`GPU_MEM_TOTAL` evenly):
 
 * ``ours``: ``skyrl-lora serve`` with its defaults (the grouped LoRA
   kernels, each layer's shrink on a second stream beside its base GEMM);
@@ -69,6 +69,9 @@ OURS = {
     "ours_vllm_kernels": ["--lora-kernels", "vllm", "--lora-overlap", "off"],
 }
 SERVERS = (*OURS, "vllm")
+#: The most of a GPU's memory the servers' ``--gpu-mem`` shares may add up to
+#: (each process's CUDA context takes some beside its share).
+GPU_MEM_TOTAL = 0.95
 #: How the plot names them.
 LABELS = {
     "ours": "skyrl-lora serve (grouped kernels, overlapped shrink)",
@@ -509,6 +512,24 @@ def plot(path: Path) -> Path:
     return png
 
 
+def memory_share(servers: list[str], share: float | None) -> float:
+    """Each server's share of the GPU's memory (None: an even split of
+    :data:`GPU_MEM_TOTAL`). ValueError for a server not in :data:`SERVERS`,
+    or shares that add up past it: vLLM refuses such a server only once the
+    ones before it are up, minutes in."""
+    unknown = sorted(set(servers) - set(SERVERS))
+    if unknown:
+        raise ValueError(f"--servers: no server {', '.join(unknown)} (known: {', '.join(SERVERS)})")
+    if share is None:
+        return int(GPU_MEM_TOTAL / len(servers) * 100) / 100
+    if len(servers) * share > GPU_MEM_TOTAL:
+        raise ValueError(
+            f"--gpu-mem {share} for each of {len(servers)} servers side by side on one GPU "
+            f"asks for more than {GPU_MEM_TOTAL} of its memory"
+        )
+    return share
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="8b")
@@ -523,7 +544,11 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--gpu-mem", type=float, default=0.3, help="each server's share")
+    parser.add_argument(
+        "--gpu-mem",
+        type=float,
+        help=f"each server's share of the GPU's memory (default: {GPU_MEM_TOTAL} split evenly)",
+    )
     parser.add_argument("--nvml-device", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/engine-rate"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/engine-rate/out"))
@@ -546,6 +571,10 @@ def main() -> int:
     if args.plot:
         print(plot(args.plot))
         return 0
+    try:
+        args.gpu_mem = memory_share(args.servers, args.gpu_mem)
+    except ValueError as exc:
+        parser.error(str(exc))
     result = run(args)
     for row in result["summary"]:
         print(row, flush=True)
