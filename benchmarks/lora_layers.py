@@ -27,7 +27,9 @@ step not included, so the engine's ratio is closer to 1). Kernel-only
 timings, without the GEMMs, are :mod:`benchmarks.lora_kernels`.
 Schedules are interleaved, rounds are medians with their spread; outputs
 are checked against ``sequential``'s before timing. ``--diagnose`` adds
-parts of ``overlap`` (:data:`DIAGNOSTICS`) to see where its time goes.
+parts of ``overlap`` (:data:`DIAGNOSTICS`) to see where its time goes;
+``--by-class`` times each layer class's layers alone too (``fused/down_proj``:
+the 32 down projections under ``fused``), each against ``base`` of that class.
 """
 
 from __future__ import annotations
@@ -156,9 +158,9 @@ def schedule_fn(
     def run() -> None:
         if schedule != "base":
             fill_plan(plan, *ids)
-        for i, (slots, weight) in enumerate(zip(layers, weights)):
+        for slots, weight in zip(layers, weights):
             xin = x[weight.size(1)]
-            y = outs[f"y{i % 4}"]
+            y = outs[f"y:{slots.name}"]
             if fused and fused_lora_linear(
                 xin, weight, None, slots.a, slots.b, tuple(slots.widths), meta["mapping"],
                 meta["ids"], 1.0, out=y, lanes=lanes, ticket_roles=by_ticket,
@@ -173,12 +175,13 @@ def schedule_fn(
     return run
 
 
-def _outputs(outs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    return [outs[f"y{j}"].float().clone() for j in range(4)]
+def _outputs(outs: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+    return [outs[f"y:{name}"].float().clone() for name in names]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes, depth = llama_layers(args.size)
+    names = [name for name, _, _ in shapes]
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [make_slots(s, args.slots, args.rank, gen) for _ in range(depth) for s in shapes]
     weights = [
@@ -201,9 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for f in {s[2] for s in shapes}
         }
         outs = {f"buf{n}": torch.empty(n, tokens, args.rank, device="cuda") for n in (1, 2, 3)}
-        for j, (_, widths, _) in enumerate(shapes):
-            outs[f"y{j}"] = torch.zeros(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
-            outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y{j}"])
+        for name, widths, _ in shapes:
+            outs[f"y:{name}"] = torch.zeros(
+                tokens, sum(widths), device="cuda", dtype=torch.bfloat16
+            )
+            outs[f"term{len(widths)}{sum(widths)}"] = torch.zeros_like(outs[f"y:{name}"])
         for adapters in args.adapters:
             meta = metadata(tokens, adapters, args.slots)
             schedules = (
@@ -212,15 +217,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 *(f"fused@{lanes}" for lanes in args.fused_lanes),
                 *(f"fused@{lanes}t" for lanes in args.fused_lanes if args.fused_ticket_roles),
             )
-            timed = (*schedules, *DIAGNOSTICS) if args.diagnose else schedules
+            whole = (*schedules, *DIAGNOSTICS) if args.diagnose else schedules
             steps = {
-                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in timed
+                s: schedule_fn(s, layers, weights, x, meta, args.slots + 1, outs) for s in whole
             }
+            for s in whole if args.by_class else ():
+                for name in names:  # that class's layers alone: "schedule/class"
+                    mine = [i for i, slots in enumerate(layers) if slots.name == name]
+                    steps[f"{s}/{name}"] = schedule_fn(
+                        s, [layers[i] for i in mine], [weights[i] for i in mine], x, meta,
+                        args.slots + 1, outs,
+                    )  # fmt: skip
+            timed = tuple(steps)
             got = {}
             for s in schedules:  # the first decoder layer's outputs, eagerly
                 schedule_fn(s, layers[:4], weights[:4], x, meta, args.slots + 1, outs)()
                 torch.cuda.synchronize()
-                got[s] = _outputs(outs)
+                got[s] = _outputs(outs, names)
             ref = got["sequential"]
             errors = {
                 s: max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[s], ref))
@@ -232,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for r in range(args.rounds):
                 for s in timed if r % 2 == 0 else timed[::-1]:
                     times[s].append(time_graph(graphs[s], args.reps))
-            base_ms = statistics.median(times["base"])
+            base_ms = {k: statistics.median(ts) for k, ts in times.items() if k.startswith("base")}
             point: dict[str, Any] = {
                 "tokens": tokens,
                 "adapters": adapters,
@@ -242,9 +255,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for s, ts in times.items():
                 med = statistics.median(ts)
+                base = base_ms["base" + s[s.index("/") :] if "/" in s else "base"]
                 point[s] = {
-                    "ms": med, "min": min(ts), "max": max(ts), "lora_ms": med - base_ms,
-                    "over_base": base_ms / med,
+                    "ms": med, "min": min(ts), "max": max(ts), "lora_ms": med - base,
+                    "over_base": base / med,
                 }  # fmt: skip
             result["points"].append(point)
             print(
@@ -272,6 +286,9 @@ def main() -> int:
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12)
     parser.add_argument("--diagnose", action="store_true", help="also time overlap's parts")
     parser.add_argument("--fused-lanes", type=int_list, default=[], help="fused@L schedules")
+    parser.add_argument(
+        "--by-class", action="store_true", help="also each layer class alone: schedule/class"
+    )
     parser.add_argument(
         "--fused-ticket-roles", action="store_true", help="also fused@Lt: roles by ticket"
     )
