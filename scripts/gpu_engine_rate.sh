@@ -13,13 +13,15 @@
 # tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out,
 # SCENARIOS=0 the scenario tests alone). It runs on
 # GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
-# and the pause row run one after another.
+# and the pause row run one after another (RATE_SERVERS=ours,ours_fused: those
+# servers side by side on the one GPU, rounds interleaved, in one run).
 # Every server's base-model point (0 adapters) runs the same kernels, so it
 # calibrates the GPUs against each other. Results land in $OUT (at most 8
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
 # (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every engine_rate run,
 # LORA_KERNELS_ARGS to lora_kernels (--sweep, or --base-kernels NAME=FILE to
-# time another grouped_lora.py beside this one).
+# time another grouped_lora.py beside this one), and LORA_LAYERS_ARGS, where
+# set, runs benchmarks.lora_layers with them in the kernel part (lora_layers.json).
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
@@ -37,7 +39,10 @@ build_random_model(Path('$work'), rank=16, size='8b')" > "$work/model.log" 2>&1
 echo "model built $(date +%T)"
 kernel_part() {
     python3 -m pytest -p no:cacheprovider -o addopts="" -q \
-        gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py
+        gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py \
+        gpu_tests/test_gpu_fused_lora.py
+    [[ -z "${LORA_LAYERS_ARGS:-}" ]] || python3 -m benchmarks.lora_layers $LORA_LAYERS_ARGS \
+        --machine "$machine" --json "$OUT/lora_layers.json"
     python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
         ${LORA_KERNELS_ARGS:-} \
         --machine "$machine" --json "$OUT/lora_kernels.json"
@@ -54,17 +59,19 @@ pause_row() {
         --json "$OUT/pause_latency_gpu.json"
 }
 extra=(${ENGINE_RATE_ARGS:-})
-rate_of() {  # server name, GPU
+rate_of() {  # server name (or names, a,b: side by side, the memory split), GPU
+    local name="${1//,/+}" share=()
+    [[ "$1" == *,* ]] || share=(--gpu-mem 0.85)
     CUDA_VISIBLE_DEVICES=$2 python3 -m benchmarks.engine_rate --servers "$1" \
-        --nvml-device "$2" --work "$work" --out "$work/$1" --machine "$machine" \
-        --gpu-mem 0.85 --json "$OUT/engine_rate_$1.json" "${extra[@]}" > "$work/$1.log" 2>&1
+        --nvml-device "$2" --work "$work" --out "$work/$name" --machine "$machine" \
+        "${share[@]}" --json "$OUT/engine_rate_$name.json" "${extra[@]}" > "$work/$name.log" 2>&1
 }
 pids=()
 if (( gpus == 1 )); then
     # One GPU: one after another, the principal figures first.
     (
         CUDA_VISIBLE_DEVICES=0 kernel_part > "$work/kernels.log" 2>&1
-        rate_of ours 0
+        rate_of "${RATE_SERVERS:-ours}" 0
         CUDA_VISIBLE_DEVICES=0 pause_row > "$work/pause.log" 2>&1
     ) &
     pids+=($!)
