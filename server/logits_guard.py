@@ -11,8 +11,14 @@ The guard runs in the engine process around vLLM's sampler
 (:func:`skyrl_lora.server.compat.wrap_sampler`, installed with the
 staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
 
-* before sampling, a row with any NaN or infinity is set to zeros, so it
-  samples inside the vocabulary and cannot take the engine down;
+* before sampling, a row with any NaN or +infinity, or nothing but
+  -infinity, is set to zeros, so it samples inside the vocabulary and
+  cannot take the engine down. Its -infinity entries stay: they are a mask
+  (a structured output's grammar, applied before the sampler, sets every
+  token it forbids to -infinity), and a row that kept its mask samples a
+  token the grammar takes, where a zeroed one drew a token the grammar
+  refused and vLLM ended the request with an internal error. A row of
+  finite logits under a mask is never flagged;
 * after, that row's logprobs are set to NaN, so the sample route sees
   which samples had no meaning and refuses them
   (:class:`skyrl_lora.errors.NonFiniteLogitsError`) instead of returning
@@ -23,7 +29,8 @@ staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
   next step used to be dropped), in one of a few pinned scalars and events
   reused from step to step rather than made anew.
 
-Two elementwise passes over the logits per step, no host sync.
+One reduction, one comparison and one masked fill over the logits per step,
+no host sync.
 """
 
 from __future__ import annotations
@@ -55,10 +62,16 @@ class LogitsGuard:
         self._spare: list[_Pending] = []
 
     def before(self, logits: Any) -> Any:
-        """Zero the non-finite rows of ``logits`` in place; their mask, ``[rows]``."""
+        """Zero the non-finite rows of ``logits`` in place, but for their
+        -infinity entries (a mask); the rows' flags, ``[rows]``."""
         self._report()
-        bad = ~torch.isfinite(logits).all(dim=-1)
-        logits.masked_fill_(bad.unsqueeze(-1), 0.0)
+        # A row's largest logit is NaN where any is, +inf where any is, and
+        # -inf where all are: one reduction finds every row to flag, and
+        # passes a mask's -inf in rows that have anything else.
+        peak = logits.amax(dim=-1)
+        bad = ~torch.isfinite(peak)
+        unmasked = (logits != -torch.inf) | (peak == -torch.inf).unsqueeze(-1)
+        logits.masked_fill_(bad.unsqueeze(-1) & unmasked, 0.0)
         return bad
 
     def after(self, bad: Any, logprobs: Any | None) -> None:

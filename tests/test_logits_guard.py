@@ -36,6 +36,26 @@ def test_finite_logits_pass_untouched_and_no_logprobs_is_fine() -> None:
     assert torch.equal(logits, kept) and guard.flagged_rows == 0
 
 
+def test_a_grammars_mask_is_not_flagged_and_outlives_a_flagged_row() -> None:
+    """A structured output's grammar sets the tokens it forbids to -inf
+    before the sampler: such a row is not flagged; a NaN row under a mask
+    keeps the mask (it samples a token the grammar takes); a row of nothing
+    but -inf has no token to sample and is zeroed."""
+    guard = LogitsGuard()
+    ninf = -torch.inf
+    logits = torch.randn(4, 6)
+    logits[0, 2:] = ninf  # a grammar's mask over good logits
+    logits[1, :3] = float("nan")
+    logits[1, 3:] = ninf  # a mask over a diverged adapter's logits
+    logits[2] = ninf
+    masked = logits[[0, 3]].clone()
+    bad = guard.before(logits)
+    assert bad.tolist() == [False, True, True, False]
+    assert torch.equal(logits[[0, 3]], masked)
+    assert logits[1].tolist() == [0.0, 0.0, 0.0, ninf, ninf, ninf]
+    assert logits[2].tolist() == [0.0] * 6
+
+
 class _Sampler:
     """vLLM's sampler as the guard sees it: logits in, logprobs out."""
 
