@@ -20,8 +20,12 @@
 # files come back): engine_rate_<server>.json, lora_kernels.json, logs.tgz
 # (refreshed as the runs go). ENGINE_RATE_ARGS adds flags to every engine_rate run,
 # LORA_KERNELS_ARGS to lora_kernels (--sweep, or --base-kernels NAME=FILE to
-# time another grouped_lora.py beside this one), and LORA_LAYERS_ARGS, where
-# set, runs benchmarks.lora_layers with them in the kernel part (lora_layers.json).
+# time another grouped_lora.py beside this one; LORA_KERNELS=0 leaves it
+# out), and LORA_LAYERS_ARGS, where set, runs benchmarks.lora_layers with
+# them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU:
+#   SCENARIOS=0 PAUSE_ROW=0 LORA_KERNELS=0 RATE_SERVERS=ours,ours_fused \
+#   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8 --by-class" \
+#   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3" bash ...
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
@@ -43,8 +47,8 @@ kernel_part() {
         gpu_tests/test_gpu_fused_lora.py
     [[ -z "${LORA_LAYERS_ARGS:-}" ]] || python3 -m benchmarks.lora_layers $LORA_LAYERS_ARGS \
         --machine "$machine" --json "$OUT/lora_layers.json"
-    python3 -m benchmarks.lora_kernels --profile --ranks 16,64 --tokens 64,256 \
-        ${LORA_KERNELS_ARGS:-} \
+    [[ "${LORA_KERNELS:-1}" == 0 ]] || python3 -m benchmarks.lora_kernels --profile \
+        --ranks 16,64 --tokens 64,256 ${LORA_KERNELS_ARGS:-} \
         --machine "$machine" --json "$OUT/lora_kernels.json"
 }
 pause_row() {
