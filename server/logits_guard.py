@@ -12,13 +12,14 @@ The guard runs in the engine process around vLLM's sampler
 staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
 
 * before sampling, a row with any NaN or +infinity, or nothing but
-  -infinity, is set to zeros, so it samples inside the vocabulary and
-  cannot take the engine down. Its -infinity entries stay: they are a mask
-  (a structured output's grammar, applied before the sampler, sets every
-  token it forbids to -infinity), and a row that kept its mask samples a
-  token the grammar takes, where a zeroed one drew a token the grammar
-  refused and vLLM ended the request with an internal error. A row of
-  finite logits under a mask is never flagged;
+  -infinity, is flagged; its NaN and +infinity become zeros (a row of
+  nothing but -infinity, all zeros), so it samples inside the vocabulary
+  and cannot take the engine down. Its -infinity entries stay: they are a
+  mask (a structured output's grammar, applied before the sampler, sets
+  every token it forbids to -infinity), and a row that kept its mask
+  samples a token the grammar takes, where a zeroed one drew a token the
+  grammar refused and vLLM ended the request with an internal error. A
+  row of finite logits under a mask is never flagged;
 * after, that row's logprobs are set to NaN, so the sample route sees
   which samples had no meaning and refuses them
   (:class:`skyrl_lora.errors.NonFiniteLogitsError`) instead of returning
@@ -29,8 +30,8 @@ staging worker extension, :mod:`skyrl_lora.server.loading.staging`):
   next step used to be dropped), in one of a few pinned scalars and events
   reused from step to step rather than made anew.
 
-One reduction, one comparison and one masked fill over the logits per step,
-no host sync.
+One reduction, one in-place clean-up and one masked fill over the logits
+per step, no host sync.
 """
 
 from __future__ import annotations
@@ -62,16 +63,18 @@ class LogitsGuard:
         self._spare: list[_Pending] = []
 
     def before(self, logits: Any) -> Any:
-        """Zero the non-finite rows of ``logits`` in place, but for their
-        -infinity entries (a mask); the rows' flags, ``[rows]``."""
+        """Make the non-finite rows of ``logits`` samplable in place (NaN and
+        +inf to zero, a mask's -inf kept; a row of nothing but -inf all
+        zeros); the rows' flags, ``[rows]``."""
         self._report()
         # A row's largest logit is NaN where any is, +inf where any is, and
         # -inf where all are: one reduction finds every row to flag, and
         # passes a mask's -inf in rows that have anything else.
         peak = logits.amax(dim=-1)
         bad = ~torch.isfinite(peak)
-        unmasked = (logits != -torch.inf) | (peak == -torch.inf).unsqueeze(-1)
-        logits.masked_fill_(bad.unsqueeze(-1) & unmasked, 0.0)
+        # Rows without NaN or +inf (every unflagged one) are left as they are.
+        logits.nan_to_num_(nan=0.0, posinf=0.0, neginf=-torch.inf)
+        logits.masked_fill_((peak == -torch.inf).unsqueeze(-1), 0.0)
         return bad
 
     def after(self, bad: Any, logprobs: Any | None) -> None:

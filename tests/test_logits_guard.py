@@ -11,18 +11,20 @@ from skyrl_lora.server import compat
 from skyrl_lora.server.logits_guard import LogitsGuard, _Pending
 
 
-def test_non_finite_rows_are_zeroed_flagged_and_counted(caplog) -> None:
+def test_non_finite_entries_are_zeroed_and_their_rows_flagged_and_counted(caplog) -> None:
     guard = LogitsGuard()
     logits = torch.randn(4, 8)
     logits[1, 3] = float("nan")
     logits[2, 0] = float("inf")
     good = logits[[0, 3]].clone()
+    cleaned = logits[[1, 2]].clone()
+    cleaned[0, 3] = cleaned[1, 0] = 0.0
     with caplog.at_level(logging.INFO):
         flagged = guard.before(logits)
         logprobs = torch.zeros(4, 2)
         guard.after(flagged, logprobs)
     assert flagged.tolist() == [False, True, True, False]
-    assert torch.equal(logits[[0, 3]], good) and bool((logits[[1, 2]] == 0).all())
+    assert torch.equal(logits[[0, 3]], good) and torch.equal(logits[[1, 2]], cleaned)
     assert logprobs[[1, 2]].isnan().all() and not logprobs[[0, 3]].isnan().any()
     assert guard.flagged_rows == 2
     assert any("nonfinite_logits" in r.getMessage() for r in caplog.records)
