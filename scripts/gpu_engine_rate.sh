@@ -8,7 +8,7 @@
 #   GPU 0: `serve` (its defaults: grouped LoRA kernels, overlapped shrink)
 #   GPU 1: `serve --lora-overlap off`                         (2 GPUs or more)
 #   GPU 2: plain `vllm serve` with the same vLLM flags        (4 GPUs only)
-# and "the kernel part": the GPU tests of the kernels and the overlap,
+# and "the kernel part": the GPU tests of the kernels, the overlap and the logits guard,
 # benchmarks.lora_kernels with its profile, then the real-engine scenario
 # tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out,
 # SCENARIOS=0 the scenario tests alone). It runs on
@@ -44,7 +44,7 @@ echo "model built $(date +%T)"
 kernel_part() {
     python3 -m pytest -p no:cacheprovider -o addopts="" -q \
         gpu_tests/test_gpu_grouped_lora.py gpu_tests/test_gpu_lora_overlap.py \
-        gpu_tests/test_gpu_fused_lora.py
+        gpu_tests/test_gpu_fused_lora.py gpu_tests/test_gpu_logits_guard.py
     [[ -z "${LORA_LAYERS_ARGS:-}" ]] || python3 -m benchmarks.lora_layers $LORA_LAYERS_ARGS \
         --machine "$machine" --json "$OUT/lora_layers.json"
     [[ "${LORA_KERNELS:-1}" == 0 ]] || python3 -m benchmarks.lora_kernels --profile \
