@@ -51,6 +51,12 @@ from typing import Any
 import aiohttp
 
 from benchmarks.common import current_commit, free_port, int_list
+from benchmarks.greedy_reference import (
+    bench_prompt,
+    distance,
+    first_token_logprobs,
+    served_first_token,
+)
 from benchmarks.streams import StreamLog, keep_streaming
 from examples.rl.gpu_busy import GpuBusy
 from skyrl_lora.client import RemoteInferenceClient
@@ -206,24 +212,16 @@ async def measure_point(
 async def same_outputs(
     urls: dict[str, str], models: list[str], prompt: list[int]
 ) -> dict[str, Any]:
-    """Greedy 16 tokens of each model from every server (``greedy``), against
-    the first server's: the same tokens, and how far apart the first token's
-    logprob is."""
+    """Greedy 16 tokens of each model from every server (``greedy``: the
+    tokens, the first token's logprob and that position's top 5 tokens),
+    against the first server's: the same tokens, and how far apart the first
+    token's logprob is."""
     got: dict[str, dict[str, Any]] = {}
     async with aiohttp.ClientSession() as session:
         for server, url in urls.items():
             got[server] = {}
             for model in models:
-                body = {
-                    "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-                    "logprobs": 1, "return_token_ids": True,
-                }  # fmt: skip
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    choice = (await resp.json())["choices"][0]
-                got[server][model] = (
-                    choice.get("token_ids"),
-                    choice["logprobs"]["token_logprobs"][0],
-                )
+                got[server][model] = await served_first_token(session, url, model, prompt)
     if not got:
         return {}
     first = next(iter(got))
@@ -239,6 +237,23 @@ async def same_outputs(
         report[f"{server}_vs_{first}"] = {
             "same_tokens": f"{same}/{len(models)}",
             "first_logprob_max_diff": round(lp, 4),
+        }
+    return report
+
+
+def against_reference(
+    outputs: dict[str, Any], model_dir: Path, adapter: Path, prompt: list[int]
+) -> dict[str, Any]:
+    """The float32 reference's first token (:mod:`benchmarks.greedy_reference`)
+    beside each server's, per model (every adapter name is ``adapter``'s files)."""
+    from skyrl_lora.server.presets import RANDOM_MODEL_NAME
+
+    reference = first_token_logprobs(model_dir, prompt, adapter)
+    report: dict[str, Any] = {"reference": reference, "distance": {}}
+    for server, models in outputs.get("greedy", {}).items():
+        report["distance"][server] = {
+            model: distance(reference["base" if model == RANDOM_MODEL_NAME else "adapter"], got[2])
+            for model, got in models.items()
         }
     return report
 
@@ -307,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "adapter_load_s": {},
         "points": [],
     }
-    prompt = list(range(3, 3 + args.prompt_tokens))
+    prompt = bench_prompt(args.prompt_tokens)
     out = args.out
 
     def save() -> None:
@@ -386,6 +401,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         save()
     result["summary"] = summary(result["points"])
+    if args.reference and result.get("outputs"):  # the servers are gone: their memory is free
+        result["outputs"] |= against_reference(result["outputs"], model.model_dir, adapter, prompt)
+        print(f"against float32: {result['outputs']['distance']}", flush=True)
     save()
     return result
 
@@ -544,6 +562,11 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="after the servers stop, their first greedy tokens against float32 (28 GB at 8B)",
+    )
     parser.add_argument(
         "--gpu-mem",
         type=float,

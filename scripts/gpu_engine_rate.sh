@@ -22,10 +22,11 @@
 # LORA_KERNELS_ARGS to lora_kernels (--sweep, or --base-kernels NAME=FILE to
 # time another grouped_lora.py beside this one; LORA_KERNELS=0 leaves it
 # out), and LORA_LAYERS_ARGS, where set, runs benchmarks.lora_layers with
-# them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU:
+# them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU,
+# the servers' first greedy tokens then set against float32 (--reference):
 #   SCENARIOS=0 PAUSE_ROW=0 LORA_KERNELS=0 RATE_SERVERS=ours,ours_fused \
-#   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8 --by-class" \
-#   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3" bash ...
+#   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8,32 --by-class" \
+#   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3 --max-loras 8 --reference" bash ...
 set -u
 work="$HOME/engine-rate"
 mkdir -p "$work" "$OUT"
@@ -64,7 +65,8 @@ pause_row() {
 }
 extra=(${ENGINE_RATE_ARGS:-})
 rate_of() {  # server name (or names, a,b: side by side, the memory split), GPU
-    local name="${1//,/+}" share=()
+    # a,b is named a_and_b: the device tool does not bring back names with "+".
+    local name="${1//,/_and_}" share=()
     [[ "$1" == *,* ]] || share=(--gpu-mem 0.85)
     CUDA_VISIBLE_DEVICES=$2 python3 -m benchmarks.engine_rate --servers "$1" \
         --nvml-device "$2" --work "$work" --out "$work/$name" --machine "$machine" \

@@ -184,12 +184,27 @@ def load_model(model_dir: Path, adapter_dir: Path | None = None) -> LlamaForCaus
     model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
     model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
     if adapter_dir is not None:
-        config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-        for name, lora in _wrap_lora(model, config["r"], config["lora_alpha"]).items():
-            lora.lora_A.data = weights[f"base_model.model.{name}.lora_A.weight"]
-            lora.lora_B.data = weights[f"base_model.model.{name}.lora_B.weight"]
+        apply_adapter(model, adapter_dir)
     return model.eval().requires_grad_(False)
+
+
+def apply_adapter(model: nn.Module, adapter_dir: Path) -> int:
+    """Wrap ``model``'s target layers with a saved PEFT adapter's LoRA, its
+    weights cast to the layer's dtype; how many layers took one. The adapter
+    must cover exactly those layers (ours do): a mismatch is refused, not
+    skipped, so a reference built from it cannot quietly lack a layer."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    wrapped = _wrap_lora(model, config["r"], config["lora_alpha"])
+    names = {key.rsplit(".lora_", 1)[0].removeprefix("base_model.model.") for key in weights}
+    if names != wrapped.keys():
+        odd = sorted(names ^ wrapped.keys())[:3]
+        raise ValueError(f"{adapter_dir} does not cover the model's LoRA layers: {odd}")
+    for name, lora in wrapped.items():
+        dtype = lora.base.weight.dtype
+        lora.lora_A.data = weights[f"base_model.model.{name}.lora_A.weight"].to(dtype)
+        lora.lora_B.data = weights[f"base_model.model.{name}.lora_B.weight"].to(dtype)
+    return len(wrapped)
 
 
 class LoRALinear(nn.Module):
