@@ -13,8 +13,10 @@ layers make) and its LoRA:
 * ``fused``: ``serve --lora-overlap fused``: the GEMM and its LoRA in one
   launch (:mod:`skyrl_lora.server.kernels.fused_lora`, its shrink's pieces
   in as many lanes as the wave has room for; ``fused@L``: in ``L`` lanes,
-  ``--fused-lanes``; ``fused@Lt``: roles by ticket, not by program id),
-  ``overlap`` where that does not take the step (more than 64 tokens);
+  ``--fused-lanes``; ``fused@Lt``: roles by ticket, not by program id;
+  ``fused~CLASS=BNxBKxSTAGES``: one layer class in other tiles,
+  ``--fused-tiles``), ``overlap`` where that does not take the step (more
+  than 64 tokens);
 * ``sequential``: GEMM, shrink, expand on one stream (``--lora-overlap off``);
 * ``beside``: shrink *and* expand on the second stream (the expand writing
   the LoRA term into a zeroed buffer), added to the GEMM's output once both
@@ -85,6 +87,7 @@ def schedule_fn(
     device = meta["ids"].device
     fused = schedule.startswith("fused")
     lanes = int(schedule.partition("@")[2].rstrip("t")) if "@" in schedule else None
+    tiles = dict([tiles_of(schedule.partition("~")[2])]) if "~" in schedule else {}
     by_ticket = schedule.endswith("t")
     plan = new_plan(tokens, groups, device)
     side = torch.cuda.Stream()
@@ -164,6 +167,7 @@ def schedule_fn(
             if fused and fused_lora_linear(
                 xin, weight, None, slots.a, slots.b, tuple(slots.widths), meta["mapping"],
                 meta["ids"], 1.0, out=y, lanes=lanes, ticket_roles=by_ticket,
+                tiles=tiles.get(slots.name),
             ) is not None:  # fmt: skip
                 continue
 
@@ -173,6 +177,14 @@ def schedule_fn(
             lora(slots, xin, y, gemm)
 
     return run
+
+
+def tiles_of(spec: str) -> tuple[str, Any]:
+    """``CLASS=BNxBKxSTAGES`` (``--fused-tiles``): that layer class's fused tiles."""
+    from skyrl_lora.server.kernels.fused_lora import Tiles
+
+    name, _, sizes = spec.partition("=")
+    return name, Tiles(*(int(v) for v in sizes.split("x")))
 
 
 def _outputs(outs: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:
@@ -216,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "fused",
                 *(f"fused@{lanes}" for lanes in args.fused_lanes),
                 *(f"fused@{lanes}t" for lanes in args.fused_lanes if args.fused_ticket_roles),
+                *(f"fused~{spec}" for spec in args.fused_tiles),
             )
             whole = (*schedules, *DIAGNOSTICS) if args.diagnose else schedules
             steps = {
@@ -291,6 +304,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--fused-ticket-roles", action="store_true", help="also fused@Lt: roles by ticket"
+    )
+    parser.add_argument(
+        "--fused-tiles",
+        type=lambda s: s.split(","),
+        default=[],
+        help="also fused~CLASS=BNxBKxSTAGES: that class in other tiles (qkv_proj=64x64x6)",
     )
     return run_to_json(parser, run)
 

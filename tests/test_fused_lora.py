@@ -40,6 +40,7 @@ class Case:
     bias: bool = False
     lanes: int | None = 2  # pieces a (slice, columns) of the shrink is spread over, by adapter
     ticket_roles: bool = False  # roles by arrival, not by program id
+    tiles: tuple[int, int, int] | None = None  # (block_n, block_k, stages); None: tiles_for's
 
 
 CASES = [
@@ -49,6 +50,7 @@ CASES = [
     Case("adapters spread over 3 lanes", 30, 7, 128, 16, (32, 32), lanes=3),
     Case("lanes by default (one off CUDA)", 30, 5, 128, 16, (32,), lanes=None),
     Case("roles by ticket", 30, 5, 128, 16, (32, 32), ticket_roles=True),
+    Case("tiles of the caller's", 30, 5, 128, 16, (64, 32, 32), tiles=(32, 32, 2)),
     Case("every row on the base model", 9, 3, 64, 16, (32,), base_share=1.0),
     Case("wide K in pieces of 512", 20, 2, 1024, 16, (32,)),
     Case("qkv-like again (the workspace's other copy)", 37, 4, 128, 16, (64, 32, 32)),
@@ -59,7 +61,7 @@ def _run_case(case: Case, seed: int) -> dict[str, float]:
     """One launch; its largest errors against torch and against vLLM's ops."""
     from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
 
-    from skyrl_lora.server.kernels.fused_lora import fused_lora_linear
+    from skyrl_lora.server.kernels.fused_lora import Tiles, fused_lora_linear
 
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float16
@@ -83,7 +85,7 @@ def _run_case(case: Case, seed: int) -> dict[str, float]:
 
     got = fused_lora_linear(
         x, weight, bias, a, b, case.widths, slots, active, scale, lanes=case.lanes,
-        ticket_roles=case.ticket_roles,
+        ticket_roles=case.ticket_roles, tiles=Tiles(*case.tiles) if case.tiles else None,
     )  # fmt: skip
     assert got is not None, case
 
@@ -255,3 +257,16 @@ def test_lanes_fill_the_waves_free_slots() -> None:
     assert lanes_for(64, 28, 132) == 2
     assert lanes_for(448, 16, 528) == MAX_LANES
     assert lanes_for(132, 8, 132) == 1
+
+
+def test_tiles_that_do_not_divide_the_layer_are_refused() -> None:
+    from skyrl_lora.server.kernels.fused_lora import Tiles, fused_lora_linear
+
+    x = torch.zeros(4, 128, dtype=torch.float16)
+    weight = torch.zeros(48, 128, dtype=torch.float16)
+    a = [torch.zeros(2, 1, 16, 128, dtype=torch.float16)]
+    b = [torch.zeros(2, 1, 48, 16, dtype=torch.float16)]
+    slots = torch.zeros(4, dtype=torch.int32)
+    active = torch.tensor([0, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not divide"):
+        fused_lora_linear(x, weight, None, a, b, (48,), slots, active, tiles=Tiles(32, 64, 2))

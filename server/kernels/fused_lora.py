@@ -322,6 +322,7 @@ def fused_lora_linear(
     out: torch.Tensor | None = None,
     lanes: int | None = None,
     ticket_roles: bool = False,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor | None:
     """``rows W^T + bias`` plus, for each row with an adapter slot (``slot_of_row``,
     -1: none), ``scale (row A_slot^T) B_slot^T`` on each slice, in one launch.
@@ -335,7 +336,8 @@ def fused_lora_linear(
     ``out``: a contiguous (rows, N) tensor to write into instead of a new one.
     ``lanes``: how many pieces share each (slice, columns) of the shrink, each
     taking every ``lanes``-th adapter of the step (None: :func:`lanes_for`
-    the device's wave; one off CUDA).
+    the device's wave; one off CUDA). ``tiles``: others than :func:`tiles_for`'s
+    (what a benchmark tries); they must divide every slice and K.
     """
     if not supports(rows, weight, lora_a, lora_b, widths):
         return None
@@ -345,7 +347,10 @@ def fused_lora_linear(
     b_views = [_as_slot_rows_cols(b) for b in lora_b]
     rank = a_views[0].size(1)
     space = _workspace(rank, rows.device)
-    tiles = tiles_for(widths, k)
+    if tiles is None:
+        tiles = tiles_for(widths, k)
+    elif any(w % tiles.block_n for w in widths) or k % tiles.block_k:
+        raise ValueError(f"{tiles} do not divide slices {widths} and K {k}")
     if space is None or tiles is None:
         return None
     piece = next(p for p in PIECE_KS if k % p == 0)
