@@ -25,7 +25,7 @@
 # them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU,
 # the servers' first greedy tokens then set against float32 (--reference):
 #   SCENARIOS=0 PAUSE_ROW=0 LORA_KERNELS=0 RATE_SERVERS=ours,ours_fused \
-#   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8,32 --by-class --fused-tiles qkv_proj=64x64x6" \
+#   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8,32 --by-class --fused-tiles qkv_proj=64x64x6,qkv_proj=128x64x4" \
 #   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3 --max-loras 8 --reference" bash ...
 set -u
 work="$HOME/engine-rate"
