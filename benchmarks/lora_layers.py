@@ -87,7 +87,7 @@ def schedule_fn(
     device = meta["ids"].device
     fused = schedule.startswith("fused")
     lanes = int(schedule.partition("@")[2].rstrip("t")) if "@" in schedule else None
-    tiles = dict([tiles_of(schedule.partition("~")[2])]) if "~" in schedule else {}
+    tiles = tiles_of(schedule.partition("~")[2]) if "~" in schedule else {}
     by_ticket = schedule.endswith("t")
     plan = new_plan(tokens, groups, device)
     side = torch.cuda.Stream()
@@ -179,12 +179,12 @@ def schedule_fn(
     return run
 
 
-def tiles_of(spec: str) -> tuple[str, Any]:
-    """``CLASS=BNxBKxSTAGES`` (``--fused-tiles``): that layer class's fused tiles."""
+def tiles_of(spec: str) -> dict[str, Any]:
+    """``CLASS=BNxBKxSTAGES`` (``--fused-tiles``): that layer class's fused tiles, by class."""
     from skyrl_lora.server.kernels.fused_lora import Tiles
 
     name, _, sizes = spec.partition("=")
-    return name, Tiles(*(int(v) for v in sizes.split("x")))
+    return {name: Tiles(*(int(v) for v in sizes.split("x")))}
 
 
 def _outputs(outs: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:
