@@ -241,14 +241,12 @@ async def same_outputs(
     return report
 
 
-def against_reference(
-    outputs: dict[str, Any], model_dir: Path, adapter: Path, prompt: list[int]
-) -> dict[str, Any]:
-    """The float32 reference's first token (:mod:`benchmarks.greedy_reference`)
-    beside each server's, per model (every adapter name is ``adapter``'s files)."""
+def against_reference(outputs: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Each server's first tokens, per model, beside the float32 reference's
+    (:mod:`benchmarks.greedy_reference`; every adapter name is one adapter's
+    files, so each takes the reference's ``adapter`` entry)."""
     from skyrl_lora.server.presets import RANDOM_MODEL_NAME
 
-    reference = first_token_logprobs(model_dir, prompt, adapter)
     report: dict[str, Any] = {"reference": reference, "distance": {}}
     for server, models in outputs.get("greedy", {}).items():
         report["distance"][server] = {
@@ -324,6 +322,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     prompt = bench_prompt(args.prompt_tokens)
     out = args.out
+    # Before the servers, while the GPU's memory is free (28 GB at 8B): a run
+    # cut short still holds its answer once the servers' first tokens are in.
+    reference = first_token_logprobs(model.model_dir, prompt, adapter) if args.reference else None
 
     def save() -> None:
         if args.json:
@@ -364,6 +365,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name} up in {result['server_start_s'][name]} s", flush=True)
         result["outputs"] = asyncio.run(same_outputs(urls, ["perf-llama", *names[:4]], prompt))
         print(f"outputs: {result['outputs']}", flush=True)
+        if reference is not None:
+            result["outputs"] |= against_reference(result["outputs"], reference)
+            print(f"against float32: {result['outputs']['distance']}", flush=True)
         save()
         servers = [s for s in args.servers if s in urls]
         for at, streams in enumerate(args.streams):
@@ -401,9 +405,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         save()
     result["summary"] = summary(result["points"])
-    if args.reference and result.get("outputs"):  # the servers are gone: their memory is free
-        result["outputs"] |= against_reference(result["outputs"], model.model_dir, adapter, prompt)
-        print(f"against float32: {result['outputs']['distance']}", flush=True)
     save()
     return result
 
@@ -565,7 +566,7 @@ def main() -> int:
     parser.add_argument(
         "--reference",
         action="store_true",
-        help="after the servers stop, their first greedy tokens against float32 (28 GB at 8B)",
+        help="the servers' first greedy tokens against float32 (28 GB at 8B, before they start)",
     )
     parser.add_argument(
         "--gpu-mem",

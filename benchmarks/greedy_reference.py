@@ -51,18 +51,22 @@ def first_token_logprobs(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval().requires_grad_(False)
+    ids = torch.tensor([prompt], device=device)
 
-    def top_after() -> dict[int, float]:
-        ids = torch.tensor([prompt], device=device)
+    def top_after(model: Any) -> dict[int, float]:
         with torch.no_grad():
             logits = model.to(device)(ids).logits[0, -1].float()
         values, tokens = torch.log_softmax(logits, dim=-1).topk(top)
         return dict(zip(tokens.tolist(), values.tolist()))
 
-    found = {"base": top_after()}
+    found = {"base": top_after(model)}
     if adapter_dir is not None:
         apply_adapter(model, adapter_dir)
-        found["adapter"] = top_after()
+        found["adapter"] = top_after(model)
+    # Servers may start in this process's wake: hand torch's cache back.
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return found
 
 

@@ -12,7 +12,7 @@
 # benchmarks.lora_kernels with its profile, then the real-engine scenario
 # tests and benchmarks.pause_latency --gpu (PAUSE_ROW=0 leaves both out,
 # SCENARIOS=0 the scenario tests alone). It runs on
-# GPU 3 beside the servers on 4 GPUs; on 1 GPU the kernel part, the one server
+# GPU 3 beside the servers on 4 GPUs; on 1 GPU the one server, the kernel part
 # and the pause row run one after another (RATE_SERVERS=ours,ours_fused: those
 # servers side by side on the one GPU, rounds interleaved, in one run).
 # Every server's base-model point (0 adapters) runs the same kernels, so it
@@ -23,7 +23,7 @@
 # time another grouped_lora.py beside this one; LORA_KERNELS=0 leaves it
 # out), and LORA_LAYERS_ARGS, where set, runs benchmarks.lora_layers with
 # them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU,
-# the servers' first greedy tokens then set against float32 (--reference):
+# the servers' first greedy tokens set against float32 (--reference):
 #   SCENARIOS=0 PAUSE_ROW=0 LORA_KERNELS=0 RATE_SERVERS=ours,ours_fused \
 #   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8,32 --by-class --fused-tiles qkv_proj=64x64x6,qkv_proj=128x64x4" \
 #   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3 --max-loras 8 --reference" bash ...
@@ -74,10 +74,11 @@ rate_of() {  # server name (or names, a,b: side by side, the memory split), GPU
 }
 pids=()
 if (( gpus == 1 )); then
-    # One GPU: one after another, the principal figures first.
+    # One GPU: one after another, the principal figures (the rate, and with
+    # --reference the float32 check, done before the servers start) first.
     (
-        CUDA_VISIBLE_DEVICES=0 kernel_part > "$work/kernels.log" 2>&1
         rate_of "${RATE_SERVERS:-ours}" 0
+        CUDA_VISIBLE_DEVICES=0 kernel_part > "$work/kernels.log" 2>&1
         CUDA_VISIBLE_DEVICES=0 pause_row > "$work/pause.log" 2>&1
     ) &
     pids+=($!)

@@ -26,7 +26,7 @@ def test_an_unknown_server_is_named() -> None:
 
 
 def test_the_reference_is_set_beside_each_server_and_model(embedded_model) -> None:
-    """``--reference``'s last step, on the embedded model: the base model's
+    """``--reference``, on the embedded model: the base model's
     name takes the base reference, every adapter name the adapter's."""
     from skyrl_lora.server.presets import RANDOM_MODEL_NAME
 
@@ -38,7 +38,7 @@ def test_the_reference_is_set_beside_each_server_and_model(embedded_model) -> No
             "ours": {RANDOM_MODEL_NAME: ([1], -1.0, want["base"]), "a0": ([1], -1.0, off)},
         }
     }
-    got = against_reference(outputs, embedded_model.model_dir, adapter, prompt)
+    got = against_reference(outputs, want)
     assert got["reference"] == want
     base, a0 = got["distance"]["ours"][RANDOM_MODEL_NAME], got["distance"]["ours"]["a0"]
     assert base["max_abs_gap"] == 0 and base["shared"] == 5
