@@ -54,9 +54,9 @@ from benchmarks.common import current_commit, free_port, int_list
 from benchmarks.greedy_reference import (
     bench_prompt,
     distance,
-    first_token_logprobs,
     served_first_token,
 )
+from benchmarks.rounding_orders import first_token_references
 from benchmarks.streams import StreamLog, keep_streaming
 from examples.rl.gpu_busy import GpuBusy
 from skyrl_lora.client import RemoteInferenceClient
@@ -241,18 +241,22 @@ async def same_outputs(
     return report
 
 
-def against_reference(outputs: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """Each server's first tokens, per model, beside the float32 reference's
-    (:mod:`benchmarks.greedy_reference`; every adapter name is one adapter's
-    files, so each takes the reference's ``adapter`` entry)."""
+def against_reference(outputs: dict[str, Any], references: dict[str, Any]) -> dict[str, Any]:
+    """Each server's first tokens, per model, beside every reference's
+    (:func:`benchmarks.rounding_orders.first_token_references`; every adapter
+    name is one adapter's files, so each takes a reference's ``adapter``
+    entry), and the reference each lies nearest (the smallest largest gap)."""
     from skyrl_lora.server.presets import RANDOM_MODEL_NAME
 
-    report: dict[str, Any] = {"reference": reference, "distance": {}}
+    report: dict[str, Any] = {"reference": references, "distance": {}, "nearest": {}}
     for server, models in outputs.get("greedy", {}).items():
-        report["distance"][server] = {
-            model: distance(reference["base" if model == RANDOM_MODEL_NAME else "adapter"], got[2])
-            for model, got in models.items()
-        }
+        distances, nearest = report["distance"].setdefault(server, {}), {}
+        for model, got in models.items():
+            which = "base" if model == RANDOM_MODEL_NAME else "adapter"
+            gaps = {name: distance(tops[which], got[2]) for name, tops in references.items()}
+            distances[model] = gaps
+            nearest[model] = min(gaps, key=lambda name: gaps[name]["max_abs_gap"])
+        report["nearest"][server] = nearest
     return report
 
 
@@ -324,7 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out
     # Before the servers, while the GPU's memory is free (28 GB at 8B): a run
     # cut short still holds its answer once the servers' first tokens are in.
-    reference = first_token_logprobs(model.model_dir, prompt, adapter) if args.reference else None
+    references = None
+    if args.reference:
+        references = first_token_references(model.model_dir, prompt, adapter)
 
     def save() -> None:
         if args.json:
@@ -365,9 +371,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name} up in {result['server_start_s'][name]} s", flush=True)
         result["outputs"] = asyncio.run(same_outputs(urls, ["perf-llama", *names[:4]], prompt))
         print(f"outputs: {result['outputs']}", flush=True)
-        if reference is not None:
-            result["outputs"] |= against_reference(result["outputs"], reference)
-            print(f"against float32: {result['outputs']['distance']}", flush=True)
+        if references is not None:
+            result["outputs"] |= against_reference(result["outputs"], references)
+            print(f"nearest reference: {result['outputs']['nearest']}", flush=True)
         save()
         servers = [s for s in args.servers if s in urls]
         for at, streams in enumerate(args.streams):
@@ -566,7 +572,8 @@ def main() -> int:
     parser.add_argument(
         "--reference",
         action="store_true",
-        help="the servers' first greedy tokens against float32 (28 GB at 8B, before they start)",
+        help="the servers' first greedy tokens against float32 and bf16's rounding orders "
+        "(benchmarks.rounding_orders; 28 GB at 8B, before the servers start)",
     )
     parser.add_argument(
         "--gpu-mem",

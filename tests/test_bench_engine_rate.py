@@ -1,12 +1,12 @@
 """The engine-rate benchmark's checks of its servers before any starts, and its
-float32 reference set beside servers' first tokens (no GPU)."""
+references set beside servers' first tokens (no GPU)."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.engine_rate import GPU_MEM_TOTAL, SERVERS, against_reference, memory_share
-from benchmarks.greedy_reference import first_token_logprobs
+from benchmarks.rounding_orders import ORDERS, first_token_references
 
 
 def test_servers_side_by_side_split_the_memory_by_default() -> None:
@@ -25,21 +25,31 @@ def test_an_unknown_server_is_named() -> None:
         memory_share(["ours", "fused"], None)
 
 
-def test_the_reference_is_set_beside_each_server_and_model(embedded_model) -> None:
-    """``--reference``, on the embedded model: the base model's
-    name takes the base reference, every adapter name the adapter's."""
+def test_the_references_are_set_beside_each_server_and_model(embedded_model) -> None:
+    """``--reference``, on the embedded model: the base model's name takes
+    each reference's base entry, every adapter name its adapter entry, and
+    the nearest reference is the one the served tokens match."""
     from skyrl_lora.server.presets import RANDOM_MODEL_NAME
 
     prompt, adapter = [5, 9, 11, 40], embedded_model.adapters["moo"]
-    want = first_token_logprobs(embedded_model.model_dir, prompt, adapter)
-    off = {token: logprob - 0.25 for token, logprob in want["adapter"].items()}
+    references = first_token_references(embedded_model.model_dir, prompt, adapter)
+    assert set(references) == {"transformers_float32", *ORDERS}
+    exact = references["transformers_float32"]
+    assert references["float32"]["adapter"] == pytest.approx(exact["adapter"], abs=1e-4)
+    off = {token: logprob - 0.25 for token, logprob in exact["adapter"].items()}
     outputs = {
         "greedy": {
-            "ours": {RANDOM_MODEL_NAME: ([1], -1.0, want["base"]), "a0": ([1], -1.0, off)},
+            "ours": {
+                RANDOM_MODEL_NAME: ([1], -1.0, references["lora_after_round"]["base"]),
+                "a0": ([1], -1.0, off),
+            },
         }
     }
-    got = against_reference(outputs, want)
-    assert got["reference"] == want
-    base, a0 = got["distance"]["ours"][RANDOM_MODEL_NAME], got["distance"]["ours"]["a0"]
-    assert base["max_abs_gap"] == 0 and base["shared"] == 5
+    got = against_reference(outputs, references)
+    assert got["reference"] is references
+    base = got["distance"]["ours"][RANDOM_MODEL_NAME]
+    assert base["lora_after_round"]["max_abs_gap"] == 0 and base["lora_after_round"]["shared"] == 5
+    assert base["float32"]["max_abs_gap"] > 0  # the embedded model's bf16 rounding shows
+    a0 = got["distance"]["ours"]["a0"]["transformers_float32"]
     assert a0["top_gap"] == -0.25 and a0["served_top"] == a0["reference_top"]
+    assert got["nearest"]["ours"][RANDOM_MODEL_NAME] in ("lora_after_round", "lora_in_accumulator")
