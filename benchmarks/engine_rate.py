@@ -250,13 +250,13 @@ def against_reference(outputs: dict[str, Any], references: dict[str, Any]) -> di
 
     report: dict[str, Any] = {"reference": references, "distance": {}, "nearest": {}}
     for server, models in outputs.get("greedy", {}).items():
-        distances, nearest = report["distance"].setdefault(server, {}), {}
+        distances = report["distance"][server] = {}
+        nearest = report["nearest"][server] = {}
         for model, got in models.items():
             which = "base" if model == RANDOM_MODEL_NAME else "adapter"
             gaps = {name: distance(tops[which], got[2]) for name, tops in references.items()}
             distances[model] = gaps
             nearest[model] = min(gaps, key=lambda name: gaps[name]["max_abs_gap"])
-        report["nearest"][server] = nearest
     return report
 
 

@@ -11,10 +11,12 @@ the logits. On the random 8B shape tokens tie near the top, so one
 adapter's greedy samples differ between servers and between slots of one
 server, and two adapter paths of ours (``--lora-overlap on`` and ``fused``)
 put the first token's logprob 0.2 apart (``docs/gpu.md``). Rounding or a
-defect? Exact arithmetic says which path is nearer: the stored weights
-computed in float32, the adapter's LoRA beside them in float32 (the
-embedded model's loader, :func:`skyrl_lora.server.embedded.builder.apply_adapter`),
-through transformers' Llama. On the CPU build, whose embedded model runs in
+defect? This is the exact end of the answer: the stored weights computed in
+float32, the adapter's LoRA beside them in float32 (the embedded model's
+loader, :func:`skyrl_lora.server.embedded.builder.apply_adapter`), through
+transformers' Llama, independent of our code. A bf16 path may lie 0.2 from
+it by its rounding order alone, so :mod:`benchmarks.rounding_orders` adds
+each order beside it. On the CPU build, whose embedded model runs in
 float32, a server must match it to rounding (``tests/test_greedy_reference_engine.py``).
 """
 
@@ -56,8 +58,7 @@ def first_token_logprobs(
     def top_after(model: Any) -> dict[int, float]:
         with torch.no_grad():
             logits = model.to(device)(ids).logits[0, -1].float()
-        values, tokens = torch.log_softmax(logits, dim=-1).topk(top)
-        return dict(zip(tokens.tolist(), values.tolist()))
+        return top_tokens(torch.log_softmax(logits, dim=-1), top)
 
     found = {"base": top_after(model)}
     if adapter_dir is not None:
@@ -68,6 +69,12 @@ def first_token_logprobs(
     if device == "cuda":
         torch.cuda.empty_cache()
     return found
+
+
+def top_tokens(logprobs: Any, top: int) -> dict[int, float]:
+    """A vector of log-probabilities' ``top`` tokens, ``{token id: logprob}``."""
+    values, tokens = logprobs.topk(top)
+    return dict(zip(tokens.tolist(), values.tolist()))
 
 
 def top_of_choice(choice: dict[str, Any]) -> dict[int, float]:

@@ -112,10 +112,10 @@ class _Llama:
     def top_after(self, prompt: list[int], order: str, top: int) -> dict[int, float]:
         import torch
 
+        from benchmarks.greedy_reference import top_tokens
+
         with torch.no_grad():
-            logprobs = self._forward(prompt, order)
-        values, tokens = logprobs.topk(top)
-        return dict(zip(tokens.tolist(), values.tolist()))
+            return top_tokens(self._forward(prompt, order), top)
 
     def _forward(self, prompt: list[int], order: str) -> Any:
         import torch

@@ -23,7 +23,8 @@
 # time another grouped_lora.py beside this one; LORA_KERNELS=0 leaves it
 # out), and LORA_LAYERS_ARGS, where set, runs benchmarks.lora_layers with
 # them in the kernel part (lora_layers.json). The fused layer's A/B on one GPU,
-# the servers' first greedy tokens set against float32 (--reference):
+# the servers' first greedy tokens set against float32 and each bf16 rounding
+# order (--reference, benchmarks.rounding_orders):
 #   SCENARIOS=0 PAUSE_ROW=0 LORA_KERNELS=0 RATE_SERVERS=ours,ours_fused \
 #   LORA_LAYERS_ARGS="--tokens 64 --adapters 1,8,32 --by-class --fused-tiles qkv_proj=64x64x6,qkv_proj=128x64x4" \
 #   ENGINE_RATE_ARGS="--adapters 0,1,8 --streams 64 --rounds 3 --max-loras 8 --reference" bash ...
@@ -75,7 +76,7 @@ rate_of() {  # server name (or names, a,b: side by side, the memory split), GPU
 pids=()
 if (( gpus == 1 )); then
     # One GPU: one after another, the principal figures (the rate, and with
-    # --reference the float32 check, done before the servers start) first.
+    # --reference its references, computed before the servers start) first.
     (
         rate_of "${RATE_SERVERS:-ours}" 0
         CUDA_VISIBLE_DEVICES=0 kernel_part > "$work/kernels.log" 2>&1
